@@ -1,0 +1,47 @@
+"""Train a model from a TOML config.
+
+    python scripts/train.py --config configs/debug_model.toml [--section.key=value ...] [--print-config] [--debug]
+    torchrun --nproc_per_node 8 scripts/train.py --config configs/llama3_8b.toml
+
+Configuration mistakes exit with status 2 and one line naming the key and the fix (a traceback only with --debug).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Running from a source checkout without `pip install -e .` still works.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titanlike.config import ConfigError, config_to_toml, load_config  # noqa: E402
+from titanlike.config.load import split_flags  # noqa: E402
+from titanlike.log import setup_logging  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    argv, flags = split_flags(argv)
+    debug = "--debug" in flags
+    logger = setup_logging()
+    try:
+        cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if "--print-config" in flags:
+            print(config_to_toml(cfg), end="")
+            return 0
+        from titanlike.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    logger.info("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,214 @@
+"""Every cross-field rule of the config, in one place.
+
+`validate` collects all problems and raises one ConfigError listing them, each naming the key(s) and the fix, so a
+user fixes a config in one round trip. Types were already checked by the loader; this file checks values.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any
+
+from titanlike.config.load import ConfigError
+from titanlike.config.sections import JobConfig, Parallelism
+
+# Allowed values of string "choice" fields. Extend here when a consumer learns a new value.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.attn_backend": ("sdpa", "sdpa_math"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
+    "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
+    "optimizer.fused": ("auto", "true", "false"),
+    "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+}
+COMPILE_COMPONENTS = ("model", "loss")
+
+_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh axes whose product is the world size
+
+
+def _get(cfg: JobConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def resolve_dp_shard(par: Parallelism, world_size: int) -> int:
+    """dp_shard with -1 replaced by what the world size leaves after the other degrees; ConfigError if impossible."""
+    others = par.pp * par.dp_replicate * par.cp * par.tp
+    if par.dp_shard != -1:
+        return par.dp_shard
+    if others < 1 or world_size % others:
+        formula = "*".join(str(getattr(par, d)) for d in _DEGREES if d != "dp_shard")
+        raise ConfigError(
+            f"parallelism.dp_shard=-1 fills the world, but world_size {world_size} is not divisible by "
+            f"pp*dp_replicate*cp*tp = {formula} = {others}; choose degrees whose product divides {world_size}, "
+            f"or set parallelism.dp_shard explicitly")
+    return world_size // others
+
+
+def _check_parallelism(par: Parallelism, world_size: int | None, errors: list[str]) -> int | None:
+    """Append degree errors; return the resolved dp_shard when it is known."""
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        if getattr(par, name) < 1:
+            errors.append(f"parallelism.{name}={getattr(par, name)} must be >= 1 (1 = not used)")
+    if par.dp_shard < 1 and par.dp_shard != -1:
+        errors.append(f"parallelism.dp_shard={par.dp_shard} must be >= 1, or -1 to fill the remaining ranks")
+    if errors:
+        return None
+    if world_size is None:
+        return None if par.dp_shard == -1 else par.dp_shard
+    try:
+        dp_shard = resolve_dp_shard(par, world_size)
+    except ConfigError as e:
+        errors.append(str(e))
+        return None
+    product = par.pp * par.dp_replicate * dp_shard * par.cp * par.tp
+    if product != world_size:
+        formula = "*".join(str(dp_shard if d == "dp_shard" else getattr(par, d)) for d in _DEGREES)
+        errors.append(
+            f"parallelism degrees pp*dp_replicate*dp_shard*cp*tp = {formula} = {product}, but world_size is "
+            f"{world_size}; change the degrees so the product is {world_size}, or set parallelism.dp_shard=-1")
+    # Expert parallel borrows its ranks from the FSDP x CP ranks (the torchtitan layout), so it must divide them.
+    if par.ep > 1 and (dp_shard * par.cp) % par.ep:
+        errors.append(f"parallelism.ep={par.ep} must divide dp_shard*cp = {dp_shard}*{par.cp} (experts are "
+                      f"sharded over the FSDP x CP ranks)")
+    return dp_shard
+
+
+def _check_choices(cfg: JobConfig, errors: list[str]) -> None:
+    for dotted, allowed in CHOICES.items():
+        value = _get(cfg, dotted)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            errors.append(f"{dotted}={value!r} is not one of {', '.join(allowed)}{hint}")
+    opt = cfg.activation_checkpoint.selective_option
+    if opt != "op" and not (opt.isdigit() and int(opt) > 0):
+        errors.append(f"activation_checkpoint.selective_option={opt!r} must be \"op\" (save matmul/attention "
+                      f"outputs) or a positive integer string like \"2\" (checkpoint every 2nd block)")
+    bad = [c for c in cfg.compile.components if c not in COMPILE_COMPONENTS]
+    if bad:
+        errors.append(f"compile.components has {bad}; allowed: {', '.join(COMPILE_COMPONENTS)}")
+
+
+def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
+    tr, opt, lrs = cfg.training, cfg.optimizer, cfg.lr_scheduler
+
+    def at_least(dotted: str, low: float, why: str = "") -> None:
+        value = _get(cfg, dotted)
+        if value < low:
+            errors.append(f"{dotted}={value} must be >= {low}{why}")
+
+    for dotted in ("training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
+                   "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq"):
+        at_least(dotted, 1)
+    for dotted in ("training.gc_freq", "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps",
+                   "optimizer.weight_decay"):
+        at_least(dotted, 0)
+    at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
+    if cfg.model.vocab_size != -1:
+        at_least("model.vocab_size", 1, " (or -1 to take it from the tokenizer)")
+
+    if lrs.warmup_steps > tr.steps:
+        errors.append(f"lr_scheduler.warmup_steps={lrs.warmup_steps} exceeds training.steps={tr.steps}; "
+                      f"lower warmup_steps or raise steps")
+    for dotted in ("lr_scheduler.decay_ratio", "lr_scheduler.min_lr_factor"):
+        value = _get(cfg, dotted)
+        if not 0.0 <= value <= 1.0:
+            errors.append(f"{dotted}={value} must be in [0, 1]")
+    if not opt.lr > 0:
+        errors.append(f"optimizer.lr={opt.lr} must be > 0")
+    if not opt.eps > 0:
+        errors.append(f"optimizer.eps={opt.eps} must be > 0")
+    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
+        errors.append(f"optimizer.betas={opt.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+
+
+def _check_features(cfg: JobConfig, errors: list[str]) -> None:
+    f8, par, ft = cfg.float8, cfg.parallelism, cfg.fault_tolerance
+    # torchao casts FSDP all-gathers to float8 only with one scale per tensor.
+    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
+        errors.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
+                      f"{f8.recipe!r}); turn the all-gather off or use the tensorwise recipe")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        errors.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
+                      "float8.enable_fsdp_float8_all_gather=true")
+    seq_len = cfg.training.seq_len
+    # Load-balanced context parallel splits each sequence into 2*cp chunks.
+    if par.cp > 1 and seq_len % (2 * par.cp):
+        errors.append(f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp = {2 * par.cp} "
+                      f"(context parallel splits each sequence into 2*cp chunks)")
+    # Sequence parallel (part of TP) shards the sequence dimension of norms and dropout over the TP ranks.
+    if par.tp > 1 and seq_len % par.tp:
+        errors.append(f"training.seq_len={seq_len} must be divisible by parallelism.tp={par.tp} "
+                      f"(sequence parallel shards the sequence over the TP ranks)")
+    if ft.enable:
+        if ft.group_size < 1:
+            errors.append(f"fault_tolerance.group_size={ft.group_size} must be >= 1 when fault_tolerance.enable")
+        elif not 0 <= ft.replica_id < ft.group_size:
+            errors.append(f"fault_tolerance.replica_id={ft.replica_id} must be in [0, group_size={ft.group_size})")
+        if not 1 <= ft.min_replica_size <= max(ft.group_size, 1):
+            errors.append(f"fault_tolerance.min_replica_size={ft.min_replica_size} must be in "
+                          f"[1, group_size={ft.group_size}]")
+
+
+def _check_global_batch(cfg: JobConfig, dp_shard: int | None, errors: list[str]) -> None:
+    tr, par = cfg.training, cfg.parallelism
+    gbs, lbs = tr.global_batch_size, tr.local_batch_size
+    if gbs == -1 or lbs < 1:
+        return
+    if dp_shard is None or par.dp_replicate < 1:  # dp degree unknown until the world size is: check what we can
+        if gbs < 1 or gbs % lbs:
+            errors.append(f"training.global_batch_size={gbs} must be -1 or a multiple of "
+                          f"training.local_batch_size={lbs} (times the data-parallel degree)")
+        return
+    dp = par.dp_replicate * dp_shard
+    unit = lbs * dp
+    if gbs < 1 or gbs % unit:
+        errors.append(
+            f"training.global_batch_size={gbs} must be -1 or a multiple of local_batch_size*dp_degree = "
+            f"{lbs}*{dp} = {unit} (dp_degree = dp_replicate*dp_shard = {par.dp_replicate}*{dp_shard}); "
+            f"valid values: -1, {unit}, {2 * unit}, {3 * unit}, ...")
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every broken rule. With world_size, also check that the degrees fill it."""
+    errors: list[str] = []
+    dp_shard = _check_parallelism(cfg.parallelism, world_size, errors)
+    _check_choices(cfg, errors)
+    _check_numbers(cfg, errors)
+    _check_features(cfg, errors)
+    _check_global_batch(cfg, dp_shard, errors)
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{len(errors)} config errors:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_model(model_args: Any, cfg: JobConfig) -> None:
+    """Rules that need the model's shapes (ModelArgs-like: n_heads, n_kv_heads, dim, n_layers, vocab_size)."""
+    errors: list[str] = []
+    flavor, tp, pp = cfg.model.flavor, cfg.parallelism.tp, cfg.parallelism.pp
+    n_heads = model_args.n_heads
+    n_kv_heads = getattr(model_args, "n_kv_heads", None) or n_heads
+    ok_tp = _divisors(math.gcd(n_heads, n_kv_heads))
+    fix = "use tp in {" + ",".join(map(str, ok_tp)) + "}"
+    # TP splits attention by heads: each TP rank needs whole query heads and whole KV heads.
+    # KV heads are the tighter limit under GQA, so name them first.
+    if n_kv_heads % tp and n_kv_heads != n_heads:
+        errors.append(f"model.flavor {flavor!r} has n_kv_heads={n_kv_heads} which parallelism.tp={tp} does not "
+                      f"divide; {fix}")
+    elif n_heads % tp:
+        errors.append(f"model.flavor {flavor!r} has n_heads={n_heads} which parallelism.tp={tp} does not divide; {fix}")
+    if pp > model_args.n_layers:
+        errors.append(f"parallelism.pp={pp} exceeds model.flavor {flavor!r}'s n_layers={model_args.n_layers}; "
+                      f"each pipeline stage needs at least one layer")
+    if errors:
+        raise ConfigError("\n".join(errors))

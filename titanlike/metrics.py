@@ -1,0 +1,119 @@
+"""Per-step metrics: one console line per log step, TensorBoard scalars, tokens/s, MFU and memory."""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+
+import torch
+
+logger = logging.getLogger("titanlike")
+
+# Dense (non-sparse) bf16 tensor-core peak, FLOP/s, from the vendors' datasheets. Matched by substring of
+# torch.cuda.get_device_name(), most specific first.
+BF16_PEAK_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+]
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of this device, or None (CPU, unknown GPU: MFU is then not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in BF16_PEAK_FLOPS:
+        if key in name:
+            return peak
+    logger.warning("no bf16 peak known for %r: MFU will not be reported", name)
+    return None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last call, in GiB (reset each call so each log line shows its own window)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"memory/peak_active_gib": peak, "memory/peak_reserved_gib": reserved,
+                "memory/peak_reserved_pct": 100 * reserved / total}
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    return {"memory/max_rss_gib": rss_gib}
+
+
+class MetricsLogger:
+    """Collects what the trainer reports at log steps; rank 0 prints and writes TensorBoard."""
+
+    def __init__(self, *, log_dir: str | None, device: torch.device, flops_per_token: float,
+                 is_rank0: bool, enable_tensorboard: bool):
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak = device_peak_flops(device)
+        self.is_rank0 = is_rank0
+        self.writer = None
+        if is_rank0 and enable_tensorboard and log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir)
+        self._t0 = time.perf_counter()
+        self._tokens = 0  # tokens processed by this rank since the last log line
+
+    def add_tokens(self, n: int) -> None:
+        self._tokens += n
+
+    def log(self, step: int, scalars: dict[str, float]) -> dict[str, float]:
+        """`scalars` hold already-synced Python numbers (loss, grad_norm, lr); adds throughput and memory."""
+        elapsed = time.perf_counter() - self._t0
+        tps = self._tokens / max(elapsed, 1e-9)
+        out = dict(scalars)
+        out["throughput/tokens_per_sec_per_device"] = tps
+        out["throughput/tflops_per_device"] = tps * self.flops_per_token / 1e12
+        if self.peak:
+            out["throughput/mfu_pct"] = 100 * tps * self.flops_per_token / self.peak
+        out.update(memory_stats(self.device))
+        self._t0, self._tokens = time.perf_counter(), 0
+        if self.is_rank0:
+            logger.info(self.format_line(step, out))
+            if self.writer is not None:
+                for k, v in out.items():
+                    self.writer.add_scalar(k, v, step)
+                self.writer.flush()
+        return out
+
+    @staticmethod
+    def format_line(step: int, m: dict[str, float]) -> str:
+        parts = [f"step {step:>6}", f"loss {m['loss']:8.4f}"]
+        if "grad_norm" in m:
+            parts.append(f"grad_norm {m['grad_norm']:7.3f}")
+        if "lr" in m:
+            parts.append(f"lr {m['lr']:.2e}")
+        parts.append(f"tok/s {m['throughput/tokens_per_sec_per_device']:>9,.0f}")
+        if "throughput/mfu_pct" in m:
+            parts.append(f"mfu {m['throughput/mfu_pct']:5.1f}%")
+        if "memory/peak_reserved_gib" in m:
+            parts.append(f"mem {m['memory/peak_reserved_gib']:.1f}GiB ({m['memory/peak_reserved_pct']:.0f}%)")
+        elif "memory/max_rss_gib" in m:
+            parts.append(f"rss {m['memory/max_rss_gib']:.2f}GiB")
+        return "  ".join(parts)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        if self.is_rank0:
+            import math
+
+            logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {math.exp(min(loss, 50)):10.3f}")
+            if self.writer is not None:
+                self.writer.add_scalar("validation/loss", loss, step)
+                self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50)), step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

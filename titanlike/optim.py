@@ -1,0 +1,91 @@
+"""AdamW with Megatron-style weight-decay groups, LR schedules, and DTensor-aware gradient clipping."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from titanlike.config.sections import LRScheduler, Optimizer
+
+
+def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
+    """Split parameters into decay / no-decay groups.
+
+    1-D parameters (norm weights, biases) and the token embedding are not decayed by default, as in GPT/Megatron:
+    decaying a norm gain towards 0 or shrinking rarely-seen token rows only hurts.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "tok_embeddings" in name
+        is_1d = p.ndim < 2
+        if (is_1d and not cfg.decay_norms_and_biases) or (is_embedding and not cfg.decay_embeddings):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.name != "AdamW":
+        raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW'")
+    fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
+    # fused=True runs one kernel over all params (DTensors included); foreach is the fallback on CPU.
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(
+        param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs
+    )
+
+
+def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
+    """Multiplier on the peak LR for the optimizer step with 0-based index `step`.
+
+    Warmup ramps linearly to 1 over `warmup_steps` (step 0 already gets 1/warmup, never 0, so no step is wasted);
+    then cosine / linear decay to `min_lr_factor` at the last step, or WSD: stay at 1 until the final
+    `decay_ratio` of the run, then decay linearly.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    lo = cfg.min_lr_factor
+    if cfg.decay_type == "constant":
+        return 1.0
+    if cfg.decay_type == "wsd":
+        decay_steps = max(1, round(cfg.decay_ratio * total_steps))
+        decay_start = max(warmup, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - 1 - decay_start))
+        return 1.0 - (1.0 - lo) * progress
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+    if cfg.decay_type == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    if cfg.decay_type == "cosine":
+        return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"lr_scheduler.decay_type={cfg.decay_type!r}; use cosine, linear, wsd or constant")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip by the global L2 norm and return it, without a host sync.
+
+    With FSDP/TP the grads are DTensor shards; the norm of a DTensor is a partial value, and `full_tensor()`
+    reduces it over the mesh, so every rank clips with the same, true global norm.
+    """
+    params = [p for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
