@@ -1,0 +1,125 @@
+"""Map-style datasets of fixed-length training windows: sample i -> (input_ids[S], labels[S]) int64.
+
+Datasets are registered by name in `DATASETS` (`data.dataset` picks one); each builder has the signature
+`(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes) -> Dataset`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from titanlike.data.stdlib_corpus import STDLIB_CORPUS_MAX_BYTES
+from titanlike.data.token_cache import load_tokens, stdlib_token_file
+
+SPLITS = ("train", "valid")
+VALID_FRACTION = 0.01  # the last ~1% of the token stream is held out
+
+
+class TokenWindowDataset(Dataset):
+    """Non-overlapping windows over a token range [start, stop) of a cached .npy token file.
+
+    Sample i covers tokens [i*S, i*S + S + 1): inputs are its first S tokens, labels the last S (shifted by one),
+    so consecutive windows share exactly one boundary token. The array is memory-mapped lazily per process, so the
+    dataset pickles as a few integers when DataLoader workers are spawned.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, start: int = 0, stop: int | None = None):
+        self.path, self.seq_len = str(path), int(seq_len)
+        self._tokens: np.ndarray | None = None
+        total = self.tokens.shape[0]
+        self.start, self.stop = int(start), int(total if stop is None else stop)
+        self.num_samples = max(0, (self.stop - self.start - 1) // self.seq_len)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = load_tokens(self.path)
+        return self._tokens
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
+        lo = self.start + i * self.seq_len
+        window = torch.from_numpy(self.tokens[lo : lo + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_tokens"] = None  # re-mapped in the worker instead of copied through a pipe
+        return state
+
+
+def split_token_range(num_tokens: int, seq_len: int, split: str) -> tuple[int, int]:
+    """[start, stop) token range of a split: whole train windows first, then the held-out tail.
+
+    The ranges do not share a single token, so no valid label is ever seen as a train input.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    windows = (num_tokens - 1) // seq_len
+    n_valid = max(1, int(windows * VALID_FRACTION))
+    n_train = windows - n_valid - 1  # one window's worth of slack so the valid range holds n_valid full windows
+    if n_train < 1:
+        raise ValueError(
+            f"corpus of {num_tokens} tokens is too small for seq_len={seq_len} (needs at least 3 windows)"
+        )
+    cut = n_train * seq_len + 1  # train uses tokens [0, cut): exactly n_train windows
+    return (0, cut) if split == "train" else (cut, num_tokens)
+
+
+class MockDataset(Dataset):
+    """Uniform random tokens below vocab_size, sample i seeded by (seed, split, i): deterministic, no files.
+
+    For benchmarks and tests; its length is nominal (the sampler walks it in order and wraps).
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, split: str = "train", num_samples: int = 1 << 30):
+        if vocab_size < 1:
+            raise ValueError(f"mock dataset needs vocab_size >= 1, got {vocab_size}")
+        self.vocab_size, self.seq_len, self.seed = int(vocab_size), int(seq_len), int(seed)
+        self.split_id = SPLITS.index(split)
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.split_id, int(i)])
+        window = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+def _build_stdlib(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes):
+    if tokenizer is None:
+        raise ValueError("data.dataset='stdlib' needs a tokenizer (build_tokenizer(cfg.data))")
+    path = stdlib_token_file(tokenizer, data_cfg.cache_dir, max_corpus_bytes)
+    num_tokens = load_tokens(path).shape[0]
+    start, stop = split_token_range(num_tokens, seq_len, split)
+    return TokenWindowDataset(path, seq_len, start, stop)
+
+
+def _build_mock(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes):
+    if vocab_size is None:
+        if tokenizer is None:
+            raise ValueError("data.dataset='mock' needs vocab_size or a tokenizer")
+        vocab_size = tokenizer.vocab_size
+    return MockDataset(vocab_size, seq_len, seed=seed, split=split)
+
+
+DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock}
+
+
+def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
+                  vocab_size: int | None = None, max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES) -> Dataset:
+    if data_cfg.dataset not in DATASETS:
+        raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
+                                      vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes)
