@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import models
 from parallelize import get_plan
@@ -28,6 +29,8 @@ from titanlike.tokenizer import build_tokenizer
 
 logger = logging.getLogger("titanlike")
 IGNORE_INDEX = -100
+SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+                 "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -91,6 +94,7 @@ class Trainer:
         use_amp = self.device.type == "cuda" and not self.dims.fsdp_enabled and t.mixed_precision_param != "float32"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param)) if use_amp
                     else contextlib.nullcontext())
+        self.attn_backend = SDPA_BACKENDS.get(cfg.model.attn_backend)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
 
@@ -124,6 +128,10 @@ class Trainer:
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
 
+    def _sdpa(self):
+        """Pin the SDPA kernel when model.attn_backend names one; "sdpa" lets torch choose per device."""
+        return sdpa_kernel(self.attn_backend) if self.attn_backend else contextlib.nullcontext()
+
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data (and context) parallel ranks: the ranks that see different tokens."""
         mesh = self.dims.get_mesh("dp_cp")
@@ -146,9 +154,10 @@ class Trainer:
         scale = self.grad_divide_factor / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            with self.amp:
-                loss = self.loss_fn(self.model(inputs), labels)
-            (loss * scale).backward()
+            with self._sdpa():  # the backward kernel follows the forward's, so both run under it
+                with self.amp:
+                    loss = self.loss_fn(self.model(inputs), labels)
+                (loss * scale).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
@@ -188,7 +197,7 @@ class Trainer:
         tokens = torch.zeros((), device=self.device)
         for _, (inputs, labels) in zip(range(self.cfg.validation.steps), loader):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self.amp:
+            with self.amp, self._sdpa():
                 loss_sum += self.loss_fn(self.model(inputs), labels)
             tokens += (labels != IGNORE_INDEX).sum()
         loss = (self._all_reduce_sum(loss_sum) / self._all_reduce_sum(tokens)).item()

@@ -21,7 +21,7 @@ class Model:
     flavor: str = "debugmodel"  # key into the model's flavors
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
-    attn_backend: str = "sdpa"  # sdpa | sdpa_math (reference) ; which fused SDPA kernel is picked per device
+    attn_backend: str = "sdpa"  # sdpa (torch picks per device) | flash | cudnn | efficient | math (reference)
 
 
 @dataclass

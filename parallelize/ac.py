@@ -1,0 +1,135 @@
+"""Activation checkpointing per transformer block: none | full | selective ("N" = every N-th block, "op" =
+per-op selective checkpointing that saves the expensive ops' outputs and recomputes the cheap ones).
+
+FQNs stay clean. Instead of torch's `checkpoint_wrapper` (which inserts `_checkpoint_wrapped_module.`
+into every parameter name and relies on state-dict hooks to hide it), a checkpointed block keeps its
+object, children and names; only its class is swapped for a generated subclass whose forward runs the
+original forward under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`. FSDP2 uses the same
+trick, so the two compose (FSDP's subclass goes on top of ours). `named_parameters()`, `state_dict()`,
+DCP, float8 filters and HF adapters see the same names with or without AC.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+
+
+def _op_save_list() -> set:
+    """Ops whose outputs per-op SAC keeps: costly to recompute relative to their memory."""
+    ops = {
+        _aten.mm.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        # Float8 scaling computes amax with max(); saving the scalar avoids recomputing a full reduction.
+        _aten.max.default,
+    }
+    # Optional ops: present in current torch, guarded so an older/newer build without them still imports.
+    if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
+        ops.add(_aten._scaled_dot_product_cudnn_attention.default)
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        # Under TP/sequence parallel, recomputing a reduce-scatter means communicating again.
+        ops.add(c10d.reduce_scatter_tensor.default)
+    return ops
+
+
+def _op_sac_policy(counts: dict, save_ops: set, save_every_other_mm: bool, ctx, func, *args, **kwargs):
+    # Forward and recompute count mm calls separately, so both passes make the same decision per mm.
+    if func is _aten.mm.default:
+        key = "recompute_mm" if ctx.is_recompute else "forward_mm"
+        counts[key] += 1
+        if save_every_other_mm and counts[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def op_sac_context_fn(save_every_other_mm: bool = True):
+    """A fresh (forward, recompute) context pair for one checkpointed call (the mm counter is per call)."""
+    policy = partial(_op_sac_policy, defaultdict(int), _op_save_list(), save_every_other_mm)
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _CheckpointedModule:
+    """Mixin placed in front of the block's own class: forward = the original forward, checkpointed."""
+
+    _ac_context_fn = None  # None = full recompute; else a callable returning SAC contexts
+
+    def forward(self, *args, **kwargs):
+        kw = {} if self._ac_context_fn is None else {"context_fn": self._ac_context_fn}
+        # preserve_rng_state=False: blocks are dropout-free, and saving/restoring RNG state costs time.
+        return checkpoint(super().forward, *args, use_reentrant=False, preserve_rng_state=False, **kw, **kwargs)
+
+
+_checkpointed_classes: dict[type, type] = {}
+
+
+def checkpoint_module(module: nn.Module, context_fn=None) -> nn.Module:
+    """Make `module` recompute its forward in backward (in place, names unchanged); returns it.
+
+    One generated class per original class, so every block shares a type and torch.compile can reuse
+    one compiled graph for all of them.
+    """
+    if isinstance(module, _CheckpointedModule):
+        raise ValueError(f"{type(module).__name__} is already activation-checkpointed")
+    cls = type(module)
+    new_cls = _checkpointed_classes.get(cls)
+    if new_cls is None:
+        new_cls = type(f"Checkpointed{cls.__name__}", (_CheckpointedModule, cls), {"__module__": cls.__module__})
+        _checkpointed_classes[cls] = new_cls
+    module.__class__ = new_cls
+    module._ac_context_fn = context_fn
+    return module
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return isinstance(module, _CheckpointedModule)
+
+
+def _parse_every_n(option: str) -> int:
+    try:
+        n = int(option)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_option must be 'op' or a positive integer N (checkpoint every N-th "
+            f"block), got {option!r}"
+        )
+    return n
+
+
+def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.Module:
+    """Apply activation checkpointing to each block of `model.layers` per `ac_cfg` (mode, selective_option).
+
+    selective "N": blocks N-1, 2N-1, ... (every N-th counting from 1) recompute fully, the rest keep
+    activations; N=1 equals full. selective "op": every block, saving mm/attention outputs (and, with
+    `save_every_other_mm`, only every other mm's, trading some recompute for memory).
+    """
+    mode = ac_cfg.mode
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return model
+    context_fn = None
+    every_n = 1
+    if mode == "selective":
+        option = str(ac_cfg.selective_option)
+        if option == "op":
+            context_fn = partial(op_sac_context_fn, save_every_other_mm)
+        else:
+            every_n = _parse_every_n(option)
+    blocks = [b for b in model.layers.values() if b is not None]
+    for count, block in enumerate(blocks, start=1):
+        if count % every_n == 0:
+            checkpoint_module(block, context_fn)
+    return model

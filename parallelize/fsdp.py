@@ -1,0 +1,71 @@
+"""FSDP2 (`fully_shard`) for decoder models with `tok_embeddings`, `layers` (ModuleDict), `norm`, `output`.
+
+Parameter groups (one all-gather / reduce-scatter each):
+  tok_embeddings | layers[i] for each block | [norm, output] | the root (whatever is left)
+A 2-D mesh (dp_replicate, dp_shard) gives HSDP: shard within a row, all-reduce gradients across rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+RESHARD_MODES = ("default", "always", "never")
+
+
+def resolve_reshard_after_forward(mode: str, pp_enabled: bool = False) -> bool:
+    """"always": free unsharded params after forward (re-gather in backward; least memory).
+    "never": keep them until backward (ZeRO-2-like; one all-gather fewer per step).
+    "default": always, except under pipeline parallelism, where each micro-batch's backward follows
+    soon after and re-gathering per micro-batch would multiply the all-gathers.
+    """
+    if mode not in RESHARD_MODES:
+        raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_MODES}, got {mode!r}")
+    if mode == "default":
+        return not pp_enabled
+    return mode == "always"
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+    pp_enabled: bool = False,
+) -> nn.Module:
+    """Shard `model` in place over `dp_mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP); returns it.
+
+    param_dtype / reduce_dtype: compute and gradient-reduction dtypes (bf16 / fp32 on CUDA; fp32 / fp32
+    on CPU, where bf16 matmuls are slow and the parity tests need fp32).
+    """
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp: dp_mesh must be 1-D (FSDP) or 2-D (HSDP), got {dp_mesh.ndim}-D {dp_mesh}")
+    reshard = resolve_reshard_after_forward(reshard_after_forward, pp_enabled)
+    config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+
+    # Embeddings in their own group: with a large vocabulary they are big, and in the root group they
+    # would stay unsharded for the whole step.
+    if getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+
+    blocks = [b for b in model.layers.values() if b is not None]
+    for i, block in enumerate(blocks):
+        # The last block's backward runs right after the loss/output backward: resharding it after forward
+        # would only free memory to all-gather the same parameters again moments later.
+        last = i == len(blocks) - 1
+        fully_shard(block, **config, reshard_after_forward=reshard and not (last and reshard_after_forward == "default"))
+
+    # norm + output: one group, never resharded after forward (their backward comes first).
+    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if tail:
+        fully_shard(tail, **config, reshard_after_forward=False)
+
+    # Root: anything not covered above. FSDP2 never reshards the root after forward.
+    fully_shard(model, **config, reshard_after_forward=reshard)
+    return model
