@@ -1,6 +1,6 @@
 """Shared pieces of the parallelism tests: a tiny Llama, its seeded full-size reference, deterministic data.
 
-Imported both by pytest files and by torchrun worker scripts (both have tests/dist on sys.path).
+Imported both by pytest files and by torchrun worker scripts (both have tests/multiproc on sys.path).
 """
 
 from __future__ import annotations

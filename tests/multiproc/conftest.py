@@ -1,4 +1,4 @@
-"""tests/dist: multi-process parity (torchrun + gloo) and single-process parallelize/ checks.
+"""tests/multiproc: multi-process parity (torchrun + gloo) and single-process parallelize/ checks.
 
 The repo root must be importable (models, parallelize, titanlike, tests.launch): it is when pytest runs
 as `python -m pytest` from the root; this makes plain `pytest` work too.
