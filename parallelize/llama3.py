@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+)
 
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
 from parallelize.fsdp import apply_fsdp
+from parallelize.tp import ReplicateParallel, apply_tp, maybe_enable_async_tp
 from titanlike.parallel_dims import ParallelDims
 
 
-def _refuse_unimplemented(dims: ParallelDims) -> None:
+def _refuse_unimplemented(dims: ParallelDims, allow: tuple[str, ...] = ()) -> None:
     # Config validation refuses these too; checking here keeps a hand-built ParallelDims honest.
     for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+        if name in allow:
+            continue
         if degree > 1:
             raise ValueError(
                 f"parallelism.{name}={degree}: the llama3 plans do not implement {name.upper()} yet "
@@ -52,10 +59,51 @@ def _maybe_fsdp(model: nn.Module, dims: ParallelDims, cfg) -> None:
     )
 
 
+def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Module path -> DTensor style, applied in this order (see parallelize/tp.py for the layouts it produces)."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {
+        # Vocabulary-sharded rows; token ids arrive replicated on every TP rank.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.attention_norm": SequenceParallel(),
+        # (hidden, rope_cache): one all-gather feeds wq, wk and wv; the RoPE table stays a plain tensor.
+        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.wq": ColwiseParallel(),  # plain local heads out: SDPA runs on ordinary tensors
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "norm": SequenceParallel(),
+        # Loss parallel keeps the logits vocabulary-sharded (a DTensor, so loss_parallel() sees the sharding).
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if not sequence_parallel:  # the norms then see the whole sequence on every rank: replicated parameters
+        plan = {k: ReplicateParallel() if isinstance(v, SequenceParallel) else v for k, v in plan.items()}
+    return plan
+
+
+def _maybe_tp(model: nn.Module, dims: ParallelDims, cfg) -> None:
+    """Tensor (+ sequence, loss, async) parallel over the "tp" mesh axis with llama_tp_plan (parallelize/tp.py)."""
+    if not dims.tp_enabled:
+        return
+    par = cfg.parallelism
+    tp_mesh = dims.get_mesh("tp")
+    plan = llama_tp_plan(sequence_parallel=par.enable_sequence_parallel, loss_parallel=par.enable_loss_parallel)
+    apply_tp(model, tp_mesh, plan)
+    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
+                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
+
+
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    """Default plan: AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
-    _refuse_unimplemented(dims)
-    # TP would go first here (it changes parameter placements that AC/compile/FSDP then see).
+    """Default plan: TP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
+    # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
+    _refuse_unimplemented(dims, allow=("tp", "pp"))
+    _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
     apply_ac(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
     _maybe_fsdp(model, dims, cfg)
@@ -64,6 +112,9 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
 
 def parallelize_llama_fsdp_only(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     """Alternative plan: FSDP2/HSDP only; ignores the AC and compile sections (a baseline for debugging)."""
-    _refuse_unimplemented(dims)
+    if dims.tp_enabled:
+        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
+                         f"model.plan='default' (TP -> AC -> compile -> FSDP) or set parallelism.tp=1")
+    _refuse_unimplemented(dims, allow=("pp",))  # pp: applied per stage, as in parallelize_llama
     _maybe_fsdp(model, dims, cfg)
     return model

@@ -35,8 +35,18 @@ def main(argv: list[str]) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from titanlike.checkpoint import CheckpointError
+
     try:
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training
+            trainer.checkpointer.save_seed()
+        else:
+            trainer.train()
+    except CheckpointError as e:  # says which file/step and what to do; earlier checkpoints are intact
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     logger.info("done")

@@ -6,6 +6,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlike.config.sections import LRScheduler, Optimizer
 
@@ -75,17 +76,41 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
 
 
+def _placement_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` grouped by (mesh, placements); plain tensors form one group of their own."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        key = (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of `grads` as a plain tensor, the same on every rank.
+
+    Grads may be DTensors on different meshes and placements at once: TP-only params on the tp mesh, FSDP x TP
+    params on the 2-D mesh, plain replicated tensors (norms without sequence parallel). A norm reduction over a
+    list mixing those is not defined (DTensor refuses different meshes, and stacking Partial with Replicate norms
+    would redistribute them), so each (mesh, placements) group is reduced on its own, made full (`full_tensor`
+    sums the shards' contributions over that group's mesh; replicated or plain values count once), and the
+    group norms are combined locally.
+    """
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for idx in _placement_groups(grads):
+        n = torch.nn.utils.get_total_norm([grads[i] for i in idx], norm_type=2.0, foreach=True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm and return it, without a host sync.
-
-    With FSDP/TP the grads are DTensor shards; the norm of a DTensor is a partial value, and `full_tensor()`
-    reduces it over the mesh, so every rank clips with the same, true global norm.
-    """
+    """Clip by the global L2 norm (see `grad_norm`) and return it, without a host sync."""
     params = [p for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    total = grad_norm([p.grad for p in params])
+    if max_norm > 0 and params:
+        for idx in _placement_groups([p.grad for p in params]):  # foreach kernels want one mesh per call
+            torch.nn.utils.clip_grads_with_norm_([params[i] for i in idx], max_norm, total, foreach=True)
     return total

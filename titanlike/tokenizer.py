@@ -1,16 +1,23 @@
-"""Tokenizers behind one small interface.
+"""Tokenizers behind one small interface, all loaded from local files (never the network).
 
-`build_tokenizer(data_cfg)` resolves `data.tokenizer`:
-  * "builtin": a byte-level BPE trained on the stdlib corpus (see titanlike/data/stdlib_corpus.py) the first time it
+`build_tokenizer(data_cfg)` resolves `data.tokenizer_type` (Megatron's names are accepted) and the file fields:
+  * builtin: a byte-level BPE trained on the stdlib corpus (see titanlike/data/stdlib_corpus.py) the first time it
     is needed and cached as `<cache>/tokenizer/bpe<vocab>-<fingerprint>/tokenizer.json`; later runs just load it.
-  * a path to an HF `tokenizer.json` (or a folder holding one): loaded as is.
-Other formats (tiktoken, GPT-2 vocab+merges, sentencepiece) slot in as further `Tokenizer` subclasses.
+  * HuggingFaceTokenizer: an HF `tokenizer.json` (or a folder holding one).
+  * GPT2BPETokenizer: GPT-2 `vocab.json` + `merges.txt` (data.vocab_file / data.merge_file), as Megatron uses.
+  * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file in the Llama 3 `tokenizer.model` format, with Llama 3's
+    256 special tokens (titanlike/tokenizers/tiktoken_bpe.py).
+  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model` (titanlike/tokenizers/sentencepiece_model.py).
+  * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
+"auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
+after each document; by default the EOS token), each overridable by token name in the config.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import re
 import time
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +47,19 @@ class Tokenizer:
     bos_id: int
     eos_id: int
 
+    @property
+    def eod_id(self) -> int:
+        """The document separator joined between documents when packing (Megatron's `eod`); EOS unless overridden."""
+        return getattr(self, "_eod_id", None) if getattr(self, "_eod_id", None) is not None else self.eos_id
+
+    @eod_id.setter
+    def eod_id(self, value: int) -> None:
+        self._eod_id = value
+
+    def token_to_id(self, name: str) -> int | None:
+        """Id of a special/vocabulary token by its text, or None; used for the config's bos/eos/eod overrides."""
+        return None
+
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         raise NotImplementedError
 
@@ -59,11 +79,13 @@ class Tokenizer:
 class HFTokenizer(Tokenizer):
     """An HF `tokenizers` fast tokenizer loaded from a tokenizer.json file."""
 
-    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
+    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None,
+                 hf_tokenizer=None, fingerprint_files: Sequence[Path] = ()):
         from tokenizers import Tokenizer as _HFTok
 
         self.path = Path(path)
-        self._tok = _HFTok.from_file(str(self.path))
+        self._tok = hf_tokenizer if hf_tokenizer is not None else _HFTok.from_file(str(self.path))
+        self._fingerprint_files = tuple(fingerprint_files) or (self.path,)
         # Corpus text is data, not markup: a literal "<|end_of_text|>" in a document must not become the control
         # token. bos/eos are added only through the encode() flags. (Attribute exists in tokenizers >= 0.15.)
         if hasattr(self._tok, "encode_special_tokens"):
@@ -98,9 +120,15 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def token_to_id(self, name: str) -> int | None:
+        return self._tok.token_to_id(name)
+
     @cached_property
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+        digest = hashlib.sha256()
+        for f in self._fingerprint_files:
+            digest.update(Path(f).read_bytes())
+        return digest.hexdigest()
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
@@ -161,17 +189,121 @@ def builtin_tokenizer(
     return HFTokenizer(build_once(path, build), bos_token=BUILTIN_BOS, eos_token=BUILTIN_EOS)
 
 
-def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_MAX_BYTES) -> Tokenizer:
-    """`data.tokenizer` -> Tokenizer. Local files only; never touches the network."""
-    spec = data_cfg.tokenizer
-    if spec == "builtin":
-        return builtin_tokenizer(data_cfg.builtin_vocab_size, data_cfg.cache_dir, max_train_bytes)
+def gpt2_bpe_tokenizer(vocab_file: str | Path, merge_file: str | Path) -> HFTokenizer:
+    """GPT-2's byte-level BPE from `vocab.json` + `merges.txt` (Megatron's GPT2BPETokenizer); EOD = <|endoftext|>."""
+    from tokenizers import Tokenizer as _HFTok, decoders, models, pre_tokenizers
+
+    vocab_file, merge_file = Path(vocab_file), Path(merge_file)
+    for key, f in (("data.vocab_file", vocab_file), ("data.merge_file", merge_file)):
+        if not f.is_file():
+            raise FileNotFoundError(f"{key}={str(f)!r}: no such file; GPT2BPETokenizer needs GPT-2's vocab.json "
+                                    "and merges.txt (set data.vocab_file and data.merge_file)")
+    try:
+        tok = _HFTok(models.BPE.from_file(str(vocab_file), str(merge_file)))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"cannot read GPT-2 BPE files {vocab_file} / {merge_file}: {e}. Expected a JSON object "
+                         "token -> id and a merges.txt of 'a b' pairs (optionally starting with '#version')") from e
+    # GPT-2 pre-tokenisation: its regex split, bytes mapped to printable characters, no leading space added.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return HFTokenizer(vocab_file, hf_tokenizer=tok, fingerprint_files=(vocab_file, merge_file))
+
+
+# Megatron's --tokenizer-type names (and short ones) -> our kind.
+TOKENIZER_TYPES = {
+    "auto": "auto", "builtin": "builtin",
+    "huggingfacetokenizer": "hf", "hf": "hf",
+    "gpt2bpetokenizer": "gpt2", "gpt2": "gpt2",
+    "tiktokenizer": "tiktoken", "llama3tokenizer": "tiktoken", "tiktoken": "tiktoken",
+    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
+    "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece",
+    "nulltokenizer": "null", "null": "null",
+}
+
+
+def _opt(cfg, name: str, default=""):
+    return getattr(cfg, name, default)
+
+
+def _sniff_model_file(path: Path) -> str:
+    """A `tokenizer.model` is either a tiktoken rank file (text lines "<base64> <rank>") or a sentencepiece proto."""
+    with open(path, "rb") as f:
+        head = f.readline(200)
+    return "tiktoken" if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", head) else "sentencepiece"
+
+
+def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
+    """(kind, main file) from data.tokenizer_type + data.tokenizer / tokenizer_model / vocab_file."""
+    type_name = str(_opt(data_cfg, "tokenizer_type", "auto") or "auto")
+    kind = TOKENIZER_TYPES.get(type_name.lower())
+    if kind is None:
+        raise ValueError(f"data.tokenizer_type={type_name!r} is not known; use one of auto, builtin, "
+                         "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
+                         "SentencePieceTokenizer (Llama2Tokenizer), NullTokenizer")
+    spec = _opt(data_cfg, "tokenizer_model") or data_cfg.tokenizer
+    if kind == "builtin" or (kind == "auto" and spec == "builtin" and not _opt(data_cfg, "vocab_file")):
+        return "builtin", None
+    if kind in ("gpt2", "null") or (kind == "auto" and _opt(data_cfg, "vocab_file")):
+        return ("null" if kind == "null" else "gpt2"), None
     path = Path(spec).expanduser()
     if path.is_dir():
-        path = path / "tokenizer.json"
+        for name, k in (("tokenizer.json", "hf"), ("tokenizer.model", None)):
+            if (path / name).is_file() and kind in ("auto", k or kind):
+                path = path / name
+                break
+        else:
+            if (path / "vocab.json").is_file() and (path / "merges.txt").is_file() and kind == "auto":
+                return "gpt2", path
     if not path.is_file():
         raise FileNotFoundError(
             f"data.tokenizer={spec!r}: no tokenizer file at {path}. Set --data.tokenizer=builtin to use the "
-            "self-trained byte-level BPE, or give the path of an HF tokenizer.json (or of a folder holding one)."
+            "self-trained byte-level BPE, or give the path of an HF tokenizer.json (or of a folder holding one), "
+            "a tiktoken/sentencepiece tokenizer.model, or GPT-2 files via data.vocab_file + data.merge_file."
         )
-    return HFTokenizer(path)
+    if kind == "auto":
+        kind = "hf" if path.suffix == ".json" else _sniff_model_file(path)
+    return kind, path
+
+
+def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_MAX_BYTES) -> Tokenizer:
+    """The data config's tokenizer (see the module doc), with its bos/eos/eod overrides applied."""
+    kind, path = resolve_tokenizer_kind(data_cfg)
+    if kind == "builtin":
+        tok = builtin_tokenizer(data_cfg.builtin_vocab_size, data_cfg.cache_dir, max_train_bytes)
+    elif kind == "hf":
+        tok = HFTokenizer(path, bos_token=_opt(data_cfg, "bos_token") or None,
+                          eos_token=_opt(data_cfg, "eos_token") or None)
+    elif kind == "gpt2":
+        vocab, merges = _opt(data_cfg, "vocab_file"), _opt(data_cfg, "merge_file")
+        if path is not None and not vocab:  # a folder holding vocab.json + merges.txt
+            vocab, merges = path / "vocab.json", path / "merges.txt"
+        if not vocab or not merges:
+            raise ValueError("GPT2BPETokenizer needs data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
+        tok = gpt2_bpe_tokenizer(vocab, merges)
+    elif kind == "tiktoken":
+        from titanlike.tokenizers.tiktoken_bpe import TiktokenTokenizer
+
+        tok = TiktokenTokenizer(path)
+    elif kind == "sentencepiece":
+        from titanlike.tokenizers.sentencepiece_model import SentencePieceTokenizer
+
+        tok = SentencePieceTokenizer(path)
+    else:
+        from titanlike.tokenizers.null import NullTokenizer
+
+        tok = NullTokenizer(int(_opt(data_cfg, "null_vocab_size", 0) or data_cfg.builtin_vocab_size))
+    return apply_special_overrides(tok, data_cfg)
+
+
+def apply_special_overrides(tok: Tokenizer, data_cfg) -> Tokenizer:
+    """data.bos_token / eos_token / eod_token name tokens explicitly; an unknown name is an error, not a guess."""
+    for attr in ("bos", "eos", "eod"):
+        name = _opt(data_cfg, f"{attr}_token")
+        if not name:
+            continue
+        tid = tok.token_to_id(name)
+        if tid is None:
+            raise ValueError(f"data.{attr}_token={name!r} is not a token of {tok!r}; give the exact text of one of "
+                             "its special tokens (e.g. <|end_of_text|>, </s>, <|endoftext|>) or leave it empty")
+        setattr(tok, f"{attr}_id", tid)
+    return tok

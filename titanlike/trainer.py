@@ -14,17 +14,24 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import float8
 import models
 from parallelize import get_plan
-from titanlike.config import JobConfig
+from titanlike.checkpoint import CheckpointManager
+from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
-from titanlike.data import build_dataloader
+from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.distributed import destroy_distributed, init_distributed
+from titanlike.loss import apply_chunked_loss, loss_targets
 from titanlike.metrics import MetricsLogger
 from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlike.parallel_dims import ParallelDims
+from titanlike.pipeline_step import OptimizersContainer, PipelineRunner
+from titanlike.profiling import StepProfiler
 from titanlike.tokenizer import build_tokenizer
 
 logger = logging.getLogger("titanlike")
@@ -47,6 +54,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed token cross-entropy in fp32; the caller divides by the global token count."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                            ignore_index=IGNORE_INDEX)
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: under loss parallel it is a replicated DTensor (differentiable to_local)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
@@ -80,14 +92,29 @@ class Trainer:
         self.flops_per_token = models.llama3.flops_per_token(self.model_args, n_dense, t.seq_len)
         logger.info(f"model {spec.name} {cfg.model.flavor}: {n_params:,} params "
                     f"({n_dense:,} non-embedding), {self.flops_per_token / 1e9:.2f} GFLOP/token")
-        model = get_plan(cfg.model.name, cfg.model.plan)(model, self.dims, cfg)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
-        model.train()
-        self.model = model
+        # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
+        self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
+        self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
+                                             "loss" in cfg.compile.components) if t.loss_chunk_tokens > 0 else None)
+        plan = get_plan(cfg.model.name, cfg.model.plan)
+        self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/pipeline_step.py)
+        if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
+            self.pp = PipelineRunner(model, self.dims, cfg, self.device, plan, lambda out, y: self.loss_fn(out, y))
+            self.model_parts = self.pp.model_parts
+        else:
+            self.model_parts = [plan(model, self.dims, cfg)]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+        # The whole model; None under PP, where this rank holds only its stages (self.model_parts, whose
+        # parameter FQNs are the whole model's).
+        self.model = None if self.pp else self.model_parts[0]
 
-        self.optimizer = build_optimizer(model, cfg.optimizer, self.device)
+        # One optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs.
+        optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
+        self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loss_fn = cross_entropy_sum
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP on a GPU, autocast does the bf16 cast.
@@ -95,6 +122,9 @@ class Trainer:
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param)) if use_amp
                     else contextlib.nullcontext())
         self.attn_backend = SDPA_BACKENDS.get(cfg.model.attn_backend)
+        # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
+        # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
+        self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
 
@@ -104,10 +134,15 @@ class Trainer:
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
         self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len
+        # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
+        self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
         loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
                          seq_len=t.seq_len, seed=t.seed, vocab_size=vocab)
         self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", **loader_kw)
         self.val_loader_kw = loader_kw
+        # Built now so bad validation data (paths, split, vocabulary) fails at start-up, not at the first interval.
+        self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer, **loader_kw)
+                           if cfg.validation.enable else None)
         # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
         # the backward loss is scaled by that mesh size to turn FSDP's mean back into the exact sum.
         self.grad_divide_factor = self.dims.dp_cp_degree
@@ -116,6 +151,12 @@ class Trainer:
             log_dir=os.path.join(self.run_dir, cfg.metrics.save_tb_folder), device=self.device,
             flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
             enable_tensorboard=cfg.metrics.enable_tensorboard)
+        self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
+        self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable (or create_seed_checkpoint)
+            cfg.checkpoint, os.path.join(self.run_dir, cfg.checkpoint.folder), model=self.model_parts,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
+            model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
+            strict=self.pp is None)  # a pipeline rank holds only its stages' keys
         logger.info(f"world {self.world_size} on {self.device.type}, mesh {self.mesh}, "
                     f"global batch {global_bs} = {t.local_batch_size} local x {dp_degree} dp x "
                     f"{self.grad_accum_steps} accumulation, seq {t.seq_len}")
@@ -132,6 +173,9 @@ class Trainer:
         """Pin the SDPA kernel when model.attn_backend names one; "sdpa" lets torch choose per device."""
         return sdpa_kernel(self.attn_backend) if self.attn_backend else contextlib.nullcontext()
 
+    def _loss_ctx(self):
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data (and context) parallel ranks: the ranks that see different tokens."""
         mesh = self.dims.get_mesh("dp_cp")
@@ -146,21 +190,36 @@ class Trainer:
             out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
         return out
 
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
+        if self.loss_head is None:
+            return _plain(self.loss_fn(self.model(inputs), labels))
+        with loss_targets(self.loss_head, labels):
+            return self.model(inputs)
+
     def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, token count, grad norm):
         nothing here waits for the GPU."""
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
         global_tokens = self._all_reduce_sum(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            with self._sdpa():  # the backward kernel follows the forward's, so both run under it
-                with self.amp:
-                    loss = self.loss_fn(self.model(inputs), labels)
-                (loss * scale).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
+            with self._sdpa(), self._loss_ctx(), self.amp:
+                loss_sum = self.pp.step(batches, scale)
+            grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm)  # over all stages
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for inputs, labels in batches:
+                with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
+                    with self.amp:
+                        loss = self._forward_loss(inputs, labels)
+                    (loss * scale).backward()
+                loss_sum += loss.detach()
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         self.optimizer.step()
+        for part in self.model_parts:
+            self.float8.post_optimizer_hook(part)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, global_tokens, grad_norm
@@ -171,40 +230,67 @@ class Trainer:
         history = []
         if t.gc_freq > 0:
             gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
+        self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
         data_iter = iter(self.dataloader)
+        profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.rank, self.device, start_step=self.step)
         while self.step < t.steps:
             self.step += 1
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss_sum, tokens, grad_norm = self.train_step(self.next_batches(data_iter))
-            self.metrics.add_tokens(self.tokens_per_step_local)
+            self.metrics.add_tokens(self.tokens_per_step_device)
+            self.tokens_seen += self.tokens_per_step_local * self.dims.dp_degree
             if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
+                    loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
                 history.append({"step": self.step, **m})
             v = self.cfg.validation
             if v.enable and (self.step % v.interval == 0 or self.step == t.steps):
                 self.validate()
+            self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
+            profiler.step(self.step)
+        profiler.stop()
         return history
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean token loss over validation.steps batches of the held-out split."""
-        self.model.eval()
-        loader = build_dataloader(self.cfg.data, self.tokenizer, split="valid", **self.val_loader_kw)
+        """Mean token loss over validation.steps batches of the held-out data (logged with perplexity)."""
+        for part in self.model_parts:
+            part.eval()
+        # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
+        loader = self.val_loader if self.val_loader is not None else build_validation_dataloader(
+            self.cfg.data, self.cfg.validation, self.tokenizer, **self.val_loader_kw)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         for _, (inputs, labels) in zip(range(self.cfg.validation.steps), loader):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self.amp, self._sdpa():
-                loss_sum += self.loss_fn(self.model(inputs), labels)
+            with self.amp, self._sdpa(), self._loss_ctx():
+                if self.pp is not None:  # forward-only schedule; the loss is summed on the last stage
+                    loss_sum += self.pp.eval_loss(inputs, labels)
+                else:
+                    loss_sum += self._forward_loss(inputs, labels)
             tokens += (labels != IGNORE_INDEX).sum()
+        if self.pp is not None:
+            self.pp.reduce_over_pp(loss_sum)
         loss = (self._all_reduce_sum(loss_sum) / self._all_reduce_sum(tokens)).item()
         self.metrics.log_validation(self.step, loss)
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         return loss
 
+    def state_dict(self) -> dict:
+        """The trainer's own counters, for checkpoints."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+
     def close(self) -> None:
-        self.metrics.close()
-        destroy_distributed()
+        try:
+            self.checkpointer.close()  # commits an async save still in flight
+        finally:
+            self.metrics.close()
+            destroy_distributed()

@@ -68,6 +68,11 @@ llama3_flavors: dict[str, ModelArgs] = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
         rope_theta=500000.0, use_scaled_rope=True,
     ),
+    # 8B dimensions with 4 layers: the 2-GPU layout comparisons (FSDP vs TP vs PP) fit and run fast on it.
+    "8B_4L": ModelArgs(
+        dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        rope_theta=500000.0, use_scaled_rope=True,
+    ),
     "70B": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
         rope_theta=500000.0, use_scaled_rope=True,

@@ -37,6 +37,9 @@ class Training:
     mixed_precision_param: str = "bfloat16"  # FSDP param dtype on CUDA (CPU always float32)
     mixed_precision_reduce: str = "float32"
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
+    # >0: output projection + cross-entropy in chunks of this many tokens, so the [tokens, vocab] logits are never
+    # materialised in full (titanlike/loss.py); 0 = plain logits then cross-entropy
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
@@ -68,6 +71,21 @@ class Parallelism:
     cp: int = 1
     ep: int = 1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    # Tensor parallel (tp > 1; parallelize/tp.py, plan in parallelize/llama3.py)
+    enable_sequence_parallel: bool = True  # norms on sequence shards: all-gather/reduce-scatter instead of all-reduce
+    enable_loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits (never gathers [tokens, vocab])
+    enable_async_tp: bool = False  # CUDA + compile: matmuls micro-pipelined with the TP collectives (symmetric memory)
+    # Pipeline parallel (pp > 1; parallelize/pp.py). Schedule: GPipe | 1F1B | Interleaved1F1B | LoopedBFS |
+    # InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (the last three or four need several stages per rank).
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = -1  # micro-batches per local batch (must divide it); -1 = local_batch_size (1 sequence each)
+    pp_stages_per_rank: int = -1  # virtual stages per PP rank; -1 = 1 for GPipe/1F1B, 2 for the multi-stage schedules
+    pp_layers_per_stage: int = -1  # > 0: instead of pp_stages_per_rank, stages = ceil(n_layers / this)
+    pp_split_points: list[str] = field(default_factory=list)  # e.g. ["layers.8", "layers.16"]: first layer of stages 1..
+    # Cost of tok_embeddings / norm+output in transformer-layer equivalents for the even split; -1 = estimate from
+    # FLOPs (embedding 0, output projection 6*dim*vocab against one block's FLOPs at this seq_len)
+    pp_embedding_weight: float = -1.0
+    pp_output_weight: float = -1.0
 
 
 @dataclass
@@ -86,9 +104,10 @@ class Compile:
 class Float8:
     enable: bool = False
     recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    enable_fsdp_float8_all_gather: bool = False
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])  # Linear FQNs (dotted runs) kept high-precision
+    filter_small: bool = False  # also keep layers too small to gain (torchao's H100 size thresholds per recipe)
+    enable_fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather float8 weights (half the bytes)
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce for all scales after optimizer.step()
 
 
 @dataclass
@@ -99,12 +118,32 @@ class Checkpoint:
     keep_latest_k: int = 0  # 0 = keep all
     load_step: int = -1  # -1 = newest complete step
     async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
+    io_threads: int = 1  # writer threads per rank (DCP FileSystemWriter thread_count; one file per thread)
+    model_only_export: bool = False  # at the last step also write export-step-N: model weights only, export_dtype
+    export_dtype: str = "float32"  # float32 | bfloat16 | float16
+    create_seed_checkpoint: bool = False  # one process: initialise the model, save it as step-0, exit (no training)
+    initial_load_path: str = ""  # a checkpoint folder or step folder to start from while this run has none
+    initial_load_model_only: bool = True  # take only the weights from initial_load_path (HF import, fine-tuning)
 
 
 @dataclass
 class Data:
-    dataset: str = "stdlib"  # stdlib (the Python standard library's own source) | mock
-    tokenizer: str = "builtin"  # builtin (byte-level BPE trained and cached locally) | path to tokenizer.json
+    # stdlib (the Python standard library's own source) | mock (random tokens) | indexed (Megatron .bin/.idx
+    # prefixes in `paths`) | text (streaming JSONL/Parquet/text files or globs in `paths`, tokenised on the fly)
+    dataset: str = "stdlib"
+    paths: list[str] = field(default_factory=list)  # indexed: blend "0.3 prefix_a 0.7 prefix_b" or prefixes
+    split: str = "949,50,1"  # indexed: train,valid,test shares of every prefix's documents (Megatron's --split)
+    text_key: str = "text"  # text: the JSONL/Parquet field holding a document
+    tokenizer: str = "builtin"  # builtin (byte-level BPE trained and cached locally) | path to a tokenizer file
+    tokenizer_type: str = "auto"  # auto | builtin | Megatron names: HuggingFaceTokenizer, GPT2BPETokenizer, ...
+    tokenizer_model: str = ""  # Megatron's name for the tokenizer file (tiktoken/sentencepiece .model); overrides
+    vocab_file: str = ""  # GPT2BPETokenizer: vocab.json
+    merge_file: str = ""  # GPT2BPETokenizer: merges.txt
+    bos_token: str = ""  # "" = detect; else the exact text of the BOS token
+    eos_token: str = ""  # "" = detect
+    eod_token: str = ""  # document separator when packing; "" = the EOS token
+    add_bos: bool = False  # stdlib/text: prepend BOS to every document
+    add_eod: bool = True  # stdlib/text: append the EOD token after every document
     builtin_vocab_size: int = 2048
     cache_dir: str = ""  # "" = ~/.cache/titanlike
     num_workers: int = 0
@@ -123,6 +162,9 @@ class Validation:
     enable: bool = False
     interval: int = 100
     steps: int = 10
+    split: str = "valid"  # which split of the data to score: valid | test (indexed: data.split's shares)
+    dataset: str = ""  # "" = data.dataset
+    paths: list[str] = field(default_factory=list)  # [] = data.paths; else its own prefixes/files (whole, no split)
 
 
 @dataclass
@@ -137,8 +179,11 @@ class FaultTolerance:
 class Profiling:
     enable_profiling: bool = False
     profile_freq: int = 100
-    save_traces_folder: str = "profile_traces"
-    enable_memory_snapshot: bool = False
+    save_traces_folder: str = "profile_traces"  # under the run folder: iteration_<step>/rank<r>_trace.json
+    profile_active: int = 1  # steps recorded per trace (ending at a multiple of profile_freq)
+    profile_warmup: int = 3  # steps before those, profiled but not recorded (stabilises the timings)
+    enable_memory_snapshot: bool = False  # CUDA only: allocator history -> memory_snapshot/iteration_<step>/*.pickle
+    save_memory_snapshot_folder: str = "memory_snapshot"
 
 
 @dataclass

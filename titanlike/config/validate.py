@@ -11,6 +11,8 @@ from typing import Any
 
 from titanlike.config.load import ConfigError
 from titanlike.config.sections import JobConfig, Parallelism
+from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
+from titanlike.config.validate_data import check_data
 
 # Allowed values of string "choice" fields. Extend here when a consumer learns a new value.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -21,9 +23,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.pp_schedule": PP_SCHEDULES,
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
 }
 COMPILE_COMPONENTS = ("model", "loss")
 
@@ -103,10 +107,11 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
             errors.append(f"{dotted}={value} must be >= {low}{why}")
 
     for dotted in ("training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
-                   "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq"):
+                   "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq",
+                   "profiling.profile_active", "checkpoint.io_threads"):
         at_least(dotted, 1)
     for dotted in ("training.gc_freq", "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps",
-                   "optimizer.weight_decay"):
+                   "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup"):
         at_least(dotted, 0)
     at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
     if cfg.model.vocab_size != -1:
@@ -136,15 +141,29 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         errors.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
                       "float8.enable_fsdp_float8_all_gather=true")
+    prof = cfg.profiling
+    if prof.enable_profiling and prof.profile_warmup + prof.profile_active > prof.profile_freq:
+        errors.append(f"profiling.profile_warmup + profile_active = {prof.profile_warmup} + {prof.profile_active} "
+                      f"must be <= profiling.profile_freq={prof.profile_freq} (each trace ends at a multiple of it)")
+    # The chunked loss fuses the LM head with the loss on one rank: TP's loss_parallel and PP's last-stage loss
+    # already avoid or own the full logits there.
+    if cfg.training.loss_chunk_tokens > 0 and (par.tp > 1 or par.pp > 1):
+        errors.append(f"training.loss_chunk_tokens={cfg.training.loss_chunk_tokens} is not supported with "
+                      f"parallelism.tp>1 or pp>1 (tp={par.tp}, pp={par.pp}); set training.loss_chunk_tokens=0")
     seq_len = cfg.training.seq_len
     # Load-balanced context parallel splits each sequence into 2*cp chunks.
     if par.cp > 1 and seq_len % (2 * par.cp):
         errors.append(f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp = {2 * par.cp} "
                       f"(context parallel splits each sequence into 2*cp chunks)")
     # Sequence parallel (part of TP) shards the sequence dimension of norms and dropout over the TP ranks.
-    if par.tp > 1 and seq_len % par.tp:
+    if par.tp > 1 and par.enable_sequence_parallel and seq_len % par.tp:
         errors.append(f"training.seq_len={seq_len} must be divisible by parallelism.tp={par.tp} "
-                      f"(sequence parallel shards the sequence over the TP ranks)")
+                      f"(sequence parallel shards the sequence over the TP ranks), or set "
+                      f"parallelism.enable_sequence_parallel=false")
+    # Async TP is an inductor pass over the compiled blocks: without compiling them it would silently do nothing.
+    if par.tp > 1 and par.enable_async_tp and not (cfg.compile.enable and "model" in cfg.compile.components):
+        errors.append("parallelism.enable_async_tp needs compile.enable=true with \"model\" in compile.components "
+                      "(the collective/matmul fusion is a torch.compile pass); enable compile or turn async TP off")
     if ft.enable:
         if ft.group_size < 1:
             errors.append(f"fault_tolerance.group_size={ft.group_size} must be >= 1 when fault_tolerance.enable")
@@ -182,6 +201,11 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     _check_numbers(cfg, errors)
     _check_features(cfg, errors)
     _check_global_batch(cfg, dp_shard, errors)
+    check_data(cfg, errors)
+    if cfg.checkpoint.create_seed_checkpoint and world_size is not None and world_size > 1:
+        errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
+                      f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
+    check_pipeline(cfg, errors)
     if errors:
         if len(errors) == 1:
             raise ConfigError(errors[0])
@@ -207,8 +231,6 @@ def validate_model(model_args: Any, cfg: JobConfig) -> None:
                       f"divide; {fix}")
     elif n_heads % tp:
         errors.append(f"model.flavor {flavor!r} has n_heads={n_heads} which parallelism.tp={tp} does not divide; {fix}")
-    if pp > model_args.n_layers:
-        errors.append(f"parallelism.pp={pp} exceeds model.flavor {flavor!r}'s n_layers={model_args.n_layers}; "
-                      f"each pipeline stage needs at least one layer")
+    check_pipeline_model(model_args.n_layers, cfg, errors)  # stages (pp x stages per rank) <= n_layers
     if errors:
         raise ConfigError("\n".join(errors))

@@ -1,7 +1,8 @@
 """Map-style datasets of fixed-length training windows: sample i -> (input_ids[S], labels[S]) int64.
 
 Datasets are registered by name in `DATASETS` (`data.dataset` picks one); each builder has the signature
-`(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes) -> Dataset`.
+`(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes, dp_rank, dp_degree) -> Dataset`
+(map-style, or an IterableDataset that shards itself by dp_rank/dp_degree, like the streaming text dataset).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch.utils.data import Dataset
 from titanlike.data.stdlib_corpus import STDLIB_CORPUS_MAX_BYTES
 from titanlike.data.token_cache import load_tokens, stdlib_token_file
 
-SPLITS = ("train", "valid")
+SPLITS = ("train", "valid")  # the stdlib corpus; indexed data also has "test" (data.split's third share)
+ALL_SPLITS = ("train", "valid", "test")
 VALID_FRACTION = 0.01  # the last ~1% of the token stream is held out
 
 
@@ -83,7 +85,7 @@ class MockDataset(Dataset):
         if vocab_size < 1:
             raise ValueError(f"mock dataset needs vocab_size >= 1, got {vocab_size}")
         self.vocab_size, self.seq_len, self.seed = int(vocab_size), int(seq_len), int(seed)
-        self.split_id = SPLITS.index(split)
+        self.split_id = ALL_SPLITS.index(split)
         self.num_samples = int(num_samples)
 
     def __len__(self) -> int:
@@ -95,16 +97,19 @@ class MockDataset(Dataset):
         return window[:-1], window[1:]
 
 
-def _build_stdlib(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes):
+def _build_stdlib(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes, **_):
     if tokenizer is None:
         raise ValueError("data.dataset='stdlib' needs a tokenizer (build_tokenizer(cfg.data))")
-    path = stdlib_token_file(tokenizer, data_cfg.cache_dir, max_corpus_bytes)
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: the stdlib corpus has only the splits {SPLITS}")
+    path = stdlib_token_file(tokenizer, data_cfg.cache_dir, max_corpus_bytes,
+                             add_bos=getattr(data_cfg, "add_bos", False), add_eod=getattr(data_cfg, "add_eod", True))
     num_tokens = load_tokens(path).shape[0]
     start, stop = split_token_range(num_tokens, seq_len, split)
     return TokenWindowDataset(path, seq_len, start, stop)
 
 
-def _build_mock(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes):
+def _build_mock(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_corpus_bytes, **_):
     if vocab_size is None:
         if tokenizer is None:
             raise ValueError("data.dataset='mock' needs vocab_size or a tokenizer")
@@ -112,14 +117,38 @@ def _build_mock(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_co
     return MockDataset(vocab_size, seq_len, seed=seed, split=split)
 
 
-DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock}
+def _build_indexed(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, **_):
+    from titanlike.data.gpt_dataset import build_indexed_dataset
+
+    if vocab_size is None and tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+    return build_indexed_dataset(data_cfg.paths, split=split, split_spec=data_cfg.split, seq_len=seq_len, seed=seed,
+                                 cache_dir=data_cfg.cache_dir, vocab_size=vocab_size)
+
+
+def _build_text(data_cfg, tokenizer, *, seq_len, split, seed, dp_rank=0, dp_degree=1, **_):
+    from titanlike.data.streaming import StreamingTextDataset, expand_files
+
+    if tokenizer is None:
+        raise ValueError("data.dataset='text' tokenises on the fly and needs a tokenizer")
+    return StreamingTextDataset(expand_files(data_cfg.paths), tokenizer, seq_len, dp_rank=dp_rank,
+                                dp_degree=dp_degree, seed=seed, shuffle=split == "train", text_key=data_cfg.text_key,
+                                add_bos=data_cfg.add_bos, add_eod=data_cfg.add_eod)
+
+
+DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text}
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
-                  vocab_size: int | None = None, max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES) -> Dataset:
+                  vocab_size: int | None = None, max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES,
+                  dp_rank: int = 0, dp_degree: int = 1) -> Dataset:
     if data_cfg.dataset not in DATASETS:
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    if split not in ALL_SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
+    if data_cfg.dataset in ("indexed", "text") and not data_cfg.paths:
+        raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
+                         "weighted, for indexed; JSONL/Parquet/text files or globs for text)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
-                                      vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes)
+                                      vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
+                                      dp_degree=dp_degree)

@@ -1,17 +1,28 @@
 """`build_dataloader`: dataset + DP-sharded global-order sampler -> torchdata StatefulDataLoader.
 
-The loader is endless (epochs roll over inside the sampler) and `loader.state_dict()` / `load_state_dict()` resume
-exactly at the next batch, with or without worker processes. Iterating a *fresh* loader (or calling iter() again
-without loading state) restarts from the first batch, which is what a validation pass wants.
+The loader is endless (epochs roll over inside the sampler or the dataset) and `loader.state_dict()` /
+`load_state_dict()` resume exactly at the next batch, with or without worker processes. Iterating a *fresh* loader
+(or calling iter() again without loading state) restarts from the first batch, which is what a validation pass wants.
+
+Map-style datasets (stdlib, mock, indexed) go through GlobalBatchSampler, whose state ({epoch, batch} + what the
+sample order depends on) is the same on every rank and independent of the data-parallel degree: a checkpoint taken
+under D ranks resumes under D' ranks at the same global sample, as long as the global batch size is unchanged.
+Endless indexed datasets shuffle inside themselves, so their sampler walks them in order. The streaming text dataset
+shards and batches itself; its state differs per rank, so `state_dict()` gathers every DP rank's into one dict
+(a collective: call it on all ranks together, as a checkpoint save does) and each rank loads its own part.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlike.data.dataset import build_dataset
+from titanlike.data.gpt_dataset import ENDLESS, dataset_fingerprint
 from titanlike.data.sampler import GlobalBatchSampler
 from titanlike.data.stdlib_corpus import STDLIB_CORPUS_MAX_BYTES
 
@@ -20,6 +31,63 @@ def collate_pair(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     """[(inputs[S], labels[S])] * B -> (inputs[B,S], labels[B,S]); a tuple, unlike default_collate's list."""
     inputs, labels = zip(*samples)
     return torch.stack(inputs), torch.stack(labels)
+
+
+def _saved_workers(state: dict) -> int:
+    snap = state.get("_snapshot")
+    return int(snap["_main_snapshot"]["_num_workers"]) if snap else 0
+
+
+def _sampler_state(state: dict) -> dict | None:
+    main = state["_snapshot"]["_main_snapshot"] if state.get("_snapshot") else state
+    return main.get("_sampler_iter_state")
+
+
+def _gather_per_rank(state: dict, dp_rank: int) -> dict:
+    """Streaming state differs per DP rank, but a checkpoint stores one copy: collect every rank's into it.
+
+    A collective over the default group when one exists: every rank must call state_dict() together, as a
+    checkpoint save does.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"per_dp_rank": {dp_rank: state}}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, state))
+    return {"per_dp_rank": dict(gathered)}
+
+
+class DataLoader(StatefulDataLoader):
+    """StatefulDataLoader whose state also survives a change of data.num_workers.
+
+    torchdata's state is shaped by the worker count and refuses another; for map-style datasets the only thing that
+    matters is the global sampler position, so it is kept beside torchdata's state ("global_sampler") and used
+    alone when the worker count differs. Same worker count: torchdata's own exact path.
+    """
+
+    dp_rank = 0  # set by build_dataloader
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if isinstance(self.dataset, IterableDataset):
+            return _gather_per_rank(state, self.dp_rank)
+        sampler = _sampler_state(state)
+        return {**state, "global_sampler": dict(sampler)} if sampler else state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        if "per_dp_rank" in state:
+            if self.dp_rank not in state["per_dp_rank"]:
+                raise ValueError(f"the streaming data state holds data-parallel ranks {sorted(state['per_dp_rank'])}, "
+                                 f"not this rank's {self.dp_rank}: resume streaming data with the same DP degree "
+                                 "(or preprocess it to .bin/.idx, whose position reshards)")
+            state = dict(state["per_dp_rank"][self.dp_rank])
+        sampler = state.pop("global_sampler", None)
+        if _saved_workers(state) == self.num_workers:
+            return super().load_state_dict(state)
+        if sampler is None or not isinstance(self.batch_sampler, GlobalBatchSampler):
+            raise ValueError(f"data loader state was saved with data.num_workers={_saved_workers(state)}, this "
+                             f"run has {self.num_workers}: resume this dataset with the same number of workers")
+        self.batch_sampler.resume_state = sampler
 
 
 def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int,
@@ -31,20 +99,44 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
     corpus (tests use a small slice). With pinned memory, torch may hand the pair back as a list; unpack it either way.
     """
     dataset = build_dataset(data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed, vocab_size=vocab_size,
-                            max_corpus_bytes=max_corpus_bytes)
-    sampler = GlobalBatchSampler(
-        len(dataset), dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size, seed=seed,
-        shuffle=(split == "train" and data_cfg.dataset != "mock"),  # mock samples are already random
-    )
+                            max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank, dp_degree=dp_degree)
     num_workers = int(data_cfg.num_workers)
+    common = dict(
+        collate_fn=collate_pair,
+        num_workers=num_workers,
+        pin_memory=bool(data_cfg.pin_memory) and torch.cuda.is_available(),
+        # workers only slice a memory-mapped array; 2 batches ahead per worker hides that easily
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
     with warnings.catch_warnings():  # torchdata 0.11 calls an API newer torch deprecates; not actionable here
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collate_pair,
-            num_workers=num_workers,
-            pin_memory=bool(data_cfg.pin_memory) and torch.cuda.is_available(),
-            # workers only slice a memory-mapped array; 2 batches ahead per worker hides that easily
-            prefetch_factor=2 if num_workers > 0 else None,
+        if isinstance(dataset, IterableDataset):
+            loader = DataLoader(dataset, batch_size=local_batch_size, drop_last=True, **common)
+            loader.dp_rank = dp_rank
+            return loader
+        endless = len(dataset) >= ENDLESS
+        sampler = GlobalBatchSampler(
+            len(dataset), dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size, seed=seed,
+            # mock samples are already random; endless indexed datasets shuffle themselves (Megatron-style)
+            shuffle=(split == "train" and data_cfg.dataset != "mock" and not endless),
+            fingerprint=dataset_fingerprint(dataset),
         )
+        return DataLoader(dataset, batch_sampler=sampler, **common)
+
+
+def validation_data_config(data_cfg, val_cfg):
+    """(data config, split) that validation reads: validation.dataset/paths replace data's; with its own paths the
+    whole of each prefix (or file list) is scored, else validation.split of data.split."""
+    dataset = getattr(val_cfg, "dataset", "") or data_cfg.dataset
+    paths = list(getattr(val_cfg, "paths", []) or [])
+    split = getattr(val_cfg, "split", "valid") or "valid"
+    if not paths:
+        return dataclasses.replace(data_cfg, dataset=dataset), split
+    whole = {"train": "100,0,0", "valid": "0,100,0", "test": "0,0,100"}.get(split, data_cfg.split)
+    return dataclasses.replace(data_cfg, dataset=dataset, paths=paths, split=whole), split
+
+
+def build_validation_dataloader(data_cfg, val_cfg, tokenizer, **kw) -> StatefulDataLoader:
+    """The validation loader (build it once at start-up so bad validation data fails there, not mid-run)."""
+    cfg, split = validation_data_config(data_cfg, val_cfg)
+    return build_dataloader(cfg, tokenizer, split=split, **kw)

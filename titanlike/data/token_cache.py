@@ -22,12 +22,17 @@ _FORMAT = "doc+eos-v1"  # bump if the layout changes
 _BATCH_DOCS = 64  # documents per encode_batch call: large enough to use all cores, small enough for a live bar
 
 
-def stdlib_token_file(tokenizer, cache_dir: str = "", max_bytes: int | None = STDLIB_CORPUS_MAX_BYTES) -> Path:
-    """Path of the cached token array for (tokenizer, stdlib corpus capped at `max_bytes`), building it if needed."""
+def stdlib_token_file(tokenizer, cache_dir: str = "", max_bytes: int | None = STDLIB_CORPUS_MAX_BYTES, *,
+                      add_bos: bool = False, add_eod: bool = True) -> Path:
+    """Path of the cached token array for (tokenizer, stdlib corpus capped at `max_bytes`), building it if needed.
+
+    Each document is [bos]? + tokens + [eod]? (data.add_bos / data.add_eod; eod is the tokenizer's eod_id).
+    """
     corpus = list_stdlib_files(max_bytes)
-    key = hashlib.sha256(
-        f"{_FORMAT}|{tokenizer.fingerprint}|{tokenizer.eos_id}|{corpus.fingerprint}".encode()
-    ).hexdigest()[:16]
+    eod = getattr(tokenizer, "eod_id", tokenizer.eos_id)
+    # The default layout keeps its original key, so existing caches stay valid.
+    layout = f"{eod}" if (not add_bos and add_eod) else f"{eod}|bos={add_bos}|eod={add_eod}"
+    key = hashlib.sha256(f"{_FORMAT}|{tokenizer.fingerprint}|{layout}|{corpus.fingerprint}".encode()).hexdigest()[:16]
     path = cache_root(cache_dir) / "tokens" / f"stdlib-{key}.npy"
 
     def build(tmp: Path) -> None:
@@ -36,14 +41,15 @@ def stdlib_token_file(tokenizer, cache_dir: str = "", max_bytes: int | None = ST
         t0 = time.perf_counter()
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
         chunks: list[np.ndarray] = []
-        eos = np.asarray([tokenizer.eos_id], dtype=dtype)
+        bos = np.asarray([tokenizer.bos_id] if add_bos else [], dtype=dtype)
+        eos = np.asarray([eod] if add_eod else [], dtype=dtype)
         # One bar, on rank 0 only: other ranks either wait on the build lock or build the same thing silently.
         with tqdm(total=corpus.total_bytes, unit="B", unit_scale=True, desc="tokenising stdlib corpus",
                   disable=not is_rank0(), leave=False, mininterval=1.0) as bar:
             texts = read_texts(corpus)
             while batch := list(islice(texts, _BATCH_DOCS)):
                 for ids in tokenizer.encode_batch(batch):
-                    chunks += (np.asarray(ids, dtype=dtype), eos)
+                    chunks += (bos, np.asarray(ids, dtype=dtype), eos)
                 bar.update(sum(len(t.encode("utf-8")) for t in batch))
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
         with open(tmp, "wb") as f:  # a file object: np.save(path) would append ".npy" to the tmp name

@@ -1,0 +1,138 @@
+"""Float8 training through torchao, as a model converter applied to the meta model before parallelisation.
+
+The two calls every numeric-format converter offers (docs/ARCHITECTURE.md):
+
+    f8 = float8.convert(model, cfg.float8, fsdp_enabled=dims.fsdp_enabled)   # on meta, before the plan
+    ...
+    optimizer.step(); f8.post_optimizer_hook(model)                          # every step
+
+Compute only: torchao's Float8Linear keeps `weight` (and `bias`) as high-precision parameters under the same
+FQNs and adds no buffers, so state dicts and checkpoints are those of the unconverted model — a float8 run resumes
+in bf16 and the reverse. Recipes (torchao `Float8LinearConfig.from_recipe_name`):
+  tensorwise          one scale per tensor, cuBLAS fp8 GEMM; the fastest; the only one with float8 FSDP all-gather
+  rowwise             one scale per row, power-of-2 scales, e4m3 everywhere
+  rowwise_with_gw_hp  rowwise, but the weight gradient GEMM in high precision; the most accurate
+Float8 FSDP all-gather (tensorwise): FSDP2 all-gathers the float8 weight (half the bytes of bf16); with
+`precompute_float8_dynamic_scale_for_fsdp` the scales of all weights come from one all-reduce after the optimizer
+step instead of one small all-reduce per layer inside the all-gather.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from float8.filter import build_filter, fqn_matches
+
+logger = logging.getLogger("titanlike")
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclasses.dataclass
+class Float8Converter:
+    """What `convert` did, and the per-step hook that goes with it."""
+
+    enabled: bool = False
+    recipe: str = ""
+    converted: list[str] = dataclasses.field(default_factory=list)  # FQNs now Float8Linear
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # Linear FQN -> why it stays high precision
+    fsdp_float8_all_gather: bool = False
+    precompute_scales: bool = False
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """After optimizer.step(): recompute every float8 weight's scale in one all-reduce (tensorwise + float8
+        all-gather + precompute only; otherwise nothing). `model` may be a list of pipeline stages."""
+        if not self.precompute_scales:
+            return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        for part in model if isinstance(model, (list, tuple)) else [model]:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def _check_device() -> None:
+    # float8 GEMMs need Ada/Hopper or newer; older GPUs fail deep inside the first matmul otherwise.
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise ValueError(f"float8.enable=true needs a GPU of compute capability >= 8.9 (Ada/Hopper); this one is "
+                             f"{major}.{minor}: set float8.enable=false")
+
+
+def build_linear_config(cfg, fsdp_enabled: bool):
+    """torchao `Float8LinearConfig` for the Float8 config section `cfg`."""
+    from torchao.float8 import Float8LinearConfig
+
+    if cfg.recipe not in RECIPES:
+        raise ValueError(f"float8.recipe={cfg.recipe!r} is not one of {', '.join(RECIPES)}")
+    config = Float8LinearConfig.from_recipe_name(cfg.recipe)
+    if cfg.enable_fsdp_float8_all_gather:
+        if cfg.recipe != "tensorwise":
+            raise ValueError(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
+                             f"{cfg.recipe!r}); turn the all-gather off or use the tensorwise recipe")
+        if fsdp_enabled:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        else:
+            # Without FSDP nothing is all-gathered; the wrapper subclass would only add dispatch overhead.
+            logger.info("float8: enable_fsdp_float8_all_gather ignored (FSDP is off: nothing is all-gathered)")
+    return config
+
+
+def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False) -> Float8Converter:
+    """Swap the chosen nn.Linear layers of `model` (built on meta, not yet parallelised) for torchao Float8Linear,
+    in place. `cfg` is the Float8 config section; `fsdp_enabled` whether the plan will apply FSDP (the float8
+    all-gather only exists under FSDP). Returns the converter (a no-op one when float8.enable is false)."""
+    if not cfg.enable:
+        return Float8Converter()
+    _check_device()
+    from torchao.float8 import convert_to_float8_training
+
+    config = build_linear_config(cfg, fsdp_enabled)
+    if cfg.recipe.startswith("rowwise"):
+        # Inductor otherwise fuses the fp32->fp8 cast chain without intermediate rounding and the compiled scales
+        # differ from eager ones (pytorch/pytorch#150859); the setting makes compiled casts round like eager.
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+    skipped: dict[str, str] = {}
+    module_filter = build_filter(list(cfg.filter_fqns), cfg.recipe, cfg.filter_small, skipped)
+    before = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    stale = [p for p in cfg.filter_fqns if p and not any(fqn_matches(name, p) for name in before)]
+    if stale:
+        logger.warning(f"float8.filter_fqns entries {stale} match no Linear layer of the model (typo?)")
+    if not converted:
+        logger.warning("float8.enable=true but no Linear layer was converted (all filtered): float8 does nothing")
+    all_gather = config.enable_fsdp_float8_all_gather
+    result = Float8Converter(
+        enabled=True, recipe=cfg.recipe, converted=converted, skipped=skipped, fsdp_float8_all_gather=all_gather,
+        precompute_scales=all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp)
+    kept = ", ".join(f"{k} ({v})" for k, v in list(skipped.items())[:4]) + (" ..." if len(skipped) > 4 else "")
+    logger.info(f"float8 {cfg.recipe}: {len(converted)} Linear layers converted, {len(skipped)} kept in high "
+                f"precision{': ' + kept if kept else ''}; FSDP float8 all-gather {all_gather}, precomputed scales "
+                f"{result.precompute_scales}")
+    return result
+
+
+def tp_styles(converter: Float8Converter):
+    """(ColwiseParallel, RowwiseParallel, PrepareModuleInput) classes for a TP plan: torchao's float8 versions
+    when the tensorwise recipe is on (they all-gather/redistribute activations in float8), else torch's.
+    Rowwise recipes use the plain styles: torchao has no rowwise float8 TP communication."""
+    if converter.enabled and converter.recipe == "tensorwise":
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+__all__ = ["RECIPES", "Float8Converter", "build_linear_config", "convert", "tp_styles", "build_filter",
+           "fqn_matches"]

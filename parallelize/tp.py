@@ -1,0 +1,197 @@
+"""Tensor parallel (Megatron-style) with sequence parallel, loss parallel and async TP, on DTensor styles.
+
+A model's plan (e.g. parallelize/llama3.py:llama_tp_plan) is a dict from module path ("layers.*.attention.wq";
+`*` matches every block) to a torch `ParallelStyle`; `apply_tp` hands it to `parallelize_module`. For the Llama
+plan the layouts along one block are (tp ranks, S = sequence):
+
+    residual stream  [B, S/tp, D] plain tensor    (sequence parallel; [B, S, D] replicated without SP)
+    attention_norm   SequenceParallel             norm on the local sequence shard
+    attention        PrepareModuleInput           all-gather: Shard(1) -> Replicate (one collective for q, k, v)
+      wq, wk, wv     ColwiseParallel              local heads, returned as PLAIN tensors: RoPE, repeat_kv and
+                                                  SDPA run on ordinary tensors, so flash/cuDNN attention is
+                                                  picked as without TP (no DTensor dispatch, no math fallback)
+      wo             RowwiseParallel              reduce-scatter -> Shard(1) (all-reduce -> Replicate without SP)
+    ffn_norm / feed_forward (w1, w3 colwise; w2 rowwise)   the same pattern
+
+Heads are split across TP ranks, so n_heads and n_kv_heads must be divisible by tp (checked here with the fix in
+the message; config-level twin: titanlike/config/validate.py:validate_model).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    parallelize_module,
+)
+
+logger = logging.getLogger("titanlike")
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become Replicate DTensors on the TP mesh; the module computes the same thing on every TP rank
+    and takes and returns plain tensors (the norms when sequence parallel is off).
+
+    Why not leave such a module alone: a model whose parameters are part DTensor, part plain cannot be stepped by
+    foreach/fused AdamW ("mixed torch.Tensor and DTensor") and would give FSDP x TP two meshes; replicated DTensor
+    parameters cost no communication (their gradients come out identical, hence Replicate, on every rank).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+    @staticmethod
+    def _input_fn(module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _output_fn(module, output, device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+
+def describe_plan(plan: dict[str, ParallelStyle]) -> str:
+    """One line per entry, for logs and docs: 'layers.*.attention.wq  ColwiseParallel(...)'."""
+    width = max(map(len, plan))
+    return "\n".join(f"  {path:<{width}}  {_style_repr(style)}" for path, style in plan.items())
+
+
+def _style_repr(style: ParallelStyle) -> str:
+    fields = []
+    for name in ("input_layouts", "output_layouts", "desired_input_layouts", "use_local_output"):
+        if hasattr(style, name):
+            fields.append(f"{name}={getattr(style, name)}")
+    return f"{type(style).__name__}({', '.join(fields)})"
+
+
+def check_tp_divisibility(model: nn.Module, tp: int) -> None:
+    """Raise ValueError naming the shape and the fix when `tp` cannot split the model evenly."""
+    args = getattr(model, "args", None)
+    if args is None or tp == 1:
+        return
+    n_heads, n_kv = args.n_heads, args.n_kv_heads or args.n_heads
+    problems = []
+    if n_heads % tp:
+        problems.append(f"n_heads={n_heads}")
+    if n_kv % tp:
+        problems.append(f"n_kv_heads={n_kv}")
+    block = next((b for b in model.layers.values() if b is not None), None)
+    if block is not None and block.feed_forward.w1.out_features % tp:
+        problems.append(f"the FFN hidden size {block.feed_forward.w1.out_features}")
+    if problems:
+        ok = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and n_kv % d == 0]
+        raise ValueError(
+            f"parallelism.tp={tp} does not divide {' and '.join(problems)} of this model: tensor parallelism gives "
+            f"every TP rank whole attention heads (and an equal FFN slice); use parallelism.tp in {ok}"
+        )
+
+
+def _cast_before_all_gather(module: nn.Module, args: tuple) -> tuple | None:
+    """Under autocast, cast the hidden states to the autocast dtype BEFORE PrepareModuleInput all-gathers them.
+
+    Without FSDP the parameters (and so the residual stream and norm outputs) are fp32, while the first consumer
+    (a Linear under autocast) casts its input to bf16 anyway: casting first gives the same numbers and halves the
+    bytes of every TP all-gather. A no-op when autocast is off (CPU fp32, FSDP bf16 params).
+    """
+    x = args[0] if args else None
+    if x is None or not x.is_floating_point():
+        return None
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    if x.dtype == dtype:
+        return None
+    return (x.to(dtype), *args[1:])
+
+
+def _gathers_input(style: ParallelStyle) -> bool:
+    """True for styles that redistribute (all-gather) the module's input: PrepareModuleInput, or a column-wise
+    Linear whose input arrives sequence-sharded."""
+    if isinstance(style, PrepareModuleInput):
+        return True
+    return isinstance(style, ColwiseParallel) and isinstance(style.input_layouts[0], Shard)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` per `plan` in place; returns it.
+
+    Top-level plan entries whose module is None (pipeline stages without tok_embeddings/norm/output) are skipped;
+    `*` entries match whatever blocks the stage holds.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp: tp_mesh must be 1-D, got {tp_mesh.ndim}-D {tp_mesh}")
+    check_tp_divisibility(model, tp_mesh.size())
+    present = {k: v for k, v in plan.items() if "*" in k or _resolve(model, k)}
+    parallelize_module(model, tp_mesh, present)
+    # Prepended so it runs before the style's own pre-hook (the one that all-gathers).
+    for path, style in present.items():
+        if _gathers_input(style):
+            for module in _resolve(model, path):
+                module.register_forward_pre_hook(_cast_before_all_gather, prepend=True)
+    logger.info(f"tensor parallel {tp_mesh.size()} over {tp_mesh}:\n{describe_plan(present)}")
+    return model
+
+
+def _resolve(model: nn.Module, path: str) -> list[nn.Module]:
+    """Modules matching a plan path ("*" matches any child name), skipping None children."""
+    found = [model]
+    for atom in path.split("."):
+        found = [child for m in found for name, child in m.named_children() if atom in ("*", name)]
+    return found
+
+
+def maybe_enable_async_tp(tp_mesh: DeviceMesh, enable: bool, compile_enabled: bool) -> bool:
+    """Turn on inductor's micro-pipelined TP (all-gather/reduce-scatter fused with the matmuls through symmetric
+    memory) for the compiled blocks. Returns whether it is on; every other case logs why and keeps plain TP.
+
+    CUDA only. Symmetric memory is probed once with a rendezvous on the TP group (P2P over NVLink; NVLink
+    multicast is not needed: keep TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on machines where it must stay off), and
+    the TP ranks agree on the outcome so none of them compiles a different graph.
+    """
+    if not enable:
+        return False
+    if tp_mesh.device_type != "cuda":
+        logger.warning(f"parallelism.enable_async_tp: needs CUDA (mesh is on {tp_mesh.device_type}); "
+                       f"running synchronous TP")
+        return False
+    if not compile_enabled:
+        logger.warning("parallelism.enable_async_tp: needs compile.enable with 'model' in compile.components (the "
+                       "fusion is an inductor pass); running synchronous TP")
+        return False
+    import torch.distributed as dist
+    import torch._inductor.config as inductor_config
+
+    group = tp_mesh.get_group()
+    ok = torch.ones((), device="cuda")
+    reason = ""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        # Deprecated in newer torch (the rendezvous resolves groups by name) but still read by the async-TP
+        # pass on torch 2.11: call it where it exists, quietly.
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        probe = symm_mem.empty(1024, device="cuda")
+        symm_mem.rendezvous(probe, group.group_name)
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back, and say why
+        ok.zero_()
+        reason = f"{type(e).__name__}: {e}"
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item() < 1:
+        logger.warning(f"parallelism.enable_async_tp: symmetric memory unavailable on the TP group "
+                       f"({reason or 'failed on another TP rank'}); running synchronous TP")
+        return False
+    inductor_config._micro_pipeline_tp = True
+    logger.info(f"async TP on: inductor micro-pipelines the TP collectives of the compiled blocks over "
+                f"group {group.group_name}")
+    return True

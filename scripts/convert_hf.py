@@ -1,0 +1,69 @@
+"""Convert between Hugging Face Llama folders and titanlike checkpoints (local files only).
+
+    python scripts/convert_hf.py import HF_DIR OUT [--dtype float32]
+        HF_DIR: config.json + model.safetensors (or shards + model.safetensors.index.json) + tokenizer files.
+        OUT/step-0: a model-only titanlike checkpoint; train from it with
+            --checkpoint.initial_load_path=OUT --data.tokenizer=OUT/tokenizer/tokenizer.json
+    python scripts/convert_hf.py export CKPT OUT [--dtype bfloat16] [--tokenizer PATH] [--max-shard-gb 5]
+        CKPT: a checkpoint folder (newest complete step) or a step folder, written under any layout.
+        OUT: a folder transformers.LlamaForCausalLM.from_pretrained(OUT) loads.
+
+Errors (missing shard, unsupported architecture, existing output, damaged checkpoint) exit with status 2 and one
+line naming the file and what to do.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titanlike.checkpoint.layout import CheckpointError  # noqa: E402
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="HF folder -> titanlike checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out")
+    imp.add_argument("--dtype", choices=DTYPES, default=None, help="default: keep the HF tensors' dtype")
+    exp = sub.add_parser("export", help="titanlike checkpoint -> HF folder")
+    exp.add_argument("ckpt")
+    exp.add_argument("out")
+    exp.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    exp.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) to copy alongside")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--max-position-embeddings", type=int, default=None,
+                     help="default: the sequence length the checkpoint was trained with")
+    for sp in (imp, exp):
+        sp.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    from titanlike.checkpoint import hf
+
+    try:
+        if a.cmd == "import":
+            r = hf.import_hf(a.hf_dir, a.out, dtype=a.dtype, progress=not a.no_progress)
+            args = r["model_args"]
+            flavor = (f"--model.flavor={r['flavor']}" if r["flavor"] else
+                      "(no titanlike flavor has these shapes: add one to models/llama3/args.py)")
+            tok = f" --data.tokenizer={os.path.join(a.out, 'tokenizer', 'tokenizer.json')}" if r["tokenizer"] else ""
+            print(f"wrote {r['path']} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}).\n"
+                  f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} {flavor} "
+                  f"--model.vocab_size={args.vocab_size}{tok}")
+        else:
+            out = hf.export_hf(a.ckpt, a.out, dtype=a.dtype, tokenizer=a.tokenizer,
+                               max_shard_bytes=int(a.max_shard_gb * 2**30), progress=not a.no_progress,
+                               max_position_embeddings=a.max_position_embeddings)
+            print(f"wrote {out}: load it with transformers.LlamaForCausalLM.from_pretrained({out!r})")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

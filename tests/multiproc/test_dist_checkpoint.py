@@ -1,0 +1,131 @@
+"""Checkpoints across processes and layouts, with the real Trainer (checkpoint_worker.py does the torchrun side).
+
+- seed checkpoint (1 process) -> FSDP 2 and 1-process runs start from identical weights: same loss every step
+- exact resume: FSDP 2 run stopped after step 4 (async pinned-memory saves), resumed in fresh processes -> the
+  loss of every step equals the uninterrupted run's exactly
+- resharding: FSDP 2 step 4 -> 1 process, -> TP 2, -> FSDP 2 x TP 2 (the TP cases run once the llama3 plan
+  accepts tp > 1), training continues with the uninterrupted run's loss
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_worker import a_step4, make_cfg, seed_path
+from tests.launch import run_torchrun
+from titanlike.checkpoint import complete_steps
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+TOL = 1e-5  # FSDP vs one process in fp32 (different reduction order); resume in one layout must be exact
+
+
+def _tp_supported() -> bool:
+    """Whether the llama3 plan accepts tp > 1 yet (tensor parallel is being written alongside this)."""
+    from par_helpers import meta_model
+    from parallelize import get_plan
+    from titanlike.config.sections import JobConfig
+    from titanlike.parallel_dims import ParallelDims
+
+    try:
+        get_plan("llama3", "default")(meta_model(), ParallelDims(tp=2, dp_shard=1, world_size=2), JobConfig())
+    except ValueError as e:
+        return "do not implement" not in str(e)
+    except Exception:  # noqa: BLE001 - e.g. no mesh built: the plan got past the refusal
+        return True
+    return True
+
+
+def _single(root: str, name: str, **ckpt) -> dict[int, float]:
+    """A 1-process run (local batch 4 = FSDP 2's global batch) in this process."""
+    from titanlike.trainer import Trainer
+
+    trainer = Trainer(make_cfg(root, name, local_batch=4, deterministic=False, checkpoint=ckpt))
+    try:
+        return {h["step"]: h["loss"] for h in trainer.train()}
+    finally:
+        trainer.close()
+
+
+def _losses(run: dict) -> dict[int, float]:
+    return {int(k): v for k, v in run["losses"].items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    from titanlike.trainer import Trainer
+
+    seed = Trainer(make_cfg(root, "seed", deterministic=False, checkpoint={"create_seed_checkpoint": True}))
+    try:
+        seed.checkpointer.save_seed()
+    finally:
+        seed.close()
+    env = {"CKPT_TEST_TP": "1" if _tp_supported() else "0"}
+    run_torchrun(WORKER, 2, args=[root, "first"], timeout=240)
+    run_torchrun(WORKER, 2, args=[root, "resume"], timeout=240, env=env)
+    if env["CKPT_TEST_TP"] == "1":
+        run_torchrun(WORKER, 4, args=[root, "tp4"], timeout=240)
+    out = {}
+    for phase in ("first", "resume", "tp4"):
+        path = os.path.join(root, f"{phase}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out.update({f"{phase}.{k}": v for k, v in json.load(f).items()})
+    return root, out
+
+
+@pytest.mark.dist
+def test_seed_checkpoint_gives_fsdp_and_single_process_the_same_run(runs):
+    root, out = runs
+    assert complete_steps(seed_path(root)) == [0]
+    fsdp = _losses(out["first.A"])
+    single = _single(root, "C", enable=False, initial_load_path=seed_path(root))
+    assert sorted(fsdp) == sorted(single) == list(range(1, 7))
+    for step in fsdp:
+        assert single[step] == pytest.approx(fsdp[step], abs=TOL), step
+
+
+@pytest.mark.dist
+def test_exact_resume_after_stopping(runs):
+    root, out = runs
+    full, first, resumed = _losses(out["first.A"]), _losses(out["first.B"]), _losses(out["resume.B"])
+    assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6], (first, resumed)
+    for step, loss in {**first, **resumed}.items():
+        assert loss == full[step], f"step {step}: {loss} vs uninterrupted {full[step]}"  # bitwise
+    # keep_latest_k=1: only the newest complete step survives; async saves were committed and timed
+    assert complete_steps(os.path.join(root, "B", "checkpoint")) == [6]
+    stats = out["first.B"]["stats"]
+    assert [s.get("step") for s in stats if "step" in s] == [2, 4]
+    assert all(s["mode"] == "async_with_pinned_mem" and s["stall_s"] >= 0 for s in stats if "step" in s)
+    assert any(s.get("load_step") == 4 and s["full"] for s in out["resume.B"]["stats"])
+
+
+@pytest.mark.dist
+def test_reshard_fsdp2_to_one_process(runs):
+    root, out = runs
+    full = _losses(out["first.A"])
+    assert os.path.isdir(a_step4(root))
+    resumed = _single(root, "D", initial_load_path=a_step4(root), initial_load_model_only=False)
+    assert sorted(resumed) == [5, 6], resumed
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=TOL), step
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", ["resume.TP2", "tp4.FSDP2xTP2"])
+def test_reshard_fsdp2_to_tensor_parallel(runs, layout):
+    _, out = runs
+    if layout not in out:
+        pytest.skip("the llama3 plan does not accept tp > 1 yet")
+    full, resumed = _losses(out["first.A"]), _losses(out[layout])
+    assert sorted(resumed) == [5, 6], resumed
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=TOL), (layout, step)
+
+
+def teardown_module(module):
+    torch.use_deterministic_algorithms(False)

@@ -1,0 +1,54 @@
+"""titanlike/profiling.py: traces land on multiples of profile_freq (also after a resume), the trainer wires it, and
+the config rejects a schedule longer than its period."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titanlike.config import ConfigError
+from titanlike.config.load import config_from_dict
+from titanlike.config.validate import validate
+from titanlike.profiling import StepProfiler
+
+
+def _cfg(**kw):
+    return config_from_dict({"profiling": {"enable_profiling": True, **kw}}).profiling
+
+
+@pytest.mark.parametrize("start_step", [0, 3])
+def test_traces_end_on_multiples_of_freq(tmp_path, start_step):
+    prof = StepProfiler(_cfg(profile_freq=2, profile_warmup=0, profile_active=1), str(tmp_path), rank=0,
+                        device=torch.device("cpu"), start_step=start_step)
+    x = torch.randn(16, 16)
+    for step in range(start_step + 1, 7):
+        x = (x @ x).tanh()
+        prof.step(step)
+    prof.stop()
+    folders = sorted(p.name for p in (tmp_path / "profile_traces").iterdir())
+    assert folders == [f"iteration_{s}" for s in (2, 4, 6) if s > start_step], folders
+    for name in folders:
+        trace = tmp_path / "profile_traces" / name / "rank0_trace.json"
+        assert trace.stat().st_size > 0 and "aten::mm" in (trace.parent / "rank0_ops.txt").read_text()
+
+
+def test_trainer_writes_traces(tmp_path):
+    from titanlike.trainer import Trainer
+
+    cfg = config_from_dict({
+        "job": {"dump_folder": str(tmp_path), "run_name": "prof"}, "model": {"flavor": "debugmodel", "vocab_size": 256},
+        "training": {"steps": 4, "seq_len": 32, "local_batch_size": 2, "device": "cpu"}, "data": {"dataset": "mock"},
+        "lr_scheduler": {"warmup_steps": 1}, "metrics": {"log_freq": 2, "enable_tensorboard": False},
+        "profiling": {"enable_profiling": True, "profile_freq": 4, "profile_warmup": 1, "profile_active": 1,
+                      "enable_memory_snapshot": True}})  # snapshot: CUDA only, a warning on CPU
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert (tmp_path / "prof" / "profile_traces" / "iteration_4" / "rank0_trace.json").is_file()
+
+
+def test_schedule_longer_than_period_is_rejected():
+    cfg = config_from_dict({"profiling": {"enable_profiling": True, "profile_freq": 3, "profile_warmup": 3}})
+    with pytest.raises(ConfigError, match="profile_warmup"):
+        validate(cfg)

@@ -1,0 +1,243 @@
+"""Hugging Face Llama folders <-> titanlike checkpoints (the logic behind scripts/convert_hf.py).
+
+import: config.json + safetensors (one file, or shards with model.safetensors.index.json) -> OUT/step-0 (a
+    committed, model-only DCP step with meta.json, loadable by any layout via checkpoint.initial_load_path=OUT) and
+    OUT/tokenizer/ (the tokenizer files, for data.tokenizer). The model's FQN mapping and RoPE permutation of wq/wk
+    are the model's HF adapter (models/llama3/hf.py).
+export: a titanlike step (full or model-only, any layout) -> an HF folder that
+    transformers.LlamaForCausalLM.from_pretrained loads: config.json, safetensors shards + index. Read one layer
+    at a time, so memory stays near one shard.
+Neither overwrites anything: the output is written under a temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+import models
+from titanlike.checkpoint import layout
+from titanlike.checkpoint.layout import META, CheckpointError
+from titanlike.checkpoint.states import MODEL, full_model_state, quiet_dcp, read_meta_json, read_metadata, tensor_shapes
+
+SUPPORTED = {"LlamaForCausalLM": "llama3"}  # HF architecture -> titanlike model name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+
+def read_hf_config(hf_dir: str) -> tuple[dict, str]:
+    """config.json and the titanlike model name for its architecture; CheckpointError when unsupported."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} not found: give the folder an HF model was saved to (save_pretrained)")
+    with open(path) as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    name = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+    if name is None and not archs and config.get("model_type") == "llama":
+        name = "llama3"
+    if name is None:
+        raise CheckpointError(f"{path}: unsupported architecture {archs or config.get('model_type')!r}; "
+                              f"convert_hf handles {sorted(SUPPORTED)} (model_type 'llama')")
+    return config, name
+
+
+def shard_files(hf_dir: str) -> dict[str, list[str]]:
+    """safetensors file -> the tensor names it holds (per the index); CheckpointError naming a missing shard."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files: dict[str, list[str]] = {}
+        for key, fname in weight_map.items():
+            files.setdefault(fname, []).append(key)
+        for fname, keys in sorted(files.items()):
+            if not os.path.isfile(os.path.join(hf_dir, fname)):
+                raise CheckpointError(f"shard {os.path.join(hf_dir, fname)} is missing: {index} lists it for "
+                                      f"{len(keys)} tensors (e.g. {keys[0]}); download it again")
+        return files
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return {"model.safetensors": []}
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}; only safetensors "
+                          f"are read (re-save with save_pretrained(..., safe_serialization=True))")
+
+
+def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
+    """HF folder -> out_dir/step-0 (+ out_dir/tokenizer). Returns {"path", "model_args", "flavor"}."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    config, model_name = read_hf_config(hf_dir)
+    spec = models.get_spec(model_name)
+    try:
+        args = spec.hf_adapter.args_from_hf_config(config)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
+    files = shard_files(hf_dir)
+    final = layout.step_path(out_dir, 0)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
+    total = 0
+    for fname in files:
+        with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+            total += len(list(f.keys()))
+    hf_sd = {}
+    with _progress(total, "read HF shards", progress) as bar:
+        for fname in sorted(files):
+            with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+                for key in f.keys():
+                    hf_sd[key] = f.get_tensor(key)
+                    bar.update(1)
+    try:
+        sd = spec.hf_adapter.from_hf(hf_sd, args)
+    except KeyError as e:
+        raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
+    del hf_sd
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"{hf_dir} lacks the tensors for titanlike's {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''} (config.json says {args.n_layers} layers)")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise CheckpointError(f"{hf_dir}: {k} has shape {tuple(sd[k].shape)} but config.json implies {shape}")
+    if dtype:
+        sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
+    tmp = layout.prepare_tmp(out_dir, 0)
+    meta = {"model_name": model_name, "model_args": _asdict(args), "hf_source": os.path.abspath(hf_dir)}
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump(meta, f, indent=1)
+    shutil.copy(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "hf_config.json"))
+    with quiet_dcp():
+        dcp.save({MODEL: sd}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    saved_dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    layout.commit(tmp, final, {"step": 0, "world_size": 1, "model_only": True, "dtype": saved_dtype,
+                               "mode": "hf_import"})
+    tok = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))]
+    if tok:
+        os.makedirs(os.path.join(out_dir, "tokenizer"), exist_ok=True)
+        for n in tok:
+            shutil.copy(os.path.join(hf_dir, n), os.path.join(out_dir, "tokenizer", n))
+    flavor = next((name for name, fa in spec.flavors.items() if _same_shape(fa, args)), None)
+    return {"path": final, "model_args": args, "flavor": flavor, "tokenizer": bool(tok)}
+
+
+def _asdict(args) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(args)
+
+
+def _same_shape(a, b) -> bool:
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "rope_theta",
+            "use_scaled_rope")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def hf_config(args, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
+    """A transformers LlamaConfig dict for these ModelArgs (legacy rope keys: read by transformers 4.x and 5.x)."""
+    from models.common import ffn_hidden_dim
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of,
+                                                                     args.ffn_dim_multiplier),
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": max_position_embeddings or args.max_seq_len, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(dtype).replace("torch.", ""),
+        "rope_scaling": None,
+    }
+    if args.use_scaled_rope:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                               "low_freq_factor": args.rope_low_freq_factor,
+                               "high_freq_factor": args.rope_high_freq_factor,
+                               "original_max_position_embeddings": args.rope_original_max_position}
+    return cfg
+
+
+def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: str | None = None,
+              max_shard_bytes: int = 5 * 2**30, progress: bool = True,
+              max_position_embeddings: int | None = None) -> str:
+    """A titanlike step (or the newest complete step of a checkpoint folder) -> an HF folder. Returns its path."""
+    from safetensors.torch import save_file
+
+    info = layout.choose_step(ckpt_path, -1)
+    if info is None:
+        raise CheckpointError(f"{ckpt_path} holds no complete checkpoint step")
+    meta = read_meta_json(info.path)
+    if not meta.get("model_args"):
+        raise CheckpointError(f"{os.path.join(info.path, META)} is missing: cannot tell the model's shape")
+    spec = models.get_spec(meta["model_name"])
+    args = spec.args_cls(**meta["model_args"])
+    torch_dtype = getattr(torch, dtype)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not empty; nothing is overwritten: choose another folder")
+    shapes = tensor_shapes(read_metadata(info.path), MODEL)
+    # Groups read together (one layer, or the top-level tensors), then assigned to shards of <= max_shard_bytes.
+    groups: dict[str, list[str]] = {}
+    for k in sorted(shapes, key=lambda k: (k.startswith("layers."), _layer_index(k), k)):
+        groups.setdefault(".".join(k.split(".")[:2]) if k.startswith("layers.") else k.split(".")[0], []).append(k)
+    shards, size, cur = [], 0, []
+    for keys in groups.values():
+        nbytes = sum(_numel(shapes[k]) * torch_dtype.itemsize for k in keys)
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur += keys
+        size += nbytes
+    shards.append(cur)
+    tmp = out_dir.rstrip("/") + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    weight_map, total = {}, 0
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    with _progress(len(shapes), "export to HF", progress) as bar:
+        for name, keys in zip(names, shards):
+            part = full_model_state(info.path, keys=keys, dtype=torch_dtype)
+            hf_part = {k: v.contiguous() for k, v in spec.hf_adapter.to_hf(part, args).items()}
+            save_file(hf_part, os.path.join(tmp, name), metadata={"format": "pt"})
+            for k, v in hf_part.items():
+                weight_map[k] = name
+                total += v.numel() * v.element_size()
+            bar.update(len(keys))
+    if len(shards) > 1:
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config(args, torch_dtype, max_position_embeddings), f, indent=1)
+    if tokenizer:
+        src = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+        for n in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(src, n)):
+                shutil.copy(os.path.join(src, n), os.path.join(tmp, n))
+    if os.path.exists(out_dir):
+        os.rmdir(out_dir)  # empty (checked above)
+    os.rename(tmp, out_dir)
+    return out_dir
+
+
+def _layer_index(key: str) -> int:
+    parts = key.split(".")
+    return int(parts[1]) if key.startswith("layers.") and parts[1].isdigit() else -1
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

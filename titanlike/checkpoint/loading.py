@@ -1,0 +1,134 @@
+"""The load half of CheckpointManager (a mixin: it uses the manager's parts, optimizers and collectives)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+)
+
+from titanlike.checkpoint import layout
+from titanlike.checkpoint.layout import CheckpointError
+from titanlike.checkpoint.states import (
+    EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state, unpack,
+)
+
+logger = logging.getLogger("titanlike")
+_EXTRAS = ("lr_scheduler", "dataloader", "trainer")
+
+
+class LoadMixin:
+    def load(self, step: int | None = None) -> int:
+        """Restore cfg.load_step (-1: the newest complete step) or `step`; returns the step training resumes
+        after (0 when starting fresh). With nothing saved yet, starts from cfg.initial_load_path if set: its weights
+        only (initial_load_model_only, the default: step 0) or its full state."""
+        if not self.cfg.enable:
+            return 0
+        want = self.cfg.load_step if step is None else step
+        info = self._rank0_do(layout.choose_step, self.folder, want)
+        if info is not None:
+            return self._load_step(info, model_only=False)
+        initial = getattr(self.cfg, "initial_load_path", "")
+        if initial:
+            info = self._rank0_do(layout.choose_step, initial, -1)
+            if info is None:
+                raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
+            return self._load_step(info, model_only=getattr(self.cfg, "initial_load_model_only", True))
+        logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
+        return 0
+
+    def _agree(self, fn, *args):
+        """Run a check on every rank; if it fails on any rank, raise on all of them (no rank may enter DCP's
+        collectives alone)."""
+        err, out = None, None
+        try:
+            out = fn(*args)
+        except CheckpointError as e:
+            err = str(e)
+        if self._ctl is not None:
+            errs = [None] * self.world
+            dist.all_gather_object(errs, err, group=self._ctl)
+            err = next((e for e in errs if e), None)
+        if err:
+            raise CheckpointError(err)
+        return out
+
+    def _load_step(self, info: layout.StepInfo, model_only: bool) -> int:
+        t0 = time.perf_counter()
+        path = info.path
+        md = self._agree(read_metadata, path)
+        keys = md.state_dict_metadata
+        full = not model_only and bool(self.optimizers) and any(k.startswith(OPTIM + ".") for k in keys)
+        model_sd = self._model_sd()
+        self._agree(check_model_matches, md, model_sd, path, self.strict)
+        target = {MODEL: model_sd}
+        if full:
+            target[OPTIM] = self._optim_sd()
+            wanted = {*_EXTRAS, f"rng.rank{self.rank}"}
+            target[EXTRA] = {k[len(EXTRA) + 1:]: b"" for k in keys
+                             if k.startswith(EXTRA + ".") and k[len(EXTRA) + 1:] in wanted}
+        try:
+            with self._quiet():
+                dcp.load(target, storage_reader=FileSystemReader(path), no_dist=not self.dist)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise CheckpointError(f"checkpoint: reading {path} failed ({layout.describe_error(e)}); the step is "
+                                  f"damaged: load another one with --checkpoint.load_step") from None
+        # Missing/extra keys were checked above; strict=False lets each part take its keys from the merged dict.
+        for part in self.parts:
+            set_model_state_dict(part, target[MODEL], options=StateDictOptions(strict=False))
+        if full:
+            for part, opt in zip(self.parts, self.optimizers):
+                set_optimizer_state_dict(part, opt, target[OPTIM], options=self._flat)
+            self._load_extra(target[EXTRA], path)
+        elapsed = self._all_max([time.perf_counter() - t0])[0]
+        what = "full training state" if full else "model weights only (optimizer, LR schedule and data start fresh)"
+        logger.info(f"checkpoint: loaded {what} of step {info.step} from {path} in {elapsed:.2f} s")
+        self.stats.append({"load_step": info.step, "load_s": elapsed, "full": full})
+        return int(getattr(self.trainer, "step", info.step)) if full else 0
+
+    def _load_extra(self, extra: dict, path: str) -> None:
+        for name in _EXTRAS:
+            obj = getattr(self, name, None)
+            if obj is None:
+                continue
+            if name not in extra:
+                logger.warning(f"checkpoint: {path} has no {name} state; it starts fresh")
+                continue
+            obj.load_state_dict(unpack(extra[name], name, path))
+        rng = extra.get(f"rng.rank{self.rank}")
+        if rng is not None:
+            set_rng_state(unpack(rng, "RNG", path))
+        elif self.rank == 0:
+            logger.info(f"checkpoint: {path} holds no RNG state for some ranks (written by fewer ranks): they keep "
+                        f"their seeded RNGs")
+
+
+def load_model_weights(path: str, model, strict: bool = True) -> int:
+    """One process, no CheckpointManager: load the weights of a step folder (or the newest complete step of a
+    checkpoint folder; full or model-only, any layout, any saved dtype) into `model`, e.g. for evaluation.
+    Returns the step loaded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanlike.checkpoint.states import quiet_dcp
+
+    info = layout.choose_step(path, -1)
+    if info is None:
+        raise CheckpointError(f"{path} holds no complete checkpoint step")
+    md = read_metadata(info.path)
+    sd = get_model_state_dict(model)
+    check_model_matches(md, sd, info.path, strict)
+    try:
+        with quiet_dcp():
+            dcp.load({MODEL: sd}, storage_reader=FileSystemReader(info.path), no_dist=not dist.is_initialized())
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"checkpoint: reading {info.path} failed ({layout.describe_error(e)})") from None
+    set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
+    return info.step

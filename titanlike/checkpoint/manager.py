@@ -1,0 +1,368 @@
+"""CheckpointManager: the full training state over torch.distributed.checkpoint (DCP), saved so no run is lost.
+
+State: model and optimizer (DCP's `get_state_dict`/`set_state_dict`: sharded DTensors with plain FQNs, so any
+layout loads any other), LR scheduler, data loader position, trainer counters, per-rank RNG (see states.py).
+Layout and commit protocol: layout.py. Saves happen every `interval` steps and at the last step, in one of three
+modes:
+
+  disabled               synchronous `dcp.save`; the loop waits for the write.
+  async                  the loop waits only while the state is copied to CPU memory, then a thread writes it.
+  async_with_pinned_mem  the copy goes to cached pinned (shared) memory on a background stream, overlapping the
+                         next step's forward/backward; the loop waits for it (if at all) just before the next
+                         optimizer step, and a separate process writes the files (no GIL contention).
+
+An async save is committed (marker written) once every rank's write finished: checked each step with one small
+all-reduce on a gloo group while a save is in flight, or at the next save / close(). The stall the loop saw and
+the write time are logged per save (max over ranks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from titanlike.checkpoint import layout
+from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
+from titanlike.checkpoint.loading import LoadMixin
+from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, pack, quiet_dcp, rng_state
+
+logger = logging.getLogger("titanlike")
+# Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
+# model parts (pipeline stages) merges into one dict, and loads back into any other split of the model.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    tmp: str
+    final: str
+    upload: Future
+    staging: Future | None
+    t_start: float
+    stall: float
+    marker: dict
+
+
+def _make_pinned_stager():
+    """DCP's DefaultStager (torch >= 2.9; torchtitan 0.2.2 on torch 2.11 uses it): cached pinned + shared CPU
+    buffers filled on a side stream. CPU-only machines get the same without pinning/non-blocking copies."""
+    cuda = torch.cuda.is_available()
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # older torch: a blocking copy into cached pinned memory
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        logger.warning("checkpoint: this torch has no DefaultStager; async_with_pinned_mem stages synchronously")
+        return BlockingAsyncStager(cache_staged_state_dict=cuda)
+    opts = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                          use_non_blocking_copy=cuda)
+    return DefaultStager(opts)
+
+
+class CheckpointManager(LoadMixin):
+    """Save/load the training state under `folder` (usually <run dir>/<checkpoint.folder>).
+
+    `model` is a module or a list of model parts (pipeline stages: their FQNs are the whole model's); `optimizer`
+    an optimizer, a list paired with the parts, or a container with `.optimizers`. `trainer` (optional) provides
+    `state_dict()` / `load_state_dict()` for its counters (step, tokens seen). `strict=False` lets the checkpoint
+    hold model keys this process does not have (a pipeline rank holds only its stages).
+    Every method must be called on every rank (they synchronise). With `cfg.enable` false (and no seed
+    checkpoint requested) every method is a no-op, so callers need no conditionals.
+    """
+
+    def __init__(self, cfg, folder: str, *, model, optimizer=None, lr_scheduler=None,
+                 dataloader=None, trainer=None, model_name: str = "", model_args: Any = None,
+                 config_toml: str = "", strict: bool = True):
+        self.cfg, self.folder = cfg, folder
+        self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
+        opts = optimizer if isinstance(optimizer, (list, tuple)) else getattr(optimizer, "optimizers", [optimizer])
+        self.optimizers = [o for o in opts if o is not None]
+        if self.optimizers and len(self.optimizers) != len(self.parts):
+            raise ValueError(f"CheckpointManager: {len(self.optimizers)} optimizers for {len(self.parts)} model parts")
+        self.lr_scheduler = lr_scheduler
+        self.dataloader, self.trainer, self.strict = dataloader, trainer, strict
+        self.enabled = bool(cfg.enable or getattr(cfg, "create_seed_checkpoint", False))
+        self.meta = {"model_name": model_name,
+                     "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None}
+        self.config_toml = config_toml
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.dist else 0
+        self.world = dist.get_world_size() if self.dist else 1
+        self.stats: list[dict] = []  # one dict per committed save: step, mode, stall_s, write_s (tests/benchmarks)
+        self._pending: _Pending | None = None
+        self._staging_done = True
+        self.mode = cfg.async_mode if self.enabled else "disabled"
+        # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
+        # interleave with the training collectives, nor with the writer's own collectives.
+        self._ctl = dist.new_group(backend="gloo") if self.enabled and self.world > 1 else None
+        self._async_pg = None
+        self._stager = None
+        if self.mode != "disabled" and self.world > 1:
+            self._async_pg = dist.new_group(backend="gloo")  # async_save needs a CPU-capable group
+        if self.mode == "async_with_pinned_mem":
+            self._stager = _make_pinned_stager()
+
+    _flat = _FLAT
+    _quiet = staticmethod(quiet_dcp)
+
+    # ------------------------------------------------------------------------------------------ collectives
+    def _barrier(self) -> None:
+        if self._ctl is not None:
+            dist.barrier(group=self._ctl)
+
+    def _rank0_do(self, fn, *args) -> Any:
+        """Run fn on rank 0 only; its result or its error reaches every rank (so no rank hangs on a failure)."""
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn(*args))
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                box[0] = ("err", e)
+        if self._ctl is not None:
+            dist.broadcast_object_list(box, src=0, group=self._ctl)
+        status, value = box[0]
+        if status == "err":
+            raise value if isinstance(value, CheckpointError) else CheckpointError(
+                f"checkpoint: {type(value).__name__}: {value}")
+        return value
+
+    def _all_max(self, values: list[float]) -> list[float]:
+        if self._ctl is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl)
+        return t.tolist()
+
+    # ------------------------------------------------------------------------------------------ state
+    def _model_sd(self) -> dict:
+        sd = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        return sd
+
+    def _optim_sd(self) -> dict:
+        sd = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            sd.update(get_optimizer_state_dict(part, opt, options=self._flat))
+        return sd
+
+    def _state_dict(self, model_only: bool, dtype: torch.dtype | None) -> dict:
+        if model_only or not self.optimizers:
+            sd = self._model_sd()
+            if dtype is not None:
+                sd = {k: v.detach().to(dtype) for k, v in sd.items()}
+            return {MODEL: sd}
+        model_sd, optim_sd = self._model_sd(), self._optim_sd()
+        extra = {f"rng.rank{self.rank}": pack(rng_state())}
+        for name, obj in (("lr_scheduler", self.lr_scheduler), ("dataloader", self.dataloader),
+                          ("trainer", self.trainer)):
+            if obj is not None:
+                extra[name] = pack(obj.state_dict())
+        return {MODEL: model_sd, OPTIM: optim_sd, EXTRA: extra}
+
+    def _writer(self, path: str) -> FileSystemWriter:
+        return FileSystemWriter(path, thread_count=max(1, int(getattr(self.cfg, "io_threads", 1))))
+
+    def _marker(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict:
+        return {"step": step, "world_size": self.world, "model_only": model_only,
+                "dtype": str(dtype).replace("torch.", "") if dtype else None, "mode": self.mode}
+
+    # ------------------------------------------------------------------------------------------ save
+    def maybe_save(self, step: int, last_step: bool = False) -> None:
+        """Called after every optimizer step: commits a finished async save, saves on interval / last step."""
+        if not self.enabled:
+            return
+        self._finish_pending(block=False)
+        if self.cfg.enable and (step % self.cfg.interval == 0 or last_step):
+            self.save(step)
+        if last_step and self.cfg.enable and getattr(self.cfg, "model_only_export", False):
+            self.export(step)
+
+    def save(self, step: int) -> None:
+        """Save the full training state as step-<step> (async per cfg.async_mode)."""
+        self._finish_pending(block=True)  # one save in flight at a time (the wait is the previous save's stall)
+        t0 = time.perf_counter()
+        final = layout.step_path(self.folder, step)
+        tmp = self._rank0_do(self._prepare, step, "step")
+        self._barrier()  # the folder exists before any rank writes into it
+        sd = self._state_dict(model_only=False, dtype=None)
+        marker = self._marker(step, False, None)
+        if self.mode == "disabled":
+            self._write_sync(sd, tmp, step)
+            write = time.perf_counter() - t0
+            self._commit(step, tmp, final, marker, stall=write, write=write)
+            return
+        try:
+            # The writer process joins its own process group, so it needs one to exist (torchrun); a lone
+            # process writes from a thread instead.
+            kind = AsyncCheckpointerType.PROCESS if self.mode == "async_with_pinned_mem" and self.dist else \
+                AsyncCheckpointerType.THREAD
+            kwargs = {"async_stager": self._stager} if self._stager is not None else {}
+            ret = dcp.async_save(sd, storage_writer=self._writer(tmp), process_group=self._async_pg,
+                                 async_checkpointer_type=kind, no_dist=not self.dist, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self._fail(step, tmp, e)
+        upload, staging = (ret.upload_completion, ret.staging_completion) if hasattr(ret, "upload_completion") \
+            else (ret, None)
+        self._staging_done = staging is None
+        self._pending = _Pending(step, tmp, final, upload, staging, t0, time.perf_counter() - t0, marker)
+
+    def export(self, step: int) -> None:
+        """Model weights only, in cfg.export_dtype, as export-step-<step>: the release artifact (sync)."""
+        self._finish_pending(block=True)
+        dtype = getattr(torch, getattr(self.cfg, "export_dtype", "float32"))
+        t0 = time.perf_counter()
+        tmp = self._rank0_do(self._prepare, step, "export-step")
+        self._barrier()
+        self._write_sync(self._state_dict(model_only=True, dtype=dtype), tmp, step)
+        write = time.perf_counter() - t0
+        self._commit(step, tmp, layout.step_path(self.folder, step, "export-step"),
+                     self._marker(step, True, dtype), stall=write, write=write, prune=False)
+
+    def save_seed(self) -> None:
+        """--checkpoint.create_seed_checkpoint: this process's freshly initialised weights as step-0 (weights
+        only), so runs under any layout start from identical weights."""
+        if self.world > 1:
+            raise CheckpointError(f"create_seed_checkpoint must run on one process (world size is {self.world}): "
+                                  f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint`")
+        existing = layout.complete_steps(self.folder)
+        if existing:
+            raise CheckpointError(f"{self.folder} already holds checkpoint steps {existing}; a seed checkpoint "
+                                  f"would not be used (and nothing is overwritten): pick another --job.run_name "
+                                  f"or --checkpoint.folder")
+        t0 = time.perf_counter()
+        tmp = self._prepare(0, "step")
+        self._write_sync(self._state_dict(model_only=True, dtype=None), tmp, 0)
+        write = time.perf_counter() - t0
+        self._commit(0, tmp, layout.step_path(self.folder, 0), self._marker(0, True, None), stall=write,
+                     write=write, prune=False)
+
+    def _prepare(self, step: int, prefix: str) -> str:
+        try:
+            tmp = layout.prepare_tmp(self.folder, step, prefix)
+            for name, text in ((META, json.dumps(self.meta, indent=1)), (CONFIG, self.config_toml)):
+                if text:
+                    with open(os.path.join(tmp, name), "w") as f:
+                        f.write(text)
+            return tmp
+        except OSError as e:
+            why = layout.describe_error(e)
+            raise CheckpointError(f"checkpoint: cannot create {layout.step_path(self.folder, step, prefix)}.tmp: "
+                                  f"{why}; earlier checkpoints are untouched") from None
+
+    def _write_sync(self, sd: dict, tmp: str, step: int) -> None:
+        try:
+            with self._quiet():
+                dcp.save(sd, storage_writer=self._writer(tmp), no_dist=not self.dist)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self._fail(step, tmp, e)
+
+    def _fail(self, step: int, tmp: str, exc: BaseException) -> None:
+        """A save failed: drop its own unfinished folder (never anything else) and say why, on every rank."""
+        why = layout.describe_error(exc)
+        self._pending = None
+        try:
+            self._barrier()
+        except Exception:  # noqa: BLE001 - a peer may be gone; the error below is what matters
+            pass
+        if self.rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = layout.complete_steps(self.folder)
+        raise CheckpointError(f"checkpoint: saving step {step} failed: {why}. Earlier checkpoints are untouched "
+                              f"(complete steps in {self.folder}: {kept or 'none'})") from None
+
+    def _commit(self, step: int, tmp: str, final: str, marker: dict, *, stall: float, write: float,
+                prune: bool = True) -> None:
+        self._barrier()  # every rank's files are written
+        stall, write = self._all_max([stall, write])
+        self._rank0_do(layout.commit, tmp, final, dict(marker, stall_s=round(stall, 3), write_s=round(write, 3)))
+        deleted = self._rank0_do(layout.prune, self.folder, self.cfg.keep_latest_k, step) if prune else []
+        self.stats.append({"step": step, "mode": marker["mode"], "stall_s": stall, "write_s": write})
+        if marker["mode"] == "disabled" or marker["model_only"]:
+            msg = f"saved in {write:.2f} s (the training loop waited for all of it)"
+        else:
+            msg = f"training loop stalled {stall:.2f} s, written in the background in {write:.2f} s"
+        logger.info(f"checkpoint: step {step} committed to {final}: {msg}"
+                    + (f"; removed old steps {deleted}" if deleted else ""))
+        newer = [s for s in layout.complete_steps(self.folder) if s > step] if self.rank == 0 else []
+        if newer and prune:
+            logger.warning(f"checkpoint: {self.folder} holds steps {newer} beyond this run's step {step} (from "
+                           f"before it went back): load_step=-1 would resume from {newer[-1]}; move them away if "
+                           f"this run supersedes them")
+
+    def wait_for_staging(self) -> None:
+        """Call before optimizer.step(): the pinned-memory copy of the last save must finish before the weights
+        change. The wait counts as that save's stall."""
+        p = self._pending
+        if p is None or self._staging_done or p.staging is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            p.staging.result()
+        except Exception as e:  # noqa: BLE001
+            self._fail(p.step, p.tmp, e)
+        p.stall += time.perf_counter() - t0
+        self._staging_done = True
+
+    def _finish_pending(self, block: bool, count_stall: bool = True) -> None:
+        """Commit the async save in flight once every rank's write is done. block=False: only if all are done
+        already (one small all-reduce). A blocking wait counts as that save's stall unless count_stall=False
+        (close(): training is over)."""
+        p = self._pending
+        if p is None:
+            return
+        if not block:
+            done = torch.tensor([1.0 if p.upload.done() else 0.0])
+            if self._ctl is not None:
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._ctl)
+            if done.item() < 1:
+                return
+        t0 = time.perf_counter()
+        err = None
+        for fut in ([p.staging] if p.staging is not None and not self._staging_done else []) + [p.upload]:
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                err = err or e
+        self._staging_done = True
+        if block and count_stall:
+            p.stall += time.perf_counter() - t0
+        errs = [None if err is None else layout.describe_error(err)]
+        if self._ctl is not None:
+            errs = [None] * self.world
+            dist.all_gather_object(errs, None if err is None else layout.describe_error(err), group=self._ctl)
+        bad = [(r, e) for r, e in enumerate(errs) if e]
+        if bad:
+            self._fail(p.step, p.tmp, err or RuntimeError(f"rank {bad[0][0]}: {bad[0][1]}"))
+        self._pending = None
+        self._commit(p.step, p.tmp, p.final, p.marker, stall=p.stall, write=time.perf_counter() - p.t_start)
+
+    def close(self) -> None:
+        """Finish (and commit) an async save still in flight; release staging buffers."""
+        if self.enabled:
+            self._finish_pending(block=True, count_stall=False)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None

@@ -1,0 +1,253 @@
+"""JSONL -> Megatron indexed .bin/.idx, command-compatible with Megatron's tools/preprocess_data.py (common flags).
+
+    python scripts/preprocess_data.py --input data.jsonl[.gz] --output-prefix out/my --json-keys text \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 8
+
+writes out/my_text_document.{bin,idx} (one pair per json key, as Megatron names them) plus .stats.json. The main
+process reads lines and writes output in input order; `--workers` processes parse JSON and tokenise chunks of lines,
+so the output is byte-identical for any worker count. Bad lines (invalid JSON, missing key, non-UTF-8, empty
+document) are skipped, counted and listed with file:line at the end; `--strict` stops at the first one and leaves
+no output. Files are written under temporary names and renamed when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import itertools
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from titanlike.data.indexed import IndexedDatasetWriter, optimal_dtype
+from titanlike.data.streaming import expand_files, parse_json_line
+
+# A task is 256 lines or 1 MB, whichever comes first: small enough for a live bar and to spread a few huge
+# documents over the workers, large enough to amortise the pickling.
+_CHUNK_LINES, _CHUNK_BYTES = 256, 1 << 20
+_SHOWN_BAD = 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, nargs="+", help="JSONL file(s) (.gz too), globs or folders")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output per key")
+    g.add_argument("--split-sentences", action="store_true", help="(Megatron) not supported: documents only")
+    g.add_argument("--keep-newlines", action="store_true", help="(Megatron, with --split-sentences) accepted")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="auto",
+                   help="HuggingFaceTokenizer | GPT2BPETokenizer | TikTokenizer | Llama3Tokenizer | "
+                        "SentencePieceTokenizer | Llama2Tokenizer | GPTSentencePieceTokenizer | NullTokenizer | "
+                        "builtin | auto")
+    g.add_argument("--tokenizer-model", default="", help="tokenizer.json / tokenizer.model file or folder")
+    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
+    g.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
+    g.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids are below this")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
+    g.add_argument("--prepend-bos", action="store_true", help="prepend the BOS token to every document")
+    g.add_argument("--eod-token", default="", help="text of the EOD token (default: the tokenizer's EOS)")
+    g.add_argument("--lang", default="english", help="(Megatron, sentence splitting) accepted, unused")
+    g.add_argument("--cache-dir", default="", help="builtin tokenizer cache (default ~/.cache/titanlike)")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="path prefix; writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="(Megatron) only mmap exists")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenising processes (1 = in this process)")
+    g.add_argument("--partitions", type=int, default=1, help="(Megatron) accepted; input is streamed, not split")
+    g.add_argument("--log-interval", type=int, default=1000, help="(Megatron) accepted; a live bar shows progress")
+    g.add_argument("--keep-sequential-samples", action="store_true", help="(Megatron) accepted: order is kept")
+    g.add_argument("--strict", action="store_true", help="stop at the first bad line (no output is left)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def tokenizer_config(args) -> SimpleNamespace:
+    """A data-config-like object for titanlike.tokenizer.build_tokenizer from the Megatron flags."""
+    return SimpleNamespace(tokenizer=args.tokenizer_model or "builtin", tokenizer_type=args.tokenizer_type,
+                           tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, builtin_vocab_size=2048, cache_dir=args.cache_dir,
+                           null_vocab_size=args.vocab_size, bos_token="", eos_token="", eod_token=args.eod_token)
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+
+_W: dict = {}
+
+
+def _init_worker(tok_cfg, keys, append_eod, prepend_bos, dtype) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
+    from titanlike.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(tok_cfg)
+    _W.update(tok=tok, keys=keys, post=[tok.eod_id] if append_eod else [], pre=[tok.bos_id] if prepend_bos else [],
+              dtype=dtype)
+
+
+def _encode_chunk(chunk: list[tuple[int, int, bytes]]):
+    """Lines -> (per key: tokens, doc lengths), bad lines [(file, line, why)], documents kept."""
+    keys, tok, pre, post = _W["keys"], _W["tok"], _W["pre"], _W["post"]
+    good: list[tuple[int, int]] = []
+    texts: dict[str, list[str]] = {k: [] for k in keys}
+    bad = []
+    for f, lineno, raw in chunk:
+        got = {}
+        for k in keys:
+            text, err = parse_json_line(raw, k)
+            if err:
+                bad.append((f, lineno, err))
+                break
+            got[k] = text
+        else:
+            good.append((f, lineno))
+            for k in keys:
+                texts[k].append(got[k])
+    # One encode per document: with the Rust thread pool off (one core per worker) this beats encode_batch.
+    ids = {k: [tok.encode(t) for t in texts[k]] for k in keys}
+    kept = []
+    for i, (f, lineno) in enumerate(good):
+        if any(not ids[k][i] for k in keys):  # e.g. whitespace that a tokenizer drops: as empty as ""
+            bad.append((f, lineno, "empty document (no tokens)"))
+        else:
+            kept.append(i)
+    out = {}
+    for k in keys:
+        docs = [pre + ids[k][i] + post for i in kept]
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=_W["dtype"], count=int(lengths.sum()))
+        out[k] = (flat, lengths)
+    bad.sort(key=lambda b: (b[0], b[1]))
+    return out, bad, len(kept)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+def _read_chunks(files: list[str], progress):
+    for fi, path in enumerate(files):
+        raw_file = open(path, "rb")
+        f = gzip.open(raw_file) if path.endswith(".gz") else raw_file
+        last = 0
+        with raw_file, f:
+            chunk, size = [], 0
+            for lineno, line in enumerate(f, 1):
+                chunk.append((fi, lineno, line))
+                size += len(line)
+                if len(chunk) == _CHUNK_LINES or size >= _CHUNK_BYTES:
+                    yield chunk
+                    chunk, size = [], 0
+                    pos = raw_file.tell()
+                    progress(pos - last)
+                    last = pos
+            if chunk:
+                yield chunk
+            progress(os.path.getsize(path) - last)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children: throughput per CPU-second is comparable on a busy box."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run(args) -> dict:
+    """Preprocess; returns a summary dict. Raises SystemExit(1) on --strict failures."""
+    from tqdm import tqdm
+
+    from titanlike.tokenizer import build_tokenizer
+
+    if args.split_sentences:
+        raise SystemExit("error: --split-sentences is not supported (it needs NLTK); preprocess whole documents")
+    if args.workers < 1:
+        raise SystemExit(f"error: --workers={args.workers} must be >= 1")
+    files = expand_files(args.input, key="--input")
+    tok_cfg = tokenizer_config(args)
+    tok = build_tokenizer(tok_cfg)
+    dtype = optimal_dtype(tok.vocab_size)
+    keys = list(args.json_keys)
+    writers = {k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype) for k in keys}
+    init = (tok_cfg, keys, args.append_eod, args.prepend_bos, dtype)
+    bad_counts: collections.Counter = collections.Counter()
+    shown: list[str] = []
+    docs = tokens = 0
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    bar = tqdm(total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True, desc="preprocessing",
+               disable=args.no_progress, mininterval=0.5, file=sys.stderr)
+    pool = None
+    try:
+        if args.workers == 1:
+            _init_worker(*init)
+            results = map(_encode_chunk, _read_chunks(files, bar.update))
+        else:
+            pool = mp.get_context("fork" if hasattr(os, "fork") else "spawn").Pool(
+                args.workers, initializer=_init_worker, initargs=init)
+            results = pool.imap(_encode_chunk, _read_chunks(files, bar.update))
+        for out, bad, n in results:
+            for f, lineno, why in bad:
+                where = f"{files[f]}:{lineno}: {why}"
+                if args.strict:
+                    raise SystemExit(f"error: bad input line (--strict): {where}. Fix or drop the line, or run "
+                                     "without --strict to skip bad lines")
+                bad_counts[why.split(" (")[0]] += 1
+                if len(shown) < _SHOWN_BAD:
+                    shown.append(where)
+            for k in keys:
+                writers[k].add_documents(*out[k])
+            docs += n
+            tokens += int(out[keys[0]][0].size)
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{docs / dt:,.0f} docs/s, {tokens / dt:,.0f} tok/s", refresh=False)
+        if pool is not None:
+            pool.close()
+            pool.join()  # reaped workers count in RUSAGE_CHILDREN below
+            pool = None
+        elapsed = time.perf_counter() - t0
+        cpu = _cpu_seconds() - cpu0
+        summary = {"cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": tokens / max(cpu, 1e-9),"documents": docs, "tokens": tokens, "bad_lines": sum(bad_counts.values()),
+                   "bad_by_reason": dict(bad_counts), "seconds": round(elapsed, 3),
+                   "docs_per_s": docs / max(elapsed, 1e-9), "tokens_per_s": tokens / max(elapsed, 1e-9),
+                   "workers": args.workers, "inputs": files}
+        meta = {"tokenizer": repr(tok), "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+                "append_eod": args.append_eod, "eod_id": tok.eod_id, "bad_lines": summary["bad_lines"]}
+        summary["outputs"] = [writers[k].finalize({**meta, "json_key": k}) for k in keys]
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    print(f"preprocessed {docs:,} documents, {tokens:,} tokens from {len(files)} file(s) in {elapsed:.1f}s "
+          f"({summary['docs_per_s']:,.0f} docs/s, {summary['tokens_per_s']:,.0f} tokens/s, {args.workers} "
+          f"worker(s); {summary['tokens_per_cpu_s']:,.0f} tokens per CPU-second over {cpu:.1f} CPU-s) -> "
+          f"{', '.join(p + '.bin/.idx' for p in summary['outputs'])}", file=sys.stderr)
+    if bad_counts:
+        reasons = ", ".join(f"{n} {why}" for why, n in bad_counts.most_common())
+        print(f"skipped {summary['bad_lines']} bad line(s): {reasons}", file=sys.stderr)
+        for line in shown:
+            print(f"  {line}", file=sys.stderr)
+        if summary["bad_lines"] > len(shown):
+            print(f"  ... and {summary['bad_lines'] - len(shown)} more (use --strict to stop at the first)",
+                  file=sys.stderr)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        raise
+    return 0
