@@ -16,7 +16,9 @@ from torch.distributed.tensor.parallel import (
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
 from parallelize.fsdp import apply_fsdp
-from parallelize.tp import ReplicateParallel, apply_tp, maybe_enable_async_tp
+from parallelize.tp import (
+    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
+)
 from titanlike.parallel_dims import ParallelDims
 
 
@@ -63,8 +65,9 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True)
     """Module path -> DTensor style, applied in this order (see parallelize/tp.py for the layouts it produces)."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
     plan: dict[str, ParallelStyle] = {
-        # Vocabulary-sharded rows; token ids arrive replicated on every TP rank.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Vocabulary-sharded rows; token ids arrive replicated on every TP rank. (SyncOutput*: the output feeds
+        # compiled code, see parallelize/tp.py.)
+        "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "layers.*.attention_norm": SequenceParallel(),
         # (hidden, rope_cache): one all-gather feeds wq, wk and wv; the RoPE table stays a plain tensor.
         "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
@@ -79,8 +82,8 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True)
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
         "norm": SequenceParallel(),
         # Loss parallel keeps the logits vocabulary-sharded (a DTensor, so loss_parallel() sees the sharding).
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else
+                                            Replicate(), use_local_output=not loss_parallel),
     }
     if not sequence_parallel:  # the norms then see the whole sequence on every rank: replicated parameters
         plan = {k: ReplicateParallel() if isinstance(v, SequenceParallel) else v for k, v in plan.items()}

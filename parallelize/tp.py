@@ -29,10 +29,36 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    RowwiseParallel,
     parallelize_module,
 )
 
 logger = logging.getLogger("titanlike")
+
+
+class _SyncOutput:
+    """Finish the output redistribute before handing out the local tensor.
+
+    torch's Colwise/RowwiseParallel redistribute their output with async_op=True, so `to_local()` returns an
+    AsyncCollectiveTensor. Fed into a torch.compile'd region (the first compiled block after the embedding, the
+    compiled loss after the output layer), its backward skips the DTensor wrapping and fails ("'Tensor' object
+    has no attribute '_local_tensor'", torch 2.13). The consumer needs the value at once anyway, so waiting here
+    costs nothing. (Same signature as torch's own static hook, unchanged since torch 2.2.)
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
+class SyncOutputRowwiseParallel(_SyncOutput, RowwiseParallel):
+    """RowwiseParallel whose (local) output is a plain tensor: for modules feeding compiled code."""
+
+
+class SyncOutputColwiseParallel(_SyncOutput, ColwiseParallel):
+    """ColwiseParallel whose (local) output is a plain tensor: for modules feeding compiled code."""
 
 
 class ReplicateParallel(ParallelStyle):

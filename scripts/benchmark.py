@@ -5,7 +5,8 @@
     python scripts/benchmark.py --matrix bench.toml --out $OUT/bench.json   # cases from a TOML file
 
 Every axis option takes a comma-separated list; the matrix is their product. A TOML matrix has an optional
-`[defaults]` table and `[[case]]` tables (axis = value or list; lists expand), applied over the command line's axes.
+`[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
+[defaults] < command line < each [[case]].
 Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp),
 float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective),
 ac_option ("op" or N), layout (degrees as tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only:
@@ -17,8 +18,9 @@ per token, the same for both), peak reserved memory, time of the first step (com
 spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its synthetic
 word corpus; both use the Llama 3 vocabulary (--vocab), so compute per token is identical. Peer float8 flags
 (torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then
-tensorwise: --quantize.linear.float8.enable_fsdp_float8_all_gather --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
-(under FSDP; recipe_name must stay unset for these), rowwise*: --quantize.linear.float8.recipe_name NAME.
+for tensorwise under FSDP --quantize.linear.float8.enable_fsdp_float8_all_gather and
+--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp (recipe_name must stay unset: torchtitan refuses
+it together with the all-gather), for rowwise* --quantize.linear.float8.recipe_name NAME.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -158,7 +161,9 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1",
            f"--activation_checkpoint.mode={case['ac']}", f"--activation_checkpoint.selective_option={case['ac_option']}",
            f"--compile.enable={str(case['compile']).lower()}", f"--training.loss_chunk_tokens={case['loss_chunk']}",
-           "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}"]
+           "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}",
+           # one run folder per case, so profiler traces (-- --profiling.enable_profiling=true) don't overwrite
+           "--job.run_name=" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label(case))]
     cmd += [f"--parallelism.{k}={v}" for k, v in parse_layout(case["layout"]).items()]
     if case["float8"] != "none":
         cmd += ["--float8.enable=true", f"--float8.recipe={case['float8']}"]
@@ -295,12 +300,16 @@ def format_table(results: list[dict]) -> str:
 
 def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
     t0 = time.time()
+    # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
+    # holding GPU memory through the next case).
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
-        text, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), 124
+        text, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text, rc = p.communicate()[0], 124
     wall = time.time() - t0
     if log_path:
         with open(log_path, "w") as f:
@@ -317,10 +326,16 @@ def _environment() -> dict:
         import torch
 
         env["torch"] = torch.__version__
-        env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        env["device_count"] = torch.cuda.device_count()
     except ImportError:
         pass
+    # nvidia-smi, not torch.cuda: a CUDA context in this parent process would hold GPU 0 memory through every run
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.split("\n")
+        gpus = [g.strip() for g in gpus if g.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = []
+    env["device"], env["device_count"] = (gpus[0] if gpus else "cpu"), len(gpus)
     try:
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip()
@@ -331,9 +346,11 @@ def _environment() -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for axis in AXES:
+    for axis, (kind, default) in AXES.items():
+        # on/off axes also work as bare flags ("--compile" = "--compile on"), as in earlier command lines
         p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, default=None,
-                       help=f"comma-separated values (default {AXES[axis][1]!r})")
+                       **({"nargs": "?", "const": "on"} if kind is _bool else {}),
+                       help=f"comma-separated values (default {default!r})")
     p.add_argument("--matrix", default="", help="TOML file with [defaults] and [[case]] tables")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from the medians")
@@ -351,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     toml_text = open(a.matrix).read() if a.matrix else None
     cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
     results = []
     for i, case in enumerate(cases):
         tokens = case["batch"] * case["seq"]
@@ -367,15 +385,14 @@ def main(argv: list[str] | None = None) -> dict:
                 res["ratio"] = res["titanlike"]["tps"] / res["peer"]["tps"]
         results.append(res)
         print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
-    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab,
-           "results": results}
+        comparisons = compare_to_bf16(results)
+        if a.out:  # after every case: a run cut short by the machine's time limit keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump({**out, "results": results}, f, indent=2)
     print("\n" + format_table(results))
-    for line in compare_to_bf16(results):
+    for line in comparisons if cases else []:
         print(line)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return {**out, "results": results}
 
 
 if __name__ == "__main__":

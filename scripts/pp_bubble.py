@@ -45,7 +45,7 @@ def trace_bubble(events: list[dict]) -> dict:
     """{"window_ms", "busy_ms", "nccl_only_ms", "bubble"} for one rank's Chrome-trace events."""
     steps = [e for e in events if e.get("ph") == "X" and re.fullmatch(r"ProfilerStep#\d+", str(e.get("name", "")))]
     if not steps:
-        raise ValueError("no ProfilerStep#N annotations in the trace: was it written by torch.profiler with a schedule?")
+        raise ValueError("no ProfilerStep#N annotations in the trace: write it with --profiling.enable_profiling")
     lo = min(e["ts"] for e in steps)
     hi = max(e["ts"] + e["dur"] for e in steps)
     compute, nccl = [], []

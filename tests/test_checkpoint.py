@@ -214,6 +214,9 @@ def test_seed_export_and_model_only_loads(tmp_path):
     assert {v.properties.dtype for v in md.state_dict_metadata.values()} == {torch.bfloat16}
     assert not any(k.startswith("optimizer") for k in md.state_dict_metadata)
     assert complete_steps(str(tmp_path / "run")) == [2]  # the export is not a resumable step
+    last = Run(tmp_path / "last", last_save_model_only=True)  # the last step writes the export only
+    last.train(2, last=2)
+    assert complete_steps(str(tmp_path / "last")) == [1] and (tmp_path / "last" / "export-step-2").is_dir()
     evaluation = tiny(seed=9)
     from titanlike.checkpoint import load_model_weights
 
@@ -244,3 +247,17 @@ def test_inspect_script(tmp_path, capsys):
     assert script.main(["inspect", str(tmp_path / "nope")]) == 2
     assert script.main(["load", str(tmp_path), "--seq", "8"]) == 0
     assert "loaded step 2" in capsys.readouterr().out
+
+
+def test_train_script_seed_checkpoint(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("_train_script", REPO_ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--config", str(REPO_ROOT / "configs/debug_model.toml"), f"--job.dump_folder={tmp_path}",
+            "--job.run_name=seeded", "--training.device=cpu", "--data.dataset=mock", "--model.vocab_size=256",
+            "--checkpoint.create_seed_checkpoint", "--metrics.enable_tensorboard=false"]
+    assert script.main(argv) == 0
+    folder = tmp_path / "seeded" / "checkpoint"
+    assert complete_steps(str(folder)) == [0] and scan(str(folder))[0].marker["model_only"]
+    assert script.main(argv) == 1  # a second seed would overwrite nothing: refused with one line
+    assert "already holds checkpoint steps [0]" in capsys.readouterr().err

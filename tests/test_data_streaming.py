@@ -101,11 +101,17 @@ def test_resume_exact(files, workers):
 
 def test_bad_documents_skipped_and_reported(tmp_path, caplog):
     p = tmp_path / "mixed.jsonl"
-    p.write_bytes(b'{"text": "1 2 3"}\n{"text": oops\n\xff\xfe\n{"body": "4"}\n{"text": ""}\n{"text": "5 6 7 8 9"}\n' * 3)
+    p.write_bytes(b'{"text": "1 2 3"}\n{"text": oops\n\xff\xfe\n{"body": "4"}\n{"text": ""}\n'
+                  b'{"text": "5 6 7 8 9"}\n' * 3)
     ds = StreamingTextDataset([str(p)], TOK, SEQ, shuffle=False)
     it = iter(ds)
-    with caplog.at_level(logging.WARNING):
-        toks = [t for _ in range(3) for t in next(it)[0].tolist()]
+    log = logging.getLogger("titanlike.data.streaming")
+    log.addHandler(caplog.handler)  # setup_logging() elsewhere stops "titanlike" propagating to the root
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            toks = [t for _ in range(3) for t in next(it)[0].tolist()]
+    finally:
+        log.removeHandler(caplog.handler)
     assert set(toks) <= {1, 2, 3, 5, 6, 7, 8, 9, TOK.eod_id}
     assert "mixed.jsonl:2: invalid JSON" in caplog.text and "mixed.jsonl:3: not valid UTF-8" in caplog.text
     assert "mixed.jsonl:4: no key 'text'" in caplog.text and ds.state_dict()["bad"] >= 4

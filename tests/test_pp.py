@@ -143,6 +143,15 @@ def test_compile_with_split_backward_schedule_is_refused():
     validate(cfg, world_size=2)
 
 
+def test_per_op_sac_with_split_backward_schedule_is_refused():
+    cfg = cfg_with(pp=2, pp_schedule="DualPipeV")
+    cfg.activation_checkpoint.mode = "selective"
+    with pytest.raises(ConfigError, match="per-op selective activation checkpointing forbids"):
+        validate(cfg, world_size=2)
+    cfg.activation_checkpoint.selective_option = "2"
+    validate(cfg, world_size=2)
+
+
 def test_more_stages_than_layers():
     args = dataclasses.replace(models.get_spec("llama3").flavors["debugmodel"], n_layers=3)
     with pytest.raises(ConfigError, match="parallelism.pp=4 exceeds"):

@@ -1,4 +1,5 @@
-"""scripts/preprocess_data.py and the MMIDIDX format: Megatron's flags, byte layout, workers, bad input, atomic output."""
+"""scripts/preprocess_data.py and the MMIDIDX format: Megatron's flags, byte layout, workers, bad input, atomic
+output."""
 from __future__ import annotations
 
 import gzip

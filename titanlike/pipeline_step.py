@@ -144,14 +144,6 @@ class PipelineRunner:
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
         return total
 
-    def eval(self) -> None:
-        for part in self.model_parts:
-            part.eval()
-
-    def train(self) -> None:
-        for part in self.model_parts:
-            part.train()
-
 
 class OptimizersContainer(torch.optim.Optimizer):
     """Several optimizers (one per stage module) acting as one: step/zero_grad go to each; `param_groups` is the

@@ -50,7 +50,8 @@ torch.save({"rows": rows(iter(dl), 4)}, os.path.join(out_dir, f"b_rank{rank}.pt"
 from titanlike.trainer import Trainer  # noqa: E402
 
 job = load_config([
-    "--config", "configs/debug_model.toml", "--training.steps=2", "--lr_scheduler.warmup_steps=1", "--training.seq_len=16",
+    "--config", "configs/debug_model.toml", "--training.steps=2", "--lr_scheduler.warmup_steps=1",
+    "--training.seq_len=16",
     "--training.local_batch_size=2", "--training.device=cpu", "--training.mixed_precision_param=float32",
     "--data.dataset=indexed", f"--data.paths=0.3 {data_dir}/a 0.7 {data_dir}/b", "--data.split=90,10,0",
     "--data.tokenizer_type=NullTokenizer", "--data.builtin_vocab_size=255", f"--data.cache_dir={cache_dir}",

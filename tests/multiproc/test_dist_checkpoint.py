@@ -4,10 +4,12 @@
 - exact resume: FSDP 2 run stopped after step 4 (async pinned-memory saves), resumed in fresh processes -> the
   loss of every step equals the uninterrupted run's exactly
 - resharding: FSDP 2 step 4 -> 1 process, -> TP 2, -> FSDP 2 x TP 2 (the TP cases run once the llama3 plan
-  accepts tp > 1), training continues with the uninterrupted run's loss
+  accepts tp > 1), and PP 2 step 4 -> FSDP 2 (once pipeline parallel exists): training continues with the
+  uninterrupted run's loss
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -39,13 +41,13 @@ def _tp_supported() -> bool:
     return True
 
 
-def _single(root: str, name: str, **ckpt) -> dict[int, float]:
-    """A 1-process run (local batch 4 = FSDP 2's global batch) in this process."""
+def _single(root: str, name: str, **ckpt) -> tuple[dict[int, float], list[dict]]:
+    """A 1-process run (local batch 4 = FSDP 2's global batch) in this process: losses, checkpoint stats."""
     from titanlike.trainer import Trainer
 
     trainer = Trainer(make_cfg(root, name, local_batch=4, deterministic=False, checkpoint=ckpt))
     try:
-        return {h["step"]: h["loss"] for h in trainer.train()}
+        return {h["step"]: h["loss"] for h in trainer.train()}, trainer.checkpointer.stats
     finally:
         trainer.close()
 
@@ -59,13 +61,15 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     from titanlike.trainer import Trainer
 
-    seed = Trainer(make_cfg(root, "seed", deterministic=False, checkpoint={"create_seed_checkpoint": True}))
+    # another init seed than the runs' own: a run that failed to load the seed would show it in its loss
+    seed = Trainer(make_cfg(root, "seed", deterministic=False, seed=1, checkpoint={"create_seed_checkpoint": True}))
     try:
         seed.checkpointer.save_seed()
     finally:
         seed.close()
-    env = {"CKPT_TEST_TP": "1" if _tp_supported() else "0"}
-    run_torchrun(WORKER, 2, args=[root, "first"], timeout=240)
+    env = {"CKPT_TEST_TP": "1" if _tp_supported() else "0",
+           "CKPT_TEST_PP": "1" if importlib.util.find_spec("titanlike.pipeline_step") else "0"}
+    run_torchrun(WORKER, 2, args=[root, "first"], timeout=240, env=env)
     run_torchrun(WORKER, 2, args=[root, "resume"], timeout=240, env=env)
     if env["CKPT_TEST_TP"] == "1":
         run_torchrun(WORKER, 4, args=[root, "tp4"], timeout=240)
@@ -83,7 +87,10 @@ def test_seed_checkpoint_gives_fsdp_and_single_process_the_same_run(runs):
     root, out = runs
     assert complete_steps(seed_path(root)) == [0]
     fsdp = _losses(out["first.A"])
-    single = _single(root, "C", enable=False, initial_load_path=seed_path(root))
+    single, stats = _single(root, "C", enable=False, initial_load_path=seed_path(root))
+    seed_load = {"load_step": 0, "full": False}
+    assert any(seed_load.items() <= s.items() for s in stats) and not any("step" in s for s in stats)  # no saves
+    assert any(seed_load.items() <= s.items() for s in out["first.A"]["stats"])
     assert sorted(fsdp) == sorted(single) == list(range(1, 7))
     for step in fsdp:
         assert single[step] == pytest.approx(fsdp[step], abs=TOL), step
@@ -109,19 +116,22 @@ def test_reshard_fsdp2_to_one_process(runs):
     root, out = runs
     full = _losses(out["first.A"])
     assert os.path.isdir(a_step4(root))
-    resumed = _single(root, "D", initial_load_path=a_step4(root), initial_load_model_only=False)
+    resumed, _ = _single(root, "D", initial_load_path=a_step4(root), initial_load_model_only=False)
     assert sorted(resumed) == [5, 6], resumed
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=TOL), step
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["resume.TP2", "tp4.FSDP2xTP2"])
-def test_reshard_fsdp2_to_tensor_parallel(runs, layout):
+@pytest.mark.parametrize("layout", ["resume.TP2", "tp4.FSDP2xTP2", "resume.PP2toFSDP2"])
+def test_reshard_across_layouts(runs, layout):
     _, out = runs
     if layout not in out:
-        pytest.skip("the llama3 plan does not accept tp > 1 yet")
+        pytest.skip(f"{layout}: that parallelism is not implemented yet")
     full, resumed = _losses(out["first.A"]), _losses(out[layout])
+    if layout == "resume.PP2toFSDP2":  # the pipeline run that wrote the checkpoint tracked FSDP 2 too
+        for step, loss in _losses(out["first.PP2"]).items():
+            assert loss == pytest.approx(full[step], abs=TOL), ("PP2", step)
     assert sorted(resumed) == [5, 6], resumed
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=TOL), (layout, step)

@@ -58,3 +58,19 @@ def test_train_script_pp2_learns(tmp_path):
 def test_pp_parity_on_gpus():
     _check(run_torchrun(WORKER, 2, args=["--device=cuda"], timeout=300).stdout,
            ["cuda_1F1B", "cuda_Interleaved1F1B", "cuda_ZBVZeroBubble"])
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_train_script_pp2_compile_learns_on_gpus(tmp_path, schedule):
+    """bf16 autocast + per-block compile + per-op SAC through the schedule, the way the benchmarks run it."""
+    out = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=600, args=[
+        "--config", "configs/debug_model.toml", "--parallelism.pp", "2", f"--parallelism.pp_schedule={schedule}",
+        f"--job.dump_folder={tmp_path}", "--training.steps=30", "--training.device=cuda", "--metrics.log_freq=10",
+        "--compile.enable", "--activation_checkpoint.mode=selective", "--validation.enable",
+        "--validation.interval=30", "--validation.steps=2", "--metrics.enable_tensorboard=false"]).stdout
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in out.splitlines()
+              if " loss " in line and "validate" not in line]
+    assert losses[-1] < losses[0] - 0.5, out

@@ -1,7 +1,8 @@
 """Tensor parallel parity with a single-process reference (gloo, fp32, 1e-5): one torchrun launch per world size.
 
-The checks live in tp_worker.py (see its docstring). The 8-process HSDP 2 x 2 x TP 2 case costs about a minute on
-2 cores, so it runs only with TITANLIKE_TEST_8PROC=1.
+The checks live in tp_worker.py (see its docstring). Two cases cost about a minute each on 2 cores and run only on
+request: the 8-process HSDP 2 x 2 x TP 2 (TITANLIKE_TEST_8PROC=1) and TP 2 with per-block compile
+(TITANLIKE_TEST_TP_COMPILE=1). Both passed when written (2026-11-22).
 """
 
 import os
@@ -25,8 +26,9 @@ EXPECTED = {
 def test_tp_parity(nproc):
     if nproc == 8 and os.environ.get("TITANLIKE_TEST_8PROC") != "1":
         pytest.skip("8 processes on 2 cores take ~1 min: set TITANLIKE_TEST_8PROC=1")
-    out = run_torchrun(WORKER, nproc, timeout=240).stdout
+    compile_too = nproc == 2 and os.environ.get("TITANLIKE_TEST_TP_COMPILE") == "1"
+    out = run_torchrun(WORKER, nproc, args=["--compile"] if compile_too else [], timeout=240).stdout
     assert "ALL CHECKS PASSED" in out, out
     passed = [line[len("CHECK "):] for line in out.splitlines() if line.startswith("CHECK ")]
-    for name in EXPECTED[nproc]:
+    for name in EXPECTED[nproc] + (["tp2_sp_lp_compile"] if compile_too else []):
         assert any(p.startswith(f"{name} ok") for p in passed), f"check {name!r} did not pass:\n{out}"

@@ -3,8 +3,10 @@ reference (gloo, fp32): loss, grad norm (clipped by titanlike.optim.clip_grad_no
 AdamW steps within 1e-5.
 
 Run by test_dist_tp.py with 2 processes (TP 2 variants; the tiny model has n_kv_heads == 2 == tp: GQA at the
-limit) and 4 processes (FSDP 2 x TP 2 with and without SP, replicate 2 x TP 2); 8 processes for HSDP 2 x 2 x TP 2.
-Rank 0 prints one "CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
+limit; `--compile` adds per-block compile), 4 processes (FSDP 2 x TP 2 with and without SP, replicate 2 x TP 2,
+a grad norm over mixed meshes) and 8 processes (HSDP 2 x 2 x TP 2). `--device=cuda` (test_dist_tp_gpu.py) runs
+TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one "CHECK <name> ok ..." line per
+check and "ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from titanlike.optim import clip_grad_norm_
 from titanlike.parallel_dims import ParallelDims
 
 TOL = 1e-5
+DEVICE = "cpu"
 LOCAL_BATCH = 2
 STEPS = 3
 MAX_NORM = 0.5  # small enough to clip: checks that the grad norm over mixed DTensor layouts is the global one
@@ -64,18 +67,21 @@ class SdpaSpy:
         models.common.F.scaled_dot_product_attention = self._orig
 
 
-def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none") -> None:
+def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none",
+               compile: bool = False, async_tp: bool = False, tol: float = TOL) -> None:
     dims = ParallelDims(**dims_kw, world_size=world)
-    dims.build_mesh("cpu")
+    dims.build_mesh(DEVICE)
     cfg = JobConfig()
     cfg.parallelism.enable_sequence_parallel, cfg.parallelism.enable_loss_parallel = sp, lp
+    cfg.parallelism.enable_async_tp = async_tp
     cfg.activation_checkpoint.mode = ac
+    cfg.compile.enable, cfg.compile.components = compile, ["model"]
 
-    ref = reference_model(seed=0)
+    ref = reference_model(seed=0).to(DEVICE)
     model = get_plan("llama3", "default")(meta_model(), dims, cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
-    model.init_weights()
+    model.init_weights(buffer_device=DEVICE)
     set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()], "FQNs changed"
     meshes = {(p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None) for p in model.parameters()}
@@ -87,7 +93,7 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     dp_cp = dims.get_mesh("dp_cp")
     worst_loss = 0.0
     for step in range(STEPS):
-        inputs, labels = global_batch(step, dp * LOCAL_BATCH)
+        inputs, labels = (t.to(DEVICE) for t in global_batch(step, dp * LOCAL_BATCH))
         n_tokens = labels.numel()
         ref_loss = ce_sum(ref(inputs), labels) / n_tokens
         ref_loss.backward()
@@ -104,7 +110,8 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             # As the trainer: FSDP averages grads over dp, so scale by dp to get the global-token-mean gradient.
             (loss * dp / n_tokens).backward()
-        assert spy.types == {"Tensor"}, f"{name}: SDPA saw {spy.types}; TP must hand it plain tensors"
+        if not compile:  # (compiled blocks trace SDPA: the spy sees fake tensors)
+            assert spy.types == {"Tensor"}, f"{name}: SDPA saw {spy.types}; TP must hand it plain tensors"
         norm = clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -114,8 +121,8 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
             dist.all_reduce(global_loss, group=dp_cp.get_group())
         global_loss /= n_tokens
         diff = abs(global_loss.item() - ref_loss.item())
-        assert diff <= TOL, f"{name} step {step}: loss {global_loss.item()} vs reference {ref_loss.item()}"
-        assert abs(norm.item() - ref_norm.item()) <= TOL, f"{name} step {step}: grad norm {norm} vs {ref_norm}"
+        assert diff <= tol, f"{name} step {step}: loss {global_loss.item()} vs reference {ref_loss.item()}"
+        assert abs(norm.item() - ref_norm.item()) <= tol, f"{name} step {step}: grad norm {norm} vs {ref_norm}"
         worst_loss = max(worst_loss, diff)
 
     ref_params = dict(ref.named_parameters())
@@ -123,16 +130,17 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     for n, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         d = (full - ref_params[n].detach()).abs().max().item()
-        assert d <= TOL, f"{name}: parameter {n} differs from the reference by {d}"
+        assert d <= tol, f"{name}: parameter {n} differs from the reference by {d}"
         worst_param = max(worst_param, d)
-    report(name, f"loss_diff={worst_loss:.1e} param_diff={worst_param:.1e} meshes={sorted(map(str, meshes))}")
+    extra = f" async_tp={torch._inductor.config._micro_pipeline_tp}" if async_tp else ""
+    report(name, f"loss_diff={worst_loss:.1e} param_diff={worst_param:.1e} meshes={sorted(map(str, meshes))}{extra}")
 
 
 def mixed_mesh_grad_norm() -> None:
     """clip_grad_norm_ over grads on different meshes and placements at once (TP-only, FSDP x TP, DP-only,
     plain): the global norm and the clipped values equal those of the full tensors."""
     dims = ParallelDims(dp_shard=2, tp=2, world_size=world)
-    mesh = dims.build_mesh("cpu")
+    mesh = dims.build_mesh(DEVICE)
     g = torch.Generator().manual_seed(7)
     fulls = [torch.randn(8, 6, generator=g) for _ in range(5)]
     layouts = [
@@ -157,20 +165,28 @@ def mixed_mesh_grad_norm() -> None:
 
 
 def main() -> None:
-    global rank, world
-    rank, world, _ = init_distributed("cpu", timeout_s=60)
+    global rank, world, DEVICE
+    DEVICE = "cuda" if "--device=cuda" in sys.argv else "cpu"
+    rank, world, _ = init_distributed(DEVICE, timeout_s=120)
     torch.set_num_threads(1)
-    if world == 2:
+    if DEVICE == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against an fp32 reference
+        torch.backends.cudnn.allow_tf32 = False
+        train_case("cuda_tp2_sp_lp", {"tp": 2}, tol=1e-4)
+        train_case("cuda_tp2_sp_lp_compile_async_tp", {"tp": 2}, compile=True, async_tp=True, tol=1e-4)
+    elif world == 2:
         train_case("tp2", {"tp": 2}, sp=False, lp=False)
         train_case("tp2_sp", {"tp": 2}, sp=True, lp=False)
         train_case("tp2_lp", {"tp": 2}, sp=False, lp=True)
         train_case("tp2_sp_lp_sac", {"tp": 2}, sp=True, lp=True, ac="selective")
-    if world == 4:
+        if "--compile" in sys.argv:  # cold inductor compile: ~50 s on 2 cores
+            train_case("tp2_sp_lp_compile", {"tp": 2}, compile=True)
+    if world == 4 and DEVICE == "cpu":
         train_case("fsdp2_tp2_sp_lp", {"dp_shard": 2, "tp": 2})
         train_case("fsdp2_tp2_no_sp", {"dp_shard": 2, "tp": 2}, sp=False, lp=True)
         mixed_mesh_grad_norm()
         train_case("replicate2_tp2_sp_lp", {"dp_replicate": 2, "tp": 2}, ac="full")
-    if world == 8:
+    if world == 8 and DEVICE == "cpu":
         train_case("hsdp2x2_tp2_sp_lp", {"dp_replicate": 2, "dp_shard": 2, "tp": 2})
     dist.barrier()  # a gloo run without it aborted once in ten at exit (STACK_NOTES)
     if rank == 0:

@@ -26,19 +26,21 @@ class LoadMixin:
         """Restore cfg.load_step (-1: the newest complete step) or `step`; returns the step training resumes
         after (0 when starting fresh). With nothing saved yet, starts from cfg.initial_load_path if set: its weights
         only (initial_load_model_only, the default: step 0) or its full state."""
-        if not self.cfg.enable:
+        if not self.enabled:
             return 0
-        want = self.cfg.load_step if step is None else step
-        info = self._rank0_do(layout.choose_step, self.folder, want)
-        if info is not None:
-            return self._load_step(info, model_only=False)
+        if self.cfg.enable:
+            want = self.cfg.load_step if step is None else step
+            info = self._rank0_do(layout.choose_step, self.folder, want)
+            if info is not None:
+                return self._load_step(info, model_only=False)
         initial = getattr(self.cfg, "initial_load_path", "")
         if initial:
             info = self._rank0_do(layout.choose_step, initial, -1)
             if info is None:
                 raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
             return self._load_step(info, model_only=getattr(self.cfg, "initial_load_model_only", True))
-        logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
+        if self.cfg.enable:
+            logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
         return 0
 
     def _agree(self, fn, *args):

@@ -12,8 +12,12 @@ modes:
                          optimizer step, and a separate process writes the files (no GIL contention).
 
 An async save is committed (marker written) once every rank's write finished: checked each step with one small
-all-reduce on a gloo group while a save is in flight, or at the next save / close(). The stall the loop saw and
-the write time are logged per save (max over ranks).
+all-reduce on a gloo group while a save is in flight, or at the next save / close(). Logged per save (max over
+ranks): the stall (the save call + waiting for staging before the next optimizer step), any wait at the next
+save for this write to finish (saves more frequent than the disk allows), and the write time.
+
+At the last step: the full state (default), plus a model-only copy in export_dtype (model_only_export), or only
+that copy (last_save_model_only: the release artifact, 1/3 of the bytes with AdamW in fp32).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,6 +48,8 @@ logger = logging.getLogger("titanlike")
 # Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
 # model parts (pipeline stages) merges into one dict, and loads back into any other split of the model.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# A lone process saving asynchronously: DCP's writer thread warns it "assumes the intent" of one process. It is ours.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
 @dataclasses.dataclass
@@ -55,6 +62,7 @@ class _Pending:
     t_start: float
     stall: float
     marker: dict
+    wait: float = 0.0  # time a later save (not close) waited for this write
 
 
 def _make_pinned_stager():
@@ -81,7 +89,7 @@ class CheckpointManager(LoadMixin):
     `state_dict()` / `load_state_dict()` for its counters (step, tokens seen). `strict=False` lets the checkpoint
     hold model keys this process does not have (a pipeline rank holds only its stages).
     Every method must be called on every rank (they synchronise). With `cfg.enable` false (and no seed
-    checkpoint requested) every method is a no-op, so callers need no conditionals.
+    checkpoint or initial_load_path) every method is a no-op, so callers need no conditionals.
     """
 
     def __init__(self, cfg, folder: str, *, model, optimizer=None, lr_scheduler=None,
@@ -95,24 +103,26 @@ class CheckpointManager(LoadMixin):
             raise ValueError(f"CheckpointManager: {len(self.optimizers)} optimizers for {len(self.parts)} model parts")
         self.lr_scheduler = lr_scheduler
         self.dataloader, self.trainer, self.strict = dataloader, trainer, strict
-        self.enabled = bool(cfg.enable or getattr(cfg, "create_seed_checkpoint", False))
+        # Saving needs cfg.enable; a seed checkpoint or a start from initial_load_path work without it.
+        self.enabled = bool(cfg.enable or getattr(cfg, "create_seed_checkpoint", False)
+                            or getattr(cfg, "initial_load_path", ""))
         self.meta = {"model_name": model_name,
                      "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None}
         self.config_toml = config_toml
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.dist else 0
         self.world = dist.get_world_size() if self.dist else 1
-        self.stats: list[dict] = []  # one dict per committed save: step, mode, stall_s, write_s (tests/benchmarks)
+        self.stats: list[dict] = []  # per committed save: step, mode, stall_s, wait_s, write_s; per load: load_s
         self._pending: _Pending | None = None
         self._staging_done = True
-        self.mode = cfg.async_mode if self.enabled else "disabled"
+        self.mode = cfg.async_mode if cfg.enable else "disabled"
         # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
         # interleave with the training collectives, nor with the writer's own collectives.
         self._ctl = dist.new_group(backend="gloo") if self.enabled and self.world > 1 else None
         self._async_pg = None
         self._stager = None
-        if self.mode != "disabled" and self.world > 1:
-            self._async_pg = dist.new_group(backend="gloo")  # async_save needs a CPU-capable group
+        if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
+            self._async_pg = dist.new_group(backend="gloo")
         if self.mode == "async_with_pinned_mem":
             self._stager = _make_pinned_stager()
 
@@ -130,14 +140,14 @@ class CheckpointManager(LoadMixin):
         if self.rank == 0:
             try:
                 box[0] = ("ok", fn(*args))
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                box[0] = ("err", e)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below, as text (always picklable)
+                box[0] = ("err", str(e) if isinstance(e, CheckpointError) else
+                          f"checkpoint: {layout.describe_error(e)}")
         if self._ctl is not None:
             dist.broadcast_object_list(box, src=0, group=self._ctl)
         status, value = box[0]
         if status == "err":
-            raise value if isinstance(value, CheckpointError) else CheckpointError(
-                f"checkpoint: {type(value).__name__}: {value}")
+            raise CheckpointError(value)
         return value
 
     def _all_max(self, values: list[float]) -> list[float]:
@@ -187,14 +197,17 @@ class CheckpointManager(LoadMixin):
         if not self.enabled:
             return
         self._finish_pending(block=False)
-        if self.cfg.enable and (step % self.cfg.interval == 0 or last_step):
+        if not self.cfg.enable:
+            return
+        export_only = last_step and getattr(self.cfg, "last_save_model_only", False)
+        if (step % self.cfg.interval == 0 or last_step) and not export_only:
             self.save(step)
-        if last_step and self.cfg.enable and getattr(self.cfg, "model_only_export", False):
+        if last_step and (export_only or getattr(self.cfg, "model_only_export", False)):
             self.export(step)
 
     def save(self, step: int) -> None:
         """Save the full training state as step-<step> (async per cfg.async_mode)."""
-        self._finish_pending(block=True)  # one save in flight at a time (the wait is the previous save's stall)
+        self._finish_pending(block=True)  # one save in flight at a time (the wait is logged with the previous save)
         t0 = time.perf_counter()
         final = layout.step_path(self.folder, step)
         tmp = self._rank0_do(self._prepare, step, "step")
@@ -292,16 +305,19 @@ class CheckpointManager(LoadMixin):
                               f"(complete steps in {self.folder}: {kept or 'none'})") from None
 
     def _commit(self, step: int, tmp: str, final: str, marker: dict, *, stall: float, write: float,
-                prune: bool = True) -> None:
+                prune: bool = True, wait: float = 0.0) -> None:
         self._barrier()  # every rank's files are written
-        stall, write = self._all_max([stall, write])
-        self._rank0_do(layout.commit, tmp, final, dict(marker, stall_s=round(stall, 3), write_s=round(write, 3)))
+        stall, write, wait = self._all_max([stall, write, wait])
+        self._rank0_do(layout.commit, tmp, final, dict(marker, stall_s=round(stall, 3), write_s=round(write, 3),
+                                                       wait_s=round(wait, 3)))
         deleted = self._rank0_do(layout.prune, self.folder, self.cfg.keep_latest_k, step) if prune else []
-        self.stats.append({"step": step, "mode": marker["mode"], "stall_s": stall, "write_s": write})
+        self.stats.append({"step": step, "mode": marker["mode"], "stall_s": stall, "wait_s": wait, "write_s": write})
         if marker["mode"] == "disabled" or marker["model_only"]:
             msg = f"saved in {write:.2f} s (the training loop waited for all of it)"
         else:
-            msg = f"training loop stalled {stall:.2f} s, written in the background in {write:.2f} s"
+            msg = (f"training loop stalled {stall:.2f} s, written in the background in {write:.2f} s"
+                   + (f" (a later save waited {wait:.2f} s for it: saves come faster than the disk writes)"
+                      if wait > 0.005 else ""))
         logger.info(f"checkpoint: step {step} committed to {final}: {msg}"
                     + (f"; removed old steps {deleted}" if deleted else ""))
         newer = [s for s in layout.complete_steps(self.folder) if s > step] if self.rank == 0 else []
@@ -312,7 +328,7 @@ class CheckpointManager(LoadMixin):
 
     def wait_for_staging(self) -> None:
         """Call before optimizer.step(): the pinned-memory copy of the last save must finish before the weights
-        change. The wait counts as that save's stall."""
+        change. The wait counts as that save's stall (also done by the next save / close if not called)."""
         p = self._pending
         if p is None or self._staging_done or p.staging is None:
             return
@@ -326,7 +342,7 @@ class CheckpointManager(LoadMixin):
 
     def _finish_pending(self, block: bool, count_stall: bool = True) -> None:
         """Commit the async save in flight once every rank's write is done. block=False: only if all are done
-        already (one small all-reduce). A blocking wait counts as that save's stall unless count_stall=False
+        already (one small all-reduce). A blocking wait is logged as that save's `wait` unless count_stall=False
         (close(): training is over)."""
         p = self._pending
         if p is None:
@@ -337,6 +353,8 @@ class CheckpointManager(LoadMixin):
                 dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._ctl)
             if done.item() < 1:
                 return
+        if p.staging is not None and not self._staging_done and block and count_stall:
+            self.wait_for_staging()  # the staging part of a blocking wait is still this save's own stall
         t0 = time.perf_counter()
         err = None
         for fut in ([p.staging] if p.staging is not None and not self._staging_done else []) + [p.upload]:
@@ -348,7 +366,7 @@ class CheckpointManager(LoadMixin):
                 err = err or e
         self._staging_done = True
         if block and count_stall:
-            p.stall += time.perf_counter() - t0
+            p.wait += time.perf_counter() - t0
         errs = [None if err is None else layout.describe_error(err)]
         if self._ctl is not None:
             errs = [None] * self.world
@@ -357,7 +375,8 @@ class CheckpointManager(LoadMixin):
         if bad:
             self._fail(p.step, p.tmp, err or RuntimeError(f"rank {bad[0][0]}: {bad[0][1]}"))
         self._pending = None
-        self._commit(p.step, p.tmp, p.final, p.marker, stall=p.stall, write=time.perf_counter() - p.t_start)
+        self._commit(p.step, p.tmp, p.final, p.marker, stall=p.stall, write=time.perf_counter() - p.t_start,
+                     wait=p.wait)
 
     def close(self) -> None:
         """Finish (and commit) an async save still in flight; release staging buffers."""

@@ -115,7 +115,7 @@ def check_model_matches(md: Metadata, model_sd: dict[str, torch.Tensor], path: s
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         hint = read_meta_json(path)
-        wrote = f" (it was written by model {hint.get('model_name')!r} with args {hint.get('model_args')})" if hint else ""
+        wrote = f" (written by model {hint.get('model_name')!r} with args {hint.get('model_args')})" if hint else ""
         raise CheckpointError(f"checkpoint {path} does not fit this model{wrote}:\n  {shown}\n"
                               f"load it with the model.flavor / model.vocab_size it was trained with")
 

@@ -120,6 +120,7 @@ class Checkpoint:
     async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
     io_threads: int = 1  # writer threads per rank (DCP FileSystemWriter thread_count; one file per thread)
     model_only_export: bool = False  # at the last step also write export-step-N: model weights only, export_dtype
+    last_save_model_only: bool = False  # at the last step write only export-step-N (no full state: not resumable)
     export_dtype: str = "float32"  # float32 | bfloat16 | float16
     create_seed_checkpoint: bool = False  # one process: initialise the model, save it as step-0, exit (no training)
     initial_load_path: str = ""  # a checkpoint folder or step folder to start from while this run has none
@@ -136,7 +137,7 @@ class Data:
     text_key: str = "text"  # text: the JSONL/Parquet field holding a document
     tokenizer: str = "builtin"  # builtin (byte-level BPE trained and cached locally) | path to a tokenizer file
     tokenizer_type: str = "auto"  # auto | builtin | Megatron names: HuggingFaceTokenizer, GPT2BPETokenizer, ...
-    tokenizer_model: str = ""  # Megatron's name for the tokenizer file (tiktoken/sentencepiece .model); overrides
+    tokenizer_model: str = ""  # Megatron's name for the tokenizer file; when set it is used instead of `tokenizer`
     vocab_file: str = ""  # GPT2BPETokenizer: vocab.json
     merge_file: str = ""  # GPT2BPETokenizer: merges.txt
     bos_token: str = ""  # "" = detect; else the exact text of the BOS token

@@ -79,6 +79,11 @@ def check_pipeline(cfg: JobConfig, errors: list[str]) -> None:
         _stages_per_rank_rule(par, len(par.pp_split_points) + 1, "parallelism.pp_split_points", errors)
     elif par.pp_stages_per_rank > 0:
         _stages_per_rank_rule(par, par.pp * par.pp_stages_per_rank, "parallelism.pp_stages_per_rank", errors)
+    ac = cfg.activation_checkpoint
+    if par.pp_schedule in SPLIT_BACKWARD_SCHEDULES and ac.mode == "selective" and ac.selective_option == "op":
+        errors.append(f"parallelism.pp_schedule={par.pp_schedule!r} runs two backward passes (input, then weight) "
+                      f"over each block, which per-op selective activation checkpointing forbids; use "
+                      f"activation_checkpoint.mode=\"full\" or selective_option=\"N\" (every N-th block), or 1F1B")
     if par.pp_schedule in SPLIT_BACKWARD_SCHEDULES and cfg.compile.enable and "model" in cfg.compile.components:
         errors.append(f"parallelism.pp_schedule={par.pp_schedule!r} splits the backward into input and weight "
                       f"passes, which torch.distributed.pipelining does not support through compiled blocks; set "

@@ -15,7 +15,6 @@ import argparse
 import collections
 import gzip
 import itertools
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -208,7 +207,8 @@ def run(args) -> dict:
             pool = None
         elapsed = time.perf_counter() - t0
         cpu = _cpu_seconds() - cpu0
-        summary = {"cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": tokens / max(cpu, 1e-9),"documents": docs, "tokens": tokens, "bad_lines": sum(bad_counts.values()),
+        summary = {"cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": tokens / max(cpu, 1e-9),
+                   "documents": docs, "tokens": tokens, "bad_lines": sum(bad_counts.values()),
                    "bad_by_reason": dict(bad_counts), "seconds": round(elapsed, 3),
                    "docs_per_s": docs / max(elapsed, 1e-9), "tokens_per_s": tokens / max(elapsed, 1e-9),
                    "workers": args.workers, "inputs": files}

@@ -16,7 +16,8 @@ from titanlike.tokenizer import Tokenizer
 
 # Llama 3's pre-tokenisation regex (splits before BPE); part of the tokenizer's definition, not tunable.
 LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 NUM_RESERVED_SPECIAL_TOKENS = 256
 _NAMED_SPECIALS = (
@@ -96,4 +97,5 @@ class TiktokenTokenizer(Tokenizer):
         return hashlib.sha256(self.path.read_bytes() + b"|llama3-specials").hexdigest()
 
     def __repr__(self) -> str:
-        return f"TiktokenTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+        return (f"TiktokenTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id})")
