@@ -119,33 +119,6 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
         )
 
 
-def _cast_before_all_gather(module: nn.Module, args: tuple) -> tuple | None:
-    """Under autocast, cast the hidden states to the autocast dtype BEFORE PrepareModuleInput all-gathers them.
-
-    Without FSDP the parameters (and so the residual stream and norm outputs) are fp32, while the first consumer
-    (a Linear under autocast) casts its input to bf16 anyway: casting first gives the same numbers and halves the
-    bytes of every TP all-gather. A no-op when autocast is off (CPU fp32, FSDP bf16 params).
-    """
-    x = args[0] if args else None
-    if x is None or not x.is_floating_point():
-        return None
-    device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    if x.dtype == dtype:
-        return None
-    return (x.to(dtype), *args[1:])
-
-
-def _gathers_input(style: ParallelStyle) -> bool:
-    """True for styles that redistribute (all-gather) the module's input: PrepareModuleInput, or a column-wise
-    Linear whose input arrives sequence-sharded."""
-    if isinstance(style, PrepareModuleInput):
-        return True
-    return isinstance(style, ColwiseParallel) and isinstance(style.input_layouts[0], Shard)
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
     """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` per `plan` in place; returns it.
 
@@ -156,12 +129,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
         raise ValueError(f"apply_tp: tp_mesh must be 1-D, got {tp_mesh.ndim}-D {tp_mesh}")
     check_tp_divisibility(model, tp_mesh.size())
     present = {k: v for k, v in plan.items() if "*" in k or _resolve(model, k)}
+    # No extra hooks beside the styles' own: a second forward pre-hook on a block's attention (an earlier version
+    # cast activations to bf16 before the all-gather) made torch 2.11's dynamo fail to build its guards
+    # ("Error while creating guard ... _forward_pre_hooks ... NoneType"), seen on 2xH200 on 2026-11-22.
     parallelize_module(model, tp_mesh, present)
-    # Prepended so it runs before the style's own pre-hook (the one that all-gathers).
-    for path, style in present.items():
-        if _gathers_input(style):
-            for module in _resolve(model, path):
-                module.register_forward_pre_hook(_cast_before_all_gather, prepend=True)
     logger.info(f"tensor parallel {tp_mesh.size()} over {tp_mesh}:\n{describe_plan(present)}")
     return model
 

@@ -249,7 +249,17 @@ def test_inspect_script(tmp_path, capsys):
     assert "loaded step 2" in capsys.readouterr().out
 
 
-def test_train_script_seed_checkpoint(tmp_path, capsys):
+@pytest.fixture
+def restore_logging():
+    """scripts/train.py's main() configures the "titanlike" logger (no propagation, a handler on this test's
+    captured stdout): put it back, or later tests' caplog sees nothing."""
+    log = logging.getLogger("titanlike")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
+
+
+def test_train_script_seed_checkpoint(tmp_path, capsys, restore_logging):
     spec = importlib.util.spec_from_file_location("_train_script", REPO_ROOT / "scripts" / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -152,7 +152,7 @@ class Trainer:
             flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
             enable_tensorboard=cfg.metrics.enable_tensorboard)
         self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
-        self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable (or create_seed_checkpoint)
+        self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable, a seed or an initial_load_path
             cfg.checkpoint, os.path.join(self.run_dir, cfg.checkpoint.folder), model=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
