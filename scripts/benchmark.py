@@ -371,7 +371,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
     results = []
     for i, case in enumerate(cases):
-        tokens = case["batch"] * case["seq"]
+        # Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP
+        # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
+        degrees = parse_layout(case["layout"])
+        tokens = case["batch"] * case["seq"] // max(1, degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1))
         fpt = flops_per_token(case["flavor"], case["seq"], a.vocab)
         res = {"label": label(case), "case": case, "flops_per_token": fpt}
         log = a.log and f"{a.log}.{i}"

@@ -36,13 +36,14 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from titanlike.checkpoint import CheckpointError
+    from titanlike.fault import NonFiniteError
 
     try:
         if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training
             trainer.checkpointer.save_seed()
         else:
             trainer.train()
-    except CheckpointError as e:  # says which file/step and what to do; earlier checkpoints are intact
+    except (CheckpointError, NonFiniteError) as e:  # says which file/step and what to do; checkpoints are intact
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)

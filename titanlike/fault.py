@@ -1,21 +1,16 @@
-"""Surviving bad steps and bad nodes: non-finite guard, loss-spike detector, preemption signals, heartbeat,
-flight recorder.
+"""Surviving bad steps: the non-finite guard (skip the update, stop after too many in a row) and the loss-spike
+detector.
 
-Nothing here adds a per-step host sync: the non-finite guard decides on the device (fused AdamW's `found_inf`
-skips the update in the kernel), and its counters are read on log steps only.
+With fused AdamW (the default on CUDA) nothing here adds a per-step host sync: the guard decides on the device
+(`found_inf` makes the kernel skip the update) and its counters are read on log steps only.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import math
-import os
-import signal
-import threading
-import time
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger("titanlike")
 
@@ -25,33 +20,40 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Skips every optimizer update whose loss or gradient norm is NaN/Inf, on the device.
+    """Skips every optimizer update whose gradient norm is NaN/Inf.
 
-    Fused AdamW reads `optimizer.found_inf`: where it is non-zero the kernel leaves params, moments and the step
-    count untouched. Counters live on the device; `check()` (log steps only) syncs them, logs the skipped steps
-    and raises once `max_consecutive` updates in a row were skipped, naming the first step of that streak.
+    The global grad norm is the signal: it is reduced over every data/tensor/pipeline rank, so all ranks agree (a
+    NaN loss on one micro-batch of one rank makes the norm NaN everywhere). With fused AdamW the decision stays
+    on the device: the kernel reads `optimizer.found_inf` and leaves params, moments and step counts untouched
+    where it is 1 - no host sync. Other optimizers (foreach on CPU) decide on the host, one sync per step.
+    Counters live on the device; `check()` (log steps only) reports skipped steps and raises once
+    `max_consecutive` updates in a row were skipped, naming the first step of that streak.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
-        if not all(g.get("fused") for g in optimizer.param_groups):
-            raise ValueError("the non-finite guard needs fused AdamW (optimizer.fused='true' or 'auto')")
-        self.optimizer, self.max_consecutive = optimizer, max_consecutive
+        self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
+        self.on_device = all(g.get("fused") for o in self.optimizers for g in o.param_groups)
+        self.max_consecutive = max_consecutive
         z = lambda: torch.zeros((), device=device)  # noqa: E731
         self.skipped, self.consecutive, self.first_bad, self.last_bad = z(), z(), z(), z()
-        self.bad_microbatches = z()  # bit i set: micro-batch i of the last bad step had a non-finite loss
+        self.bad_microbatches = z()  # bit i set: micro-batch i of the last bad step had a non-finite local loss
         self._reported = 0
 
     def before_optimizer_step(self, step: int, microbatch_losses: list[torch.Tensor],
-                              grad_norm: torch.Tensor) -> None:
-        finite = torch.stack([torch.isfinite(x) for x in microbatch_losses]).all() & torch.isfinite(grad_norm)
-        bad = (~finite).float()
-        self.optimizer.found_inf = bad  # fused AdamW skips the update where this is 1
+                              grad_norm: torch.Tensor) -> bool:
+        """Records the step; returns False when the host must skip optimizer.step() (host mode only)."""
+        bad = (~torch.isfinite(grad_norm)).float()
         self.skipped += bad
         self.consecutive = (self.consecutive + 1) * bad
         self.first_bad = torch.where(self.consecutive == 1, float(step), self.first_bad)
         self.last_bad = torch.where(bad > 0, float(step), self.last_bad)
-        mask = sum((~torch.isfinite(x)).float() * 2.0**i for i, x in enumerate(microbatch_losses))
+        mask = sum(((~torch.isfinite(x)).float() * 2.0**i for i, x in enumerate(microbatch_losses)), bad * 0)
         self.bad_microbatches = torch.where(bad > 0, mask, self.bad_microbatches)
+        if self.on_device:
+            for opt in self.optimizers:
+                opt.found_inf = bad  # fused AdamW skips the update where this is 1
+            return True
+        return not bool(bad.item())
 
     def check(self) -> int:
         """Host-side report on a log step; returns the number of skipped updates so far."""
@@ -59,9 +61,9 @@ class NonFiniteGuard:
         if skipped > self._reported:
             mb = int(self.bad_microbatches.item())
             which = [i for i in range(32) if mb >> i & 1]
-            logger.warning(f"skipped {skipped - self._reported} update(s) with a non-finite loss or grad norm; "
-                           f"last at step {int(self.last_bad.item())} (non-finite loss in micro-batch(es) "
-                           f"{which or 'none: the gradients were non-finite'}); {skipped} skipped in total")
+            logger.warning(f"skipped {skipped - self._reported} update(s) with a non-finite gradient norm; last at "
+                           f"step {int(self.last_bad.item())} (non-finite loss on this rank in micro-batch(es) "
+                           f"{which if which else 'none'}); {skipped} skipped in total")
             self._reported = skipped
         if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
             raise NonFiniteError(
@@ -90,76 +92,3 @@ class SpikeDetector:
         if math.isfinite(loss):
             self.losses.append(loss)
         return spike
-
-
-class PreemptionHandler:
-    """SIGTERM / SIGUSR1 (SLURM's warning signals) ask for a checkpoint at the next agreed step boundary.
-
-    Ranks can receive the signal between different steps, so they agree through an all-reduce (MAX) of the flag,
-    run every `check_freq` steps: a sync there, never on other steps.
-    """
-
-    def __init__(self, device: torch.device, check_freq: int, signals=(signal.SIGTERM, signal.SIGUSR1)):
-        self.device, self.check_freq = device, check_freq
-        self.received: str | None = None
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
-
-    def should_stop(self, step: int, force_check: bool = False) -> bool:
-        if not force_check and step % self.check_freq:
-            return False
-        flag = torch.tensor(1.0 if self.received else 0.0, device=self.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
-        if stop:
-            logger.warning(f"preemption requested ({self.received or 'signal on another rank'}) - "
-                           f"saving a checkpoint at step {step} and exiting")
-        return stop
-
-
-class Heartbeat:
-    """A daemon thread: every `interval_s` each rank writes its step to run_dir/heartbeat/rank{N}, and warns in
-    the log when its step has not moved for `stall_s` (which rank is stuck shows in the files and the warnings)."""
-
-    def __init__(self, run_dir: str, rank: int, interval_s: float, stall_s: float):
-        self.path = os.path.join(run_dir, "heartbeat", f"rank{rank}")
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.rank, self.interval_s, self.stall_s = rank, interval_s, stall_s
-        self.step, self.step_time = 0, time.time()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="titanlike-heartbeat", daemon=True)
-        self._thread.start()
-
-    def beat(self, step: int) -> None:
-        self.step, self.step_time = step, time.time()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            idle = time.time() - self.step_time
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"rank {self.rank} step {self.step} idle_s {idle:.0f} at {time.strftime('%H:%M:%S')}\n")
-            os.replace(tmp, self.path)
-            if idle > self.stall_s:
-                logger.warning(f"heartbeat: rank {self.rank} has been at step {self.step} for {idle:.0f}s "
-                               f"(a collective may be hung; see the flight recorder dump if enabled)")
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def configure_flight_recorder(run_dir: str, buffer_entries: int) -> None:
-    """Enable PyTorch's NCCL flight recorder before the process group starts: on a collective timeout every rank
-    dumps its last `buffer_entries` collectives to run_dir/flight_recorder/rank_N (read them with
-    `python -m torch.distributed.flight_recorder.fr_trace`)."""
-    if buffer_entries <= 0:
-        return
-    folder = os.path.join(os.path.abspath(run_dir), "flight_recorder")
-    os.makedirs(folder, exist_ok=True)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(buffer_entries))
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, "rank_"))

@@ -27,6 +27,7 @@ from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.distributed import destroy_distributed, init_distributed
 from titanlike.loss import apply_chunked_loss, loss_targets
+from titanlike.fault import NonFiniteGuard, SpikeDetector
 from titanlike.metrics import MetricsLogger
 from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlike.parallel_dims import ParallelDims
@@ -116,6 +117,9 @@ class Trainer:
         optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
         self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
+                      if t.skip_nonfinite_steps else None)
+        self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
         self.loss_fn = cross_entropy_sum
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP on a GPU, autocast does the bf16 cast.
         use_amp = self.device.type == "cuda" and not self.dims.fsdp_enabled and t.mixed_precision_param != "float32"
@@ -206,18 +210,21 @@ class Trainer:
         if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
             with self._sdpa(), self._loss_ctx(), self.amp:
                 loss_sum = self.pp.step(batches, scale)
+            mb_losses = [loss_sum]
             grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm)  # over all stages
         else:
-            loss_sum = torch.zeros((), device=self.device)
+            loss_sum, mb_losses = torch.zeros((), device=self.device), []
             for inputs, labels in batches:
                 with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
                     with self.amp:
                         loss = self._forward_loss(inputs, labels)
                     (loss * scale).backward()
                 loss_sum += loss.detach()
+                mb_losses.append(loss.detach())
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
-        self.optimizer.step()
+        if self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm):
+            self.optimizer.step()  # with fused AdamW a non-finite step is skipped inside the kernel (found_inf)
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
         self.lr_scheduler.step()
@@ -246,6 +253,10 @@ class Trainer:
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
+                if self.guard is not None:
+                    m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
+                if self.spikes is not None:
+                    self.spikes.update(self.step, m["loss"])
                 history.append({"step": self.step, **m})
             v = self.cfg.validation
             if v.enable and (self.step % v.interval == 0 or self.step == t.steps):

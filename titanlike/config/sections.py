@@ -37,6 +37,9 @@ class Training:
     mixed_precision_param: str = "bfloat16"  # FSDP param dtype on CUDA (CPU always float32)
     mixed_precision_reduce: str = "float32"
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
+    skip_nonfinite_steps: bool = True  # a NaN/Inf gradient norm skips that update (counted, logged)
+    max_consecutive_bad_steps: int = 5  # this many skipped updates in a row stop the run; 0 = never stop
+    loss_spike_zscore: float = 6.0  # warn when a logged loss is this many std above the recent ones; 0 = off
     # >0: output projection + cross-entropy in chunks of this many tokens, so the [tokens, vocab] logits are never
     # materialised in full (titanlike/loss.py); 0 = plain logits then cross-entropy
     loss_chunk_tokens: int = 0

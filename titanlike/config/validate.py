@@ -110,8 +110,8 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
                    "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq",
                    "profiling.profile_active", "checkpoint.io_threads"):
         at_least(dotted, 1)
-    for dotted in ("training.gc_freq", "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps",
-                   "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup"):
+    for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.loss_spike_zscore",
+                   "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup"):
         at_least(dotted, 0)
     at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
     if cfg.model.vocab_size != -1:
