@@ -50,6 +50,10 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         trainer.close()
+    if trainer.preempted:  # a clean stop: the scheduler requeues the same command, which resumes
+        logger.info(f"preempted at step {trainer.step}: "
+                    f"{'checkpoint saved' if cfg.checkpoint.enable else 'checkpointing is off, nothing saved'}")
+        return 0
     logger.info("done")
     return 0
 

@@ -27,7 +27,7 @@ from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.distributed import destroy_distributed, init_distributed
 from titanlike.loss import apply_chunked_loss, loss_targets
-from titanlike.fault import NonFiniteGuard, SpikeDetector
+from titanlike.fault import NonFiniteGuard, PreemptionHandler, SpikeDetector
 from titanlike.metrics import MetricsLogger
 from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlike.parallel_dims import ParallelDims
@@ -119,6 +119,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
+        self.preemption = PreemptionHandler(self.device, t.signal_check_freq)
+        self.preempted = False
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
         self.loss_fn = cross_entropy_sum
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP on a GPU, autocast does the bf16 cast.
@@ -263,6 +265,11 @@ class Trainer:
                 self.validate()
             self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
             profiler.step(self.step)
+            if self.step < t.steps and self.preemption.should_stop(self.step):
+                if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
+                    self.checkpointer.save(self.step)  # (an interval step was saved just above)
+                self.preempted = True
+                break
         profiler.stop()
         return history
 
@@ -301,6 +308,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self.preemption.close()
             self.checkpointer.close()  # commits an async save still in flight
         finally:
             self.metrics.close()

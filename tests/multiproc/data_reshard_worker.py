@@ -68,3 +68,7 @@ assert vals[0] == vals[1] and 0 < val < 20, vals
 if rank == 0:
     print(f"VALID_LOSS {val:.4f}")
 trainer.close()
+# Skip interpreter teardown: on 2 busy cores a gloo/loader thread destructor occasionally aborted the process
+# *after* every check above had passed ("terminate called without an active exception").
+sys.stdout.flush()
+os._exit(0)

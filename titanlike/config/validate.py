@@ -108,7 +108,7 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
 
     for dotted in ("training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
                    "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq",
-                   "profiling.profile_active", "checkpoint.io_threads"):
+                   "profiling.profile_active", "checkpoint.io_threads", "training.signal_check_freq"):
         at_least(dotted, 1)
     for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.loss_spike_zscore",
                    "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup"):
