@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F

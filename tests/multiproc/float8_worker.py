@@ -14,7 +14,6 @@ Checks, each asserting inside the workers (rank 0 prints "CHECK <name> ok ..." a
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 import float8
-from par_helpers import global_batch, loss_fn, meta_model, reference_model
+from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed import destroy_distributed, init_distributed
@@ -227,9 +226,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    _code = main()
-    # Skip interpreter teardown after a clean finish: on this torch/gloo a background thread occasionally
-    # aborts it ("terminate called without an active exception"), turning a passed run into a failure.
-    sys.stdout.flush()
-    os._exit(_code or 0)
+    exit_without_teardown(main())
 

@@ -8,7 +8,6 @@ prints one "CHECK <name> ..." line per check and "ALL CHECKS PASSED".
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from par_helpers import global_batch, loss_fn, meta_model, reference_model
+from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed import destroy_distributed, init_distributed
@@ -159,9 +158,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    _code = main()
-    # Skip interpreter teardown after a clean finish: on this torch/gloo a background thread occasionally
-    # aborts it ("terminate called without an active exception"), turning a passed run into a failure.
-    sys.stdout.flush()
-    os._exit(_code or 0)
+    exit_without_teardown(main())
 

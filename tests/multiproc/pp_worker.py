@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import models
-from par_helpers import SEQ, global_batch, tiny_args
+from par_helpers import exit_without_teardown, SEQ, global_batch, tiny_args
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed import destroy_distributed, init_distributed
@@ -197,9 +196,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    _code = main()
-    # Skip interpreter teardown after a clean finish: on this torch/gloo a background thread occasionally
-    # aborts it ("terminate called without an active exception"), turning a passed run into a failure.
-    sys.stdout.flush()
-    os._exit(_code or 0)
+    exit_without_teardown(main())
 

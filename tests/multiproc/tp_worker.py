@@ -12,7 +12,6 @@ check and "ALL CHECKS PASSED".
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -23,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import loss_parallel
 
 import models.common
-from par_helpers import global_batch, meta_model, reference_model
+from par_helpers import exit_without_teardown, global_batch, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed import destroy_distributed, init_distributed
@@ -196,9 +195,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    _code = main()
-    # Skip interpreter teardown after a clean finish: on this torch/gloo a background thread occasionally
-    # aborts it ("terminate called without an active exception"), turning a passed run into a failure.
-    sys.stdout.flush()
-    os._exit(_code or 0)
+    exit_without_teardown(main())
 
