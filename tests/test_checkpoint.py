@@ -130,14 +130,17 @@ def test_keep_last_k_partial_and_missing_steps(tmp_path, caplog):
     assert complete_steps(str(tmp_path)) == [4, 5] and (tmp_path / "step-6.tmp").is_dir()
 
 
-def test_damaged_steps_are_named_and_kept(tmp_path):
+def test_damaged_steps_are_named_and_kept(tmp_path, caplog):
     Run(tmp_path).train(2)
     data = tmp_path / "step-2" / "__0_0.distcp"
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size // 2)
     with pytest.raises(CheckpointError, match=rf"{data} is truncated: {size // 2} bytes, .* recorded {size}"):
-        Run(tmp_path).ckpt.load()
+        Run(tmp_path, load_step=2).ckpt.load()
+    with caplog.at_level(logging.WARNING, logger="titanlike"):  # the newest (-1): falls back to step 1
+        assert Run(tmp_path).ckpt.load() == 1
+    assert f"skipping damaged step 2 (checkpoint file {data} is truncated" in caplog.text
     meta = tmp_path / "step-1" / ".metadata"
     meta.write_bytes(b"\0" * meta.stat().st_size)  # same size, garbage
     with pytest.raises(CheckpointError, match=r"cannot read .*step-1/\.metadata .* corrupt"):
@@ -271,3 +274,22 @@ def test_train_script_seed_checkpoint(tmp_path, capsys, restore_logging):
     assert complete_steps(str(folder)) == [0] and scan(str(folder))[0].marker["model_only"]
     assert script.main(argv) == 1  # a second seed would overwrite nothing: refused with one line
     assert "already holds checkpoint steps [0]" in capsys.readouterr().err
+
+
+def test_pinned_stager_survives_close_after_each_staging():
+    """torch 2.11's DefaultStager closes its inner stager after every staging (pytorch#183413): the next save
+    failed with KeyError: <class 'type'> on the GPU machine. Do what 2.11 does between two stagings here."""
+    from titanlike.checkpoint.manager import _make_pinned_stager
+
+    stager = _make_pinned_stager()
+    try:
+        sd = {"w": torch.arange(4.0), "nested": {"b": torch.ones(2)}, "step": 3}
+        first = stager.stage(sd).result()
+        stager._state_dict_stager.close()  # torch 2.11 does this at the end of every _stage()
+        sd["w"].add_(10)
+        second = stager.stage(sd).result()
+        assert torch.equal(first["w"], torch.arange(4.0) + 10)  # the cached buffer was reused and refreshed
+        assert torch.equal(second["w"], torch.arange(4.0) + 10) and second["step"] == 3
+    finally:
+        stager.close()
+        stager._state_dict_stager.release()

@@ -45,7 +45,7 @@ def build(args: ModelArgs, seed: int = 0) -> Transformer:
 def test_registry():
     spec = models.get_spec("llama3")
     assert spec.model_cls is Transformer and spec.args_cls is ModelArgs
-    assert set(spec.flavors) == {"debugmodel", "1B", "3B", "8B", "8B_4L", "70B", "405B"}
+    assert set(spec.flavors) == {"debugmodel", "1B", "3B", "8B", "8B_4L", "70B", "70B_4L", "405B"}
     with pytest.raises(ValueError, match=r"'nope'.*llama3"):
         models.get_spec("nope")
 

@@ -77,6 +77,12 @@ llama3_flavors: dict[str, ModelArgs] = {
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
         rope_theta=500000.0, use_scaled_rope=True,
     ),
+    # 70B dimensions with 4 layers: the multi-GPU layout checks (TP 4, TP 2 x PP 2 against FSDP on fewer GPUs,
+    # resharding) run a real 70B layer shape in minutes.
+    "70B_4L": ModelArgs(
+        dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        rope_theta=500000.0, use_scaled_rope=True,
+    ),
     "405B": ModelArgs(
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
         rope_theta=500000.0, use_scaled_rope=True,
