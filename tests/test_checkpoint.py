@@ -279,9 +279,9 @@ def test_train_script_seed_checkpoint(tmp_path, capsys, restore_logging):
 def test_pinned_stager_survives_close_after_each_staging():
     """torch 2.11's DefaultStager closes its inner stager after every staging (pytorch#183413): the next save
     failed with KeyError: <class 'type'> on the GPU machine. Do what 2.11 does between two stagings here."""
-    from titanlike.checkpoint.manager import _make_pinned_stager
+    from titanlike.checkpoint.staging import make_pinned_stager
 
-    stager = _make_pinned_stager()
+    stager = make_pinned_stager()
     try:
         sd = {"w": torch.arange(4.0), "nested": {"b": torch.ones(2)}, "step": 3}
         first = stager.stage(sd).result()

@@ -43,6 +43,7 @@ from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, pack, quiet_dcp, rng_state
+from titanlike.checkpoint.staging import KeepStagedBuffers, make_pinned_stager, stop_writer_process
 
 logger = logging.getLogger("titanlike")
 # Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
@@ -63,60 +64,6 @@ class _Pending:
     stall: float
     marker: dict
     wait: float = 0.0  # time a later save (not close) waited for this write
-
-
-def _raise_open_file_limit() -> None:
-    """The writer process receives every staged tensor as a shared-memory file descriptor: a full 8B state is
-    ~900 tensors per rank, more than a default soft limit of 1024 open files leaves room for ("received 0 items of
-    ancdata"). Raise the soft limit to the hard one, which needs no privilege."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-    except (ImportError, ValueError, OSError) as e:  # not POSIX, or a container refusing it: keep the default
-        logger.warning(f"checkpoint: could not raise the open-file limit for the pinned-memory writer ({e})")
-
-
-def _make_pinned_stager():
-    """DCP's DefaultStager (torch >= 2.9; torchtitan 0.2.2 on torch 2.11 uses it): cached pinned + shared CPU
-    buffers filled on a side stream. CPU-only machines get the same without pinning/non-blocking copies."""
-    cuda = torch.cuda.is_available()
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # older torch: a blocking copy into cached pinned memory
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-        logger.warning("checkpoint: this torch has no DefaultStager; async_with_pinned_mem stages synchronously")
-        return BlockingAsyncStager(cache_staged_state_dict=cuda)
-    _raise_open_file_limit()
-    opts = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                          use_non_blocking_copy=cuda)
-    stager = DefaultStager(opts)
-    stager._state_dict_stager = _KeepStagedBuffers(stager._state_dict_stager)
-    return stager
-
-
-class _KeepStagedBuffers:
-    """Wraps DefaultStager's inner StateDictStager so the stager can be reused across saves on torch 2.11.
-
-    torch 2.11's DefaultStager closes its StateDictStager at the end of every staging (pytorch/pytorch#183413,
-    fixed in later releases): that frees the cached pinned buffers, so every save pins ~all of a rank's state
-    afresh (seen on 2x H200: a 30 s step for 8B), and clears its type dispatch, so the second save fails with
-    `KeyError: <class 'type'>`. Here close() waits for the manager's own close(), which calls release()."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):  # stage(), deepcopy_with_tensor_offload(), ...: the wrapped stager's
-        return getattr(self._inner, name)
-
-    def close(self) -> None:
-        pass
-
-    def release(self) -> None:
-        self._inner.close()
 
 
 class CheckpointManager(LoadMixin):
@@ -162,7 +109,7 @@ class CheckpointManager(LoadMixin):
         if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
             self._async_pg = dist.new_group(backend="gloo")
         if self.mode == "async_with_pinned_mem":
-            self._stager = _make_pinned_stager()
+            self._stager = make_pinned_stager()
 
     _flat = _FLAT
     _quiet = staticmethod(quiet_dcp)
@@ -423,6 +370,9 @@ class CheckpointManager(LoadMixin):
         if self._stager is not None:
             self._stager.close()
             inner = getattr(self._stager, "_state_dict_stager", None)
-            if isinstance(inner, _KeepStagedBuffers):
-                inner.release()  # the pinned buffers (see _KeepStagedBuffers)
+            if isinstance(inner, KeepStagedBuffers):
+                inner.release()  # the pinned buffers (see KeepStagedBuffers)
             self._stager = None
+        if self.mode == "async_with_pinned_mem" and self.dist:
+            stop_writer_process()
+
