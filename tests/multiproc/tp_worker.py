@@ -67,28 +67,45 @@ class SdpaSpy:
         models.common.F.scaled_dot_product_attention = self._orig
 
 
-def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none",
-               compile: bool = False, async_tp: bool = False, tol: float = TOL) -> None:
-    dims = ParallelDims(**dims_kw, world_size=world)
-    dims.build_mesh(DEVICE)
-    cfg = JobConfig()
-    cfg.parallelism.enable_sequence_parallel, cfg.parallelism.enable_loss_parallel = sp, lp
-    cfg.parallelism.enable_async_tp = async_tp
-    cfg.activation_checkpoint.mode = ac
-    cfg.compile.enable, cfg.compile.components = compile, ["model"]
+class AsyncTPSpy:
+    """Counts, over every graph inductor compiles, the all-gather -> matmul and matmul -> reduce-scatter patterns the
+    async-TP pass finds and the fused symmetric-memory ops it leaves in the graph. Its "found no matching patterns"
+    warning is printed per graph, also for graphs without TP collectives (the loss), so it proves nothing alone."""
 
-    ref = reference_model(seed=0).to(DEVICE)
-    model = get_plan("llama3", "default")(meta_model(), dims, cfg)
-    model.to_empty(device=DEVICE)
-    torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
-    model.init_weights(buffer_device=DEVICE)
-    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()], "FQNs changed"
-    meshes = {(p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None) for p in model.parameters()}
+    def __init__(self):
+        from torch._inductor.fx_passes import micro_pipeline_tp, post_grad
 
-    opt_kw = dict(lr=1e-3, weight_decay=0.1, foreach=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
-    opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+        self._mp, self._pg = micro_pipeline_tp, post_grad
+        self.patterns = self.fused = 0
+
+    def __enter__(self):
+        orig_ag, orig_rs = self._mp.find_all_gather_patterns, self._mp.find_reduce_scatter_patterns
+        orig_pass = self._pg.micro_pipeline_tp_pass
+        self._saved = orig_ag, orig_rs, orig_pass
+
+        def counting(find):
+            def wrapped(graph):
+                found = find(graph)
+                self.patterns += len(found)
+                return found
+            return wrapped
+
+        def run_pass(graph):
+            orig_pass(graph)
+            self.fused += sum("fused_all_gather" in str(n.target) or "fused_matmul_reduce_scatter" in str(n.target)
+                              for n in graph.nodes)
+
+        self._mp.find_all_gather_patterns, self._mp.find_reduce_scatter_patterns = counting(orig_ag), counting(orig_rs)
+        self._pg.micro_pipeline_tp_pass = run_pass
+        return self
+
+    def __exit__(self, *exc):
+        self._mp.find_all_gather_patterns, self._mp.find_reduce_scatter_patterns, orig_pass = self._saved
+        self._pg.micro_pipeline_tp_pass = orig_pass
+
+
+def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol) -> float:
+    """STEPS AdamW steps of `model` and the 1-process `ref` on the same global batches; the worst loss difference."""
     dp_rank, dp = dims.dp_rank(), dims.dp_degree
     dp_cp = dims.get_mesh("dp_cp")
     worst_loss = 0.0
@@ -125,6 +142,48 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
         assert abs(norm.item() - ref_norm.item()) <= tol, f"{name} step {step}: grad norm {norm} vs {ref_norm}"
         worst_loss = max(worst_loss, diff)
 
+    return worst_loss
+
+
+def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none",
+               compile: bool = False, async_tp: bool = False, tol: float = TOL) -> None:
+    dims = ParallelDims(**dims_kw, world_size=world)
+    dims.build_mesh(DEVICE)
+    cfg = JobConfig()
+    cfg.parallelism.enable_sequence_parallel, cfg.parallelism.enable_loss_parallel = sp, lp
+    cfg.parallelism.enable_async_tp = async_tp
+    cfg.activation_checkpoint.mode = ac
+    cfg.compile.enable, cfg.compile.components = compile, ["model"]
+
+    ref = reference_model(seed=0).to(DEVICE)
+    model = get_plan("llama3", "default")(meta_model(), dims, cfg)
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
+    model.init_weights(buffer_device=DEVICE)
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()], "FQNs changed"
+    meshes = {(p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None) for p in model.parameters()}
+
+    opt_kw = dict(lr=1e-3, weight_decay=0.1, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
+    opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+    # Compiled cases count the async-TP patterns in the compiled graphs; on CPU (no symmetric memory) the pass is
+    # switched on only to check that the plan's block graphs offer them: nothing gets fused there.
+    atp = AsyncTPSpy() if compile else contextlib.nullcontext()
+    force_pass = compile and not torch._inductor.config._micro_pipeline_tp
+    torch._inductor.config._micro_pipeline_tp |= force_pass
+    try:
+        with atp:
+            worst_loss = _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol)
+    finally:
+        if force_pass:
+            torch._inductor.config._micro_pipeline_tp = False
+    if compile:  # the block's forward and backward graphs each hold all-gathers and reduce-scatters
+        assert atp.patterns >= 4, f"{name}: the async-TP pass found {atp.patterns} patterns in the compiled blocks"
+    if async_tp:
+        assert atp.fused > 0, f"{name}: async TP is on but no compiled graph holds a fused all-gather/matmul op"
+    detail = f" async_tp_patterns={atp.patterns} fused={atp.fused}" if compile else ""
+
     ref_params = dict(ref.named_parameters())
     worst_param = 0.0
     for n, p in model.named_parameters():
@@ -132,8 +191,7 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
         d = (full - ref_params[n].detach()).abs().max().item()
         assert d <= tol, f"{name}: parameter {n} differs from the reference by {d}"
         worst_param = max(worst_param, d)
-    extra = f" async_tp={torch._inductor.config._micro_pipeline_tp}" if async_tp else ""
-    report(name, f"loss_diff={worst_loss:.1e} param_diff={worst_param:.1e} meshes={sorted(map(str, meshes))}{extra}")
+    report(name, f"loss_diff={worst_loss:.1e} param_diff={worst_param:.1e} meshes={sorted(map(str, meshes))}{detail}")
 
 
 def mixed_mesh_grad_norm() -> None:
