@@ -37,13 +37,14 @@ def main(argv: list[str]) -> int:
         return 2
     from titanlike.checkpoint import CheckpointError
     from titanlike.fault import NonFiniteError
+    from titanlike.hang import CommError
 
     try:
         if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training
             trainer.checkpointer.save_seed()
         else:
             trainer.train()
-    except (CheckpointError, NonFiniteError) as e:  # says which file/step and what to do; checkpoints are intact
+    except (CheckpointError, NonFiniteError, CommError) as e:  # says which file/step/rank and what to do
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)

@@ -52,16 +52,18 @@ def init_distributed(
     return rank, world_size, local_rank
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(barrier: bool = True) -> None:
     """Tear the process group down (no-op when there is none).
 
     The barrier first: without it a rank that finishes early destroys gloo's transport while a peer
     still talks to it, and the job occasionally aborts at exit ("terminate called without an active
-    exception", see STACK_NOTES).
+    exception", see STACK_NOTES). barrier=False after a failed collective: the peers are gone or stuck,
+    and a barrier would only wait out the timeout again.
     """
     if not dist.is_initialized():
         return
     try:
-        dist.barrier()
+        if barrier:
+            dist.barrier()
     finally:
         dist.destroy_process_group()

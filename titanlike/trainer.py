@@ -27,6 +27,8 @@ from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.distributed import destroy_distributed, init_distributed
 from titanlike.loss import apply_chunked_loss, loss_targets
 from titanlike.fault import NonFiniteGuard, PreemptionHandler, SpikeDetector
+from titanlike.ft import FaultTolerance, ft_data_shard, ft_run_dir
+from titanlike.hang import HangWatch, enable_flight_recorder
 from titanlike.metrics import MetricsLogger
 from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlike.parallel_dims import ParallelDims
@@ -65,15 +67,20 @@ class Trainer:
     def __init__(self, cfg: JobConfig, config_name: str = "run"):
         self.cfg = cfg
         t = cfg.training
-        self.rank, self.world_size, local_rank = init_distributed(pick_device(t.device, 0).type)
+        # The run folder first: the flight recorder reads its dump path from the environment when groups are made.
+        self.run_dir = ft_run_dir(cfg.fault_tolerance,
+                                  os.path.join(cfg.job.dump_folder, cfg.job.run_name or config_name))
+        traces = enable_flight_recorder(cfg.comm, self.run_dir)
+        self.rank, self.world_size, local_rank = init_distributed(pick_device(t.device, 0).type,
+                                                                  timeout_s=cfg.comm.init_timeout_seconds)
         self.device = pick_device(t.device, local_rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self._seed(t.seed, t.deterministic)
 
-        self.run_dir = os.path.join(cfg.job.dump_folder, cfg.job.run_name or config_name)
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
+        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/hang.py)
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.tokenizer = build_tokenizer(cfg.data)
@@ -134,8 +141,9 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_sum)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
-        dp_degree = self.dims.dp_degree
-        dp_rank = self.dims.dp_rank()
+        # torchft: replica group i reads the i-th block of each global batch (the groups are the replicate axis)
+        dp_degree, dp_rank = ft_data_shard(cfg.fault_tolerance, self.dims.dp_degree, self.dims.dp_rank())
+        self.dp_degree = dp_degree
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
         self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len
@@ -162,6 +170,12 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
             strict=self.pp is None)  # a pipeline rank holds only its stages' keys
+        self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/ft.py)
+        if cfg.fault_tolerance.enable:
+            self.ft = FaultTolerance(cfg.fault_tolerance, cfg.comm, self.device, model_parts=self.model_parts,
+                                     optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                     dataloader=self.dataloader, trainer=self)
+            self.model = self.ft.wrap(self.model, fsdp=self.dims.fsdp_enabled)
         logger.info(f"world {self.world_size} on {self.device.type}, mesh {self.mesh}, "
                     f"global batch {global_bs} = {t.local_batch_size} local x {dp_degree} dp x "
                     f"{self.grad_accum_steps} accumulation, seq {t.seq_len}")
@@ -224,31 +238,51 @@ class Trainer:
                 mb_losses.append(loss.detach())
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
-        if self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm):
+        commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
+        if commit and (self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm)):
             self.optimizer.step()  # with fused AdamW a non-finite step is skipped inside the kernel (found_inf)
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
-        self.lr_scheduler.step()
+        if commit:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, global_tokens, grad_norm
 
     def train(self) -> list[dict]:
-        """Runs to training.steps; returns the logged metrics (one dict per log step)."""
+        """Runs to training.steps; returns the logged metrics (one dict per log step). A collective that times
+        out or loses its peer raises CommError naming the timeout key and the stalled rank (titanlike/hang.py)."""
+        try:
+            return self._train_loop()
+        except RuntimeError as e:
+            err = self.hang.comm_error(e, self.step)
+            if err is None:
+                raise
+            raise err from e
+
+    def _train_loop(self) -> list[dict]:
         t, log_freq = self.cfg.training, self.cfg.metrics.log_freq
         history = []
         if t.gc_freq > 0:
             gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
+        self.hang.begin()  # every process group: comm.init_timeout_seconds until the first step is done
         self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
+        if self.ft is not None:
+            self.ft.resumed(self.step)
         data_iter = iter(self.dataloader)
         profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.rank, self.device, start_step=self.step)
         while self.step < t.steps:
             self.step += 1
+            if self.ft is not None and self.ft.begin_step():  # took a live replica group's state: its data position
+                data_iter = iter(self.dataloader)
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss_sum, tokens, grad_norm = self.train_step(self.next_batches(data_iter))
+            if self.ft is not None and not self.ft.committed:  # no update anywhere: redo the step (new quorum)
+                self.step -= 1
+                continue
             self.metrics.add_tokens(self.tokens_per_step_device)
-            self.tokens_seen += self.tokens_per_step_local * self.dims.dp_degree
+            self.tokens_seen += self.tokens_per_step_local * self.dp_degree
             if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
@@ -264,6 +298,7 @@ class Trainer:
                 self.validate()
             self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
             profiler.step(self.step)
+            self.hang.step_done(self.step)  # heartbeat; after the first step the training timeout applies
             if self.step < t.steps and self.preemption.should_stop(self.step):
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
                     self.checkpointer.save(self.step)  # (an interval step was saved just above)
@@ -307,8 +342,12 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self.hang.close()
             self.preemption.close()
-            self.checkpointer.close()  # commits an async save still in flight
+            if self.ft is not None:
+                self.ft.close()
+            if not self.hang.failed:  # after a failed collective the peers are gone: no more collectives
+                self.checkpointer.close()  # commits an async save still in flight
         finally:
             self.metrics.close()
-            destroy_distributed()
+            destroy_distributed(barrier=not self.hang.failed)

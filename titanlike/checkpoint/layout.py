@@ -186,7 +186,19 @@ def choose_step(folder: str, want: int = -1) -> StepInfo | None:
                            f"their save was interrupted)")
         if not done:
             return None
-        info = steps[done[-1]]
+        # Newest first; a committed step whose files no longer match its marker (truncated or lost after the
+        # save, e.g. a node died before the page cache reached the disk) is passed over for the previous one.
+        # Loading deletes nothing (the run's own later save of that step number replaces it, whole).
+        first_error = None
+        for s in reversed(done):
+            try:
+                verify_files(steps[s])
+            except CheckpointError as e:
+                first_error = first_error or e
+                logger.warning(f"checkpoint: skipping damaged step {s} ({e}); trying the previous complete step")
+                continue
+            return steps[s]
+        raise first_error
     elif want in steps and steps[want].complete:
         info = steps[want]
     elif want in steps:

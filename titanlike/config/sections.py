@@ -173,11 +173,27 @@ class Validation:
 
 
 @dataclass
+class Comm:
+    """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/hang.py, docs/faults.md)."""
+    init_timeout_seconds: int = 300  # process-group creation, checkpoint load and the first step
+    train_timeout_seconds: int = 100  # every collective after the first step: a hung peer raises after this long
+    trace_buf_size: int = 20000  # flight recorder: last N collectives per rank (TORCH_FR_BUFFER_SIZE); 0 = off
+    save_traces_folder: str = "comm_traces"  # under the run folder: flight-recorder dumps (rank_<R>[.json])
+    heartbeat_interval_seconds: float = 30.0  # each rank rewrites <run>/heartbeat/rank<R>.txt this often; 0 = off
+    heartbeat_stall_seconds: float = 60.0  # warn after this long without finishing a step (below the timeout)
+
+
+@dataclass
 class FaultTolerance:
+    """torchft replica groups (titanlike/ft.py): each group is its own job running the data-parallel replicate
+    dimension; a failed group drops out of the quorum and rejoins by copying a live group's state."""
     enable: bool = False
-    replica_id: int = 0
-    group_size: int = 0
-    min_replica_size: int = 1
+    replica_id: int = 0  # this group's index in [0, group_size)
+    group_size: int = 0  # number of replica groups
+    min_replica_size: int = 1  # steps commit only while at least this many groups take part
+    lighthouse: str = ""  # http://HOST:PORT of scripts/lighthouse.py; "" = $TORCHFT_LIGHTHOUSE
+    process_group: str = "auto"  # cross-group collectives: auto (nccl on CUDA, else gloo) | gloo | nccl
+    max_failed_commits: int = 10  # this many steps in a row that torchft could not commit stop the run
 
 
 @dataclass
@@ -206,5 +222,6 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     profiling: Profiling = field(default_factory=Profiling)

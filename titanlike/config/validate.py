@@ -28,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
 COMPILE_COMPONENTS = ("model", "loss")
 
@@ -108,12 +109,16 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
 
     for dotted in ("training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
                    "checkpoint.interval", "validation.interval", "validation.steps", "profiling.profile_freq",
-                   "profiling.profile_active", "checkpoint.io_threads", "training.signal_check_freq"):
+                   "profiling.profile_active", "checkpoint.io_threads", "training.signal_check_freq",
+                   "comm.init_timeout_seconds", "comm.train_timeout_seconds", "fault_tolerance.max_failed_commits"):
         at_least(dotted, 1)
     for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.loss_spike_zscore",
-                   "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup"):
+                   "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup",
+                   "comm.trace_buf_size", "comm.heartbeat_interval_seconds"):
         at_least(dotted, 0)
     at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
+    if not cfg.comm.heartbeat_stall_seconds > 0:
+        errors.append(f"comm.heartbeat_stall_seconds={cfg.comm.heartbeat_stall_seconds} must be > 0")
     if cfg.model.vocab_size != -1:
         at_least("model.vocab_size", 1, " (or -1 to take it from the tokenizer)")
 
@@ -172,6 +177,16 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
         if not 1 <= ft.min_replica_size <= max(ft.group_size, 1):
             errors.append(f"fault_tolerance.min_replica_size={ft.min_replica_size} must be in "
                           f"[1, group_size={ft.group_size}]")
+        # The replica groups ARE the replicate dimension: each group is its own job (FSDP/TP inside it).
+        if par.dp_replicate != 1:
+            errors.append(f"parallelism.dp_replicate={par.dp_replicate} must be 1 with fault_tolerance.enable: the "
+                          f"torchft replica groups (fault_tolerance.group_size) are the replicate dimension")
+        if par.pp > 1:
+            errors.append(f"fault_tolerance.enable with parallelism.pp={par.pp} is not supported yet; use pp=1")
+        gbs, unit = cfg.training.global_batch_size, cfg.training.local_batch_size * max(ft.group_size, 1)
+        if gbs != -1 and gbs % unit:
+            errors.append(f"training.global_batch_size={gbs} must be a multiple of local_batch_size*"
+                          f"fault_tolerance.group_size = {unit} (times the data-parallel degree inside a group)")
 
 
 def _check_global_batch(cfg: JobConfig, dp_shard: int | None, errors: list[str]) -> None:
