@@ -44,6 +44,7 @@ from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, pack, quiet_dcp, rng_state
 from titanlike.checkpoint.staging import KeepStagedBuffers, make_pinned_stager, stop_writer_process
+from titanlike.hang import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
 # Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
@@ -103,11 +104,16 @@ class CheckpointManager(LoadMixin):
         self.mode = cfg.async_mode if cfg.enable else "disabled"
         # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
         # interleave with the training collectives, nor with the writer's own collectives.
+        # Both wait for the slowest rank's write of a whole checkpoint: they keep gloo's 30 min timeout, not the
+        # training one (titanlike/hang.py).
         self._ctl = dist.new_group(backend="gloo") if self.enabled and self.world > 1 else None
         self._async_pg = None
         self._stager = None
         if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
             self._async_pg = dist.new_group(backend="gloo")
+        for pg in (self._ctl, self._async_pg):
+            if pg is not None:
+                keep_own_timeout(pg)
         if self.mode == "async_with_pinned_mem":
             self._stager = make_pinned_stager()
 
