@@ -84,3 +84,39 @@ def test_trainer_stops_on_repeated_nan(tmp_path):
             trainer.train()
     finally:
         trainer.close()
+
+
+def test_trainer_rolls_back_past_bad_batches(tmp_path):
+    """max_rollbacks: two NaN steps after the step-4 checkpoint -> back to step 4, the data goes on after the bad
+    batches and the run finishes; with no rollbacks left the same failure stops the run."""
+    ckpt = {"enable": True, "interval": 4, "keep_latest_k": 0}
+    cfg = _cfg(tmp_path, steps=8, max_consecutive_bad_steps=2, max_rollbacks=1)
+    cfg.checkpoint = config_from_dict({"checkpoint": ckpt}).checkpoint
+    trainer = Trainer(cfg)
+    _poison(trainer, {5, 6, 9, 10})  # forward calls = steps 5, 6 first time; steps 7, 8 after the rollback
+    try:
+        with pytest.raises(NonFiniteError, match="first at step 7"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.rollbacks == 2 and trainer.step == 8
+
+    cfg = _cfg(tmp_path / "b", steps=8, max_consecutive_bad_steps=2, max_rollbacks=1)
+    cfg.checkpoint = config_from_dict({"checkpoint": ckpt}).checkpoint
+    trainer = Trainer(cfg)
+    _poison(trainer, {5, 6})
+    seen, next_batches = [], trainer.next_batches
+
+    def recording(it):
+        batches = next_batches(it)
+        seen.append(tuple(batches[0][0].flatten().tolist()))
+        return batches
+    trainer.next_batches = recording
+    try:
+        hist = trainer.train()
+    finally:
+        trainer.close()
+    steps = [h["step"] for h in hist]
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], steps  # steps 5-6 again after the rollback to step 4
+    assert all(math.isfinite(h["loss"]) for h in hist[6:]) and trainer.rollbacks == 1
+    assert len(seen) == 10 and len(set(seen)) == 10  # after the rollback new batches, not the ones that went bad

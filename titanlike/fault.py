@@ -57,6 +57,11 @@ class NonFiniteGuard:
             return True
         return not bool(bad.item())
 
+    def reset(self) -> None:
+        """Forget the current streak (after a rollback); the total of skipped updates stays."""
+        self.consecutive.zero_()
+        self.first_bad.zero_()
+
     def check(self) -> int:
         """Host-side report on a log step; returns the number of skipped updates so far."""
         skipped, consecutive = int(self.skipped.item()), int(self.consecutive.item())

@@ -26,7 +26,7 @@ from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.distributed import destroy_distributed, init_distributed
 from titanlike.loss import apply_chunked_loss, loss_targets
-from titanlike.fault import NonFiniteGuard, PreemptionHandler, SpikeDetector
+from titanlike.fault import NonFiniteError, NonFiniteGuard, PreemptionHandler, SpikeDetector
 from titanlike.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.hang import HangWatch, enable_flight_recorder
 from titanlike.metrics import MetricsLogger
@@ -288,8 +288,16 @@ class Trainer:
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
+                rolled_back = False
                 if self.guard is not None:
-                    m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
+                    try:
+                        m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
+                    except NonFiniteError as e:
+                        history.append({"step": self.step, **m})
+                        self._rollback(e)  # back to the last checkpoint, or re-raise (no rollbacks left, none saved)
+                        data_iter, rolled_back = iter(self.dataloader), True
+                if rolled_back:
+                    continue
                 if self.spikes is not None:
                     self.spikes.update(self.step, m["loss"])
                 history.append({"step": self.step, **m})
@@ -306,6 +314,24 @@ class Trainer:
                 break
         profiler.stop()
         return history
+
+    def _rollback(self, err: NonFiniteError) -> None:
+        """training.max_rollbacks: back to the newest complete checkpoint, keeping the data position, so the steps
+        after it see new batches instead of the ones that went bad. Every rank gets here at the same step (the
+        guard's counters come from the global grad norm)."""
+        self.rollbacks = getattr(self, "rollbacks", 0) + 1
+        if self.rollbacks > self.cfg.training.max_rollbacks or not self.cfg.checkpoint.enable:
+            raise err
+        bad_step = self.step
+        self.checkpointer.flush()
+        data_state = self.dataloader.state_dict()
+        if self.checkpointer.load_newest_saved() is None:
+            raise NonFiniteError(f"{err} (training.max_rollbacks: no complete checkpoint to roll back to)") from err
+        self.dataloader.load_state_dict(data_state)
+        self.guard.reset()
+        logger.warning(f"rolled back from step {bad_step} to the checkpoint of step {self.step} (rollback "
+                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err}; the data continues after "
+                       f"step {bad_step}'s batches")
 
     @torch.no_grad()
     def validate(self) -> float:

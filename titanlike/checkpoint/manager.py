@@ -369,6 +369,16 @@ class CheckpointManager(LoadMixin):
         self._commit(p.step, p.tmp, p.final, p.marker, stall=p.stall, write=time.perf_counter() - p.t_start,
                      wait=p.wait)
 
+    def flush(self) -> None:
+        """Wait for (and commit) an async save still in flight."""
+        if self.enabled:
+            self._finish_pending(block=True, count_stall=False)
+
+    def load_newest_saved(self) -> int | None:
+        """Load the newest complete step this run saved itself (never initial_load_path); None if there is none."""
+        info = self._rank0_do(layout.choose_step, self.folder, -1) if self.cfg.enable else None
+        return None if info is None else self._load_step(info, model_only=False)
+
     def close(self) -> None:
         """Finish (and commit) an async save still in flight; release staging buffers."""
         if self.enabled:

@@ -39,6 +39,9 @@ class Training:
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
     skip_nonfinite_steps: bool = True  # a NaN/Inf gradient norm skips that update (counted, logged)
     max_consecutive_bad_steps: int = 5  # this many skipped updates in a row stop the run; 0 = never stop
+    # >0: instead of stopping, reload the newest complete checkpoint (weights, optimizer, LR) and go on with the data
+    # after the bad steps, at most this many times per run (needs checkpoint.enable)
+    max_rollbacks: int = 0
     signal_check_freq: int = 10  # multi-process runs agree on a SIGTERM/SIGUSR1 every N steps (one all-reduce)
     loss_spike_zscore: float = 6.0  # warn when a logged loss is this many std above the recent ones; 0 = off
     # >0: output projection + cross-entropy in chunks of this many tokens, so the [tokens, vocab] logits are never

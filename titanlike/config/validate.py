@@ -112,11 +112,14 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
                    "profiling.profile_active", "checkpoint.io_threads", "training.signal_check_freq",
                    "comm.init_timeout_seconds", "comm.train_timeout_seconds", "fault_tolerance.max_failed_commits"):
         at_least(dotted, 1)
-    for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.loss_spike_zscore",
+    for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.max_rollbacks", "training.loss_spike_zscore",
                    "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup",
                    "comm.trace_buf_size", "comm.heartbeat_interval_seconds"):
         at_least(dotted, 0)
     at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
+    if cfg.training.max_rollbacks > 0 and not cfg.checkpoint.enable:
+        errors.append("training.max_rollbacks > 0 rolls back to the newest checkpoint, but checkpoint.enable is "
+                      "false: enable checkpoints or set training.max_rollbacks=0")
     if not cfg.comm.heartbeat_stall_seconds > 0:
         errors.append(f"comm.heartbeat_stall_seconds={cfg.comm.heartbeat_stall_seconds} must be > 0")
     if cfg.model.vocab_size != -1:
