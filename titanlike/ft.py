@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
+from titanlike.checkpoint.states import FLAT_OPTIM
 from titanlike.hang import CommError
 
 logger = logging.getLogger("titanlike")
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def ft_data_shard(ft_cfg, dp_degree: int, dp_rank: int) -> tuple[int, int]:
@@ -210,7 +210,7 @@ class FaultTolerance:
         for part, opt in zip(self.parts, self.optimizers):
             model.update(_local(get_model_state_dict(part)))
             if opt.state:  # before the first update there is none; DCP would create it with a fake step
-                optim.update(_local(get_optimizer_state_dict(part, opt, options=_FLAT)))
+                optim.update(_local(get_optimizer_state_dict(part, opt, options=FLAT_OPTIM)))
         state = {"model": model, "optim": optim or None, "lr_scheduler": self.lr_scheduler.state_dict(),
                  "trainer": self.trainer.state_dict()}
         if self._data_moves:
@@ -225,8 +225,8 @@ class FaultTolerance:
             if state["optim"] is None:
                 opt.state.clear()
             else:
-                template = get_optimizer_state_dict(part, opt, options=_FLAT)
-                set_optimizer_state_dict(part, opt, _like(template, state["optim"], self.device), options=_FLAT)
+                template = get_optimizer_state_dict(part, opt, options=FLAT_OPTIM)
+                set_optimizer_state_dict(part, opt, _like(template, state["optim"], self.device), options=FLAT_OPTIM)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.trainer.load_state_dict(state["trainer"])
         if "dataloader" in state:

@@ -125,6 +125,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
+        self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
         self.preemption = PreemptionHandler(self.device, t.signal_check_freq)
         self.preempted = False
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
@@ -288,16 +289,14 @@ class Trainer:
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
-                rolled_back = False
                 if self.guard is not None:
                     try:
                         m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
                     except NonFiniteError as e:
                         history.append({"step": self.step, **m})
                         self._rollback(e)  # back to the last checkpoint, or re-raise (no rollbacks left, none saved)
-                        data_iter, rolled_back = iter(self.dataloader), True
-                if rolled_back:
-                    continue
+                        data_iter = iter(self.dataloader)
+                        continue
                 if self.spikes is not None:
                     self.spikes.update(self.step, m["loss"])
                 history.append({"step": self.step, **m})
@@ -319,8 +318,8 @@ class Trainer:
         """training.max_rollbacks: back to the newest complete checkpoint, keeping the data position, so the steps
         after it see new batches instead of the ones that went bad. Every rank gets here at the same step (the
         guard's counters come from the global grad norm)."""
-        self.rollbacks = getattr(self, "rollbacks", 0) + 1
-        if self.rollbacks > self.cfg.training.max_rollbacks or not self.cfg.checkpoint.enable:
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.training.max_rollbacks:  # (validate: max_rollbacks > 0 needs checkpoints)
             raise err
         bad_step = self.step
         self.checkpointer.flush()

@@ -34,22 +34,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
-from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, pack, quiet_dcp, rng_state
+from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, quiet_dcp, rng_state
 from titanlike.checkpoint.staging import KeepStagedBuffers, make_pinned_stager, stop_writer_process
 from titanlike.hang import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
-# Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
-# model parts (pipeline stages) merges into one dict, and loads back into any other split of the model.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # A lone process saving asynchronously: DCP's writer thread warns it "assumes the intent" of one process. It is ours.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
@@ -117,7 +112,7 @@ class CheckpointManager(LoadMixin):
         if self.mode == "async_with_pinned_mem":
             self._stager = make_pinned_stager()
 
-    _flat = _FLAT
+    _flat = FLAT_OPTIM
     _quiet = staticmethod(quiet_dcp)
 
     # ------------------------------------------------------------------------------------------ collectives

@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from titanlike.checkpoint.layout import META, CheckpointError
 
 MODEL, OPTIM, EXTRA = "model", "optimizer", "extra"
+# Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
+# model parts (pipeline stages) merges into one dict, and loads back into any other split of the model. Also what a
+# torchft replica group sends a recovering one (titanlike/ft.py).
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @contextlib.contextmanager
