@@ -20,6 +20,10 @@ import glob
 import json
 import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from titanlike.profiling import union_length  # noqa: E402
 
 
 def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2) -> float | None:
@@ -30,15 +34,6 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_ran
     if schedule in ("ZBVZeroBubble", "DualPipeV"):
         return 0.0
     return None
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def trace_bubble(events: list[dict]) -> dict:
@@ -55,9 +50,9 @@ def trace_bubble(events: list[dict]) -> dict:
         a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
         if b > a:
             (nccl if "nccl" in str(e.get("name", "")).lower() else compute).append((a, b))
-    window, busy = hi - lo, _union_length(compute)
+    window, busy = hi - lo, union_length(compute)
     return {"window_ms": window / 1e3, "busy_ms": busy / 1e3,
-            "nccl_only_ms": (_union_length(compute + nccl) - busy) / 1e3, "bubble": 1 - busy / window}
+            "nccl_only_ms": (union_length(compute + nccl) - busy) / 1e3, "bubble": 1 - busy / window}
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from titanlike.config.sections import LRScheduler, Optimizer
-from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
+from titanlike.optim import (build_lr_scheduler, build_optimizer, clip_grad_norm_, fused_clip_optimizers, lr_factor,
+                             param_groups)
 
 
 def _sched(**kw):
@@ -70,3 +71,28 @@ def test_clip_grad_norm_matches_torch():
     assert ours.item() == pytest.approx(ref.item())
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3, 0.0])  # clipping active / norm below the limit / no clipping
+def test_fused_clip_matches_explicit_clip(max_norm):
+    """Fused AdamW dividing by the clip factor inside its kernel (grad_scale) takes the same steps as clipping the
+    gradients first; foreach AdamW is not fused and keeps the explicit clip."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(m, Optimizer(lr=1e-2, fused="true"), torch.device("cpu")) for m in models]
+    assert fused_clip_optimizers(opts[1]) == [opts[1]]
+    assert fused_clip_optimizers(build_optimizer(models[0], Optimizer(fused="false"), torch.device("cpu"))) is None
+    for _ in range(4):
+        x = torch.randn(8, 16)
+        norms = []
+        for m, opt, fused in zip(models, opts, (None, [opts[1]])):
+            (m(x) ** 2).sum().backward()
+            norms.append(clip_grad_norm_(m.parameters(), max_norm, fused))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert norms[0].item() == pytest.approx(norms[1].item(), rel=1e-6)
+    if max_norm == 0.05:
+        assert norms[0].item() > max_norm  # the clipped case did clip
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

@@ -52,3 +52,33 @@ def test_schedule_longer_than_period_is_rejected():
     cfg = config_from_dict({"profiling": {"enable_profiling": True, "profile_freq": 3, "profile_warmup": 3}})
     with pytest.raises(ConfigError, match="profile_warmup"):
         validate(cfg)
+
+
+def test_kernel_breakdown_on_a_synthetic_trace():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_breakdown.py"
+    spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    events = [  # two steps of 100 us each
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "ts": 0, "dur": 60},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_e4m3bf16_e4m3f32", "ts": 100, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "ts": 60,
+         "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "triton_red_fused__to_copy_mean_mul_pow_rsqrt_0", "ts": 140, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::(anonymous)::multi_tensor_apply_kernel<FusedAdam>",
+         "ts": 160, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 10, "dur": 30},  # overlapped
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 180, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<4>", "ts": 185, "dur": 5},
+    ]
+    r = tool.breakdown(events)
+    assert r["steps"] == 2 and r["window_ms"] * 1e3 == pytest.approx(100)
+    per_step_us = {k: v * 1e3 for k, v in r["classes"].items()}
+    assert per_step_us == pytest.approx({"gemm": 50, "attention": 10, "triton": 10, "optimizer": 10, "nccl": 15,
+                                         "copy": 2.5, "other": 2.5})
+    assert r["idle_ms"] * 1e3 == pytest.approx(15)  # nothing ran in 80..100 and 190..200: 30 us over 2 steps
+    assert r["kernels"][0][1] == "gemm"

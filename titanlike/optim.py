@@ -105,12 +105,39 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+def fused_clip_optimizers(optimizer) -> list[torch.optim.Optimizer] | None:
+    """The optimizers when every one is a fused Adam/AdamW (a container's `.optimizers` included), else None.
+
+    Those take the clipping inside their kernel: `grad_scale` (the attribute GradScaler feeds them) divides every
+    gradient on the fly, which saves clipping's separate read-modify-write of all fp32 gradients (12 GB per step
+    on the 1.5B model, ~3% of an H100 step)."""
+    opts = getattr(optimizer, "optimizers", [optimizer])
+    ok = all(isinstance(o, torch.optim.Adam) and o.defaults.get("fused") for o in opts)  # AdamW subclasses Adam
+    return list(opts) if opts and ok else None
+
+
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm (see `grad_norm`) and return it, without a host sync."""
-    params = [p for p in params if p.grad is not None]
-    total = grad_norm([p.grad for p in params])
+def clip_with_norm_(params: list[torch.Tensor], max_norm: float, total: torch.Tensor,
+                    fused_into: list[torch.optim.Optimizer] | None = None) -> None:
+    """Scale the gradients of `params` by min(max_norm / (total + 1e-6), 1), `total` being their global norm.
+
+    fused_into (from `fused_clip_optimizers`): leave the gradients as they are and have those optimizers' next
+    step divide them by the inverse factor inside their kernel: the same update up to rounding (1 ulp)."""
+    if fused_into is not None:
+        scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0) if max_norm > 0 and params else None
+        for opt in fused_into:
+            opt.grad_scale = scale  # a 0-dim tensor: DTensor ops take it as replicated, like found_inf
+        return
     if max_norm > 0 and params:
         for idx in _placement_groups([p.grad for p in params]):  # foreach kernels want one mesh per call
             torch.nn.utils.clip_grads_with_norm_([params[i] for i in idx], max_norm, total, foreach=True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                    fused_into: list[torch.optim.Optimizer] | None = None) -> torch.Tensor:
+    """Clip by the global L2 norm (see `grad_norm`, `clip_with_norm_`) and return it, without a host sync."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm([p.grad for p in params])
+    clip_with_norm_(params, max_norm, total, fused_into)
     return total

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallelize.pp import Pipeline, build_pipeline
-from titanlike.optim import grad_norm
+from titanlike.optim import clip_with_norm_, grad_norm
 
 
 class PipelineRunner:
@@ -125,23 +125,18 @@ class PipelineRunner:
         return x
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, fused_into=None) -> torch.Tensor:
         """Clip by the L2 norm over all stages and shards; returns it (identical on every rank, no host sync).
 
         Each rank holds different parameters: its local norm (full_tensor() reduces DTensor shards over the
-        FSDP/TP mesh) is squared, summed over the pp group, and square-rooted."""
+        FSDP/TP mesh) is squared, summed over the pp group, and square-rooted. fused_into: see
+        titanlike.optim.clip_with_norm_."""
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         # titanlike.optim.grad_norm: DTensor grads on several meshes/placements (FSDP x TP) reduce group by group
         sq = grad_norm([p.grad for p in params]).to(self.device).float() ** 2
         dist.all_reduce(sq, group=self.pp_group)
         total = sq.sqrt()
-        if max_norm > 0:
-            groups: dict = {}  # foreach kernels want one mesh and placement per call
-            for p in params:
-                key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
-                groups.setdefault(key, []).append(p)
-            for group in groups.values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        clip_with_norm_(params, max_norm, total, fused_into)
         return total
 
 

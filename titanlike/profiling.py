@@ -99,3 +99,14 @@ class StepProfiler:
         if self.snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot = False
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once: GPU busy time from kernels that run
+    on several streams at once (scripts/pp_bubble.py, scripts/kernel_breakdown.py)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total

@@ -30,7 +30,7 @@ from titanlike.fault import NonFiniteError, NonFiniteGuard, PreemptionHandler, S
 from titanlike.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.hang import HangWatch, enable_flight_recorder
 from titanlike.metrics import MetricsLogger
-from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, fused_clip_optimizers
 from titanlike.parallel_dims import ParallelDims
 from titanlike.pipeline_step import OptimizersContainer, PipelineRunner
 from titanlike.profiling import StepProfiler
@@ -123,6 +123,8 @@ class Trainer:
         optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
         self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        # Fused AdamW clips inside its kernel (titanlike/optim.py): one pass over the fp32 gradients less.
+        self.fused_clip = fused_clip_optimizers(self.optimizer)
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
         self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
@@ -227,7 +229,7 @@ class Trainer:
             with self._sdpa(), self._loss_ctx(), self.amp:
                 loss_sum = self.pp.step(batches, scale)
             mb_losses = [loss_sum]
-            grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm)  # over all stages
+            grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm, self.fused_clip)  # over all stages
         else:
             loss_sum, mb_losses = torch.zeros((), device=self.device), []
             for inputs, labels in batches:
@@ -237,7 +239,7 @@ class Trainer:
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.fused_clip)
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
         if commit and (self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm)):
