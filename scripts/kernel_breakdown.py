@@ -21,9 +21,11 @@ import argparse
 import json
 import os
 import re
+import sys
 from collections import defaultdict
 
-from titanlike.profiling import union_length
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from titanlike.profiling import union_length  # noqa: E402
 
 CLASSES = [  # first match wins: float8 matmuls launched by Inductor are still gemms, not triton
     ("nccl", re.compile(r"nccl", re.I)),

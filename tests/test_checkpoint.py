@@ -110,6 +110,34 @@ def test_full_state_roundtrip_continues_identically(tmp_path, mode):
     assert all(s["write_s"] > 0 and s["stall_s"] >= 0 for s in stats)
 
 
+def test_prestage_allocates_the_staging_buffers_and_changes_nothing(tmp_path, caplog):
+    ref = Run(tmp_path / "ref", async_mode="async_with_pinned_mem", interval=2, prestage=False)
+    expected = ref.train(4)
+    ref.ckpt.close()
+
+    run = Run(tmp_path / "pre", async_mode="async_with_pinned_mem", interval=2)
+    weights = [p.detach().clone() for p in run.model.parameters()]
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        run.ckpt.prestage()
+        run.ckpt._prestaged.future.result()
+        run.ckpt._check_prestage(block=False)
+    assert "pre-staged" in caplog.text and run.ckpt._prestaged is None
+    # the optimizer state exists (so its buffers could be staged) yet is that of a fresh optimizer
+    assert len(run.opt.state) == len(weights)
+    assert all(s["step"].item() == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in run.opt.state.values())
+    assert all(torch.equal(p, w) for p, w in zip(run.model.parameters(), weights))
+    cache = run.ckpt._stager._state_dict_stager._inner._cached_storage_mapping  # DCP's StateDictStager cache
+    tensors = [p for p in run.model.parameters()] + [s[k] for s in run.opt.state.values()
+                                                    for k in ("exp_avg", "exp_avg_sq")]
+    staged = {id(t): cache[t.untyped_storage()] for t in tensors}  # KeyError if a buffer was not staged
+    assert run.train(4) == expected  # bitwise the run without pre-staging
+    # the two saves copied into the very buffers pre-staging allocated
+    assert all(cache[t.untyped_storage()] is staged[id(t)] for t in tensors)
+    run.ckpt.close()
+    assert complete_steps(str(tmp_path / "pre")) == [2, 4]
+
+
 def test_keep_last_k_partial_and_missing_steps(tmp_path, caplog):
     run = Run(tmp_path, keep_latest_k=2)
     run.train(4)

@@ -57,3 +57,18 @@ def test_debug_run_learns(tmp_path):
     assert last["loss"] < first["loss"] - 1.5, (first["loss"], last["loss"])
     assert all(h["lr"] > 0 and h["grad_norm"] > 0 for h in history)
     assert "throughput/tokens_per_sec_per_device" in last
+
+
+def test_attention_backend_choice():
+    """auto puts cuDNN first only on a Hopper+ GPU; named backends pin one kernel; sdpa leaves torch's order."""
+    from torch.nn.attention import SDPBackend
+
+    from titanlike.trainer import sdpa_backends
+
+    cpu = torch.device("cpu")
+    assert sdpa_backends("auto", cpu) == (None, False)
+    assert sdpa_backends("sdpa", cpu) == (None, False)
+    assert sdpa_backends("cudnn", cpu) == ([SDPBackend.CUDNN_ATTENTION], False)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        backends, priority = sdpa_backends("auto", torch.device("cuda"))
+        assert backends[:2] == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] and priority

@@ -40,6 +40,19 @@ logger = logging.getLogger("titanlike")
 IGNORE_INDEX = -100
 SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
                  "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
+# model.attn_backend = auto on Hopper and newer: cuDNN's attention before flash (torch's own order puts flash, i.e.
+# FlashAttention-2, first); a shape cuDNN refuses falls through to the next in this order.
+AUTO_HOPPER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH]
+
+
+def sdpa_backends(name: str, device: torch.device) -> tuple[list | None, bool]:
+    """(backends, set_priority) for sdpa_kernel; None: leave torch's choice alone ("sdpa", or auto off Hopper)."""
+    if name == "auto":
+        hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+                  and torch.backends.cudnn.is_available())
+        return (AUTO_HOPPER, True) if hopper else (None, False)
+    return SDPA_BACKENDS.get(name), False
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -136,7 +149,7 @@ class Trainer:
         use_amp = self.device.type == "cuda" and not self.dims.fsdp_enabled and t.mixed_precision_param != "float32"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param)) if use_amp
                     else contextlib.nullcontext())
-        self.attn_backend = SDPA_BACKENDS.get(cfg.model.attn_backend)
+        self.attn_backend, self.attn_priority = sdpa_backends(cfg.model.attn_backend, self.device)
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
@@ -192,8 +205,9 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
 
     def _sdpa(self):
-        """Pin the SDPA kernel when model.attn_backend names one; "sdpa" lets torch choose per device."""
-        return sdpa_kernel(self.attn_backend) if self.attn_backend else contextlib.nullcontext()
+        """The SDPA kernels model.attn_backend allows (see sdpa_backends); "sdpa" lets torch choose."""
+        return (sdpa_kernel(self.attn_backend, set_priority=self.attn_priority) if self.attn_backend
+                else contextlib.nullcontext())
 
     def _loss_ctx(self):
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -269,6 +283,7 @@ class Trainer:
             gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
         self.hang.begin()  # every process group: comm.init_timeout_seconds until the first step is done
         self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
+        self.checkpointer.prestage()  # pinned staging buffers allocated while step 1 runs (checkpoint.prestage)
         if self.ft is not None:
             self.ft.resumed(self.step)
         data_iter = iter(self.dataloader)

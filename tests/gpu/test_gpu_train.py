@@ -17,7 +17,7 @@ def _debug_cfg(tmp_path, *extra):
                         "--training.device=cuda", "--metrics.log_freq=10", "--training.steps=40", *extra])
 
 
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn"])
 def test_debug_run_on_cuda_with_compile(tmp_path, backend):
     """bf16 autocast + per-block compile + compiled loss + fused AdamW + a pinned fused SDPA kernel: it learns."""
     trainer = Trainer(_debug_cfg(tmp_path, "--compile.enable", f"--model.attn_backend={backend}"))

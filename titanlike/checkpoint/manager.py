@@ -41,7 +41,8 @@ from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, quiet_dcp, rng_state
-from titanlike.checkpoint.staging import KeepStagedBuffers, make_pinned_stager, stop_writer_process
+from titanlike.checkpoint.staging import (KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager,
+                                         stop_writer_process)
 from titanlike.hang import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
@@ -104,6 +105,7 @@ class CheckpointManager(LoadMixin):
         self._ctl = dist.new_group(backend="gloo") if self.enabled and self.world > 1 else None
         self._async_pg = None
         self._stager = None
+        self._prestaged: Prestage | None = None  # checkpoint.prestage, while it runs
         if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
             self._async_pg = dist.new_group(backend="gloo")
         for pg in (self._ctl, self._async_pg):
@@ -178,10 +180,26 @@ class CheckpointManager(LoadMixin):
                 "dtype": str(dtype).replace("torch.", "") if dtype else None, "mode": self.mode}
 
     # ------------------------------------------------------------------------------------------ save
+    def prestage(self) -> None:
+        """checkpoint.prestage (async_with_pinned_mem): stage the model and optimizer state once, on the stager's
+        background thread while the first steps run, so the pinned buffers (cached by the stager per tensor) exist
+        before the first save. The copied values are never used; the optimizer state is created first
+        (init_optimizer_state) so its buffers are the ones later saves copy."""
+        if self._stager is None or not self.cfg.enable or not getattr(self.cfg, "prestage", True):
+            return
+        for opt in self.optimizers:
+            init_optimizer_state(opt)
+        self._prestaged = Prestage(self._stager, {MODEL: self._model_sd(), OPTIM: self._optim_sd()}, self.rank)
+
+    def _check_prestage(self, block: bool) -> None:
+        if self._prestaged is not None and self._prestaged.finished(block):  # raises its error, if any
+            self._prestaged = None
+
     def maybe_save(self, step: int, last_step: bool = False) -> None:
         """Called after every optimizer step: commits a finished async save, saves on interval / last step."""
         if not self.enabled:
             return
+        self._check_prestage(block=False)
         self._finish_pending(block=False)
         if not self.cfg.enable:
             return
@@ -195,6 +213,7 @@ class CheckpointManager(LoadMixin):
         """Save the full training state as step-<step> (async per cfg.async_mode)."""
         self._finish_pending(block=True)  # one save in flight at a time (the wait is logged with the previous save)
         t0 = time.perf_counter()
+        self._check_prestage(block=True)  # a pre-staging still running: waiting for it counts as this save's stall
         final = layout.step_path(self.folder, step)
         tmp = self._rank0_do(self._prepare, step, "step")
         self._barrier()  # the folder exists before any rank writes into it
@@ -378,6 +397,7 @@ class CheckpointManager(LoadMixin):
         """Finish (and commit) an async save still in flight; release staging buffers."""
         if self.enabled:
             self._finish_pending(block=True, count_stall=False)
+        self._prestaged = None  # stager.close() below waits for it
         if self._stager is not None:
             self._stager.close()
             inner = getattr(self._stager, "_state_dict_stager", None)

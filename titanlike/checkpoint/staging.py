@@ -3,8 +3,12 @@ and its writer process, with the workarounds torch 2.11 needs to run them save a
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 
 import torch
+
+from titanlike.checkpoint.layout import CheckpointError, describe_error
 
 logger = logging.getLogger("titanlike")
 
@@ -61,6 +65,62 @@ class KeepStagedBuffers:
 
     def release(self) -> None:
         self._inner.close()
+
+
+def init_optimizer_state(optimizer) -> None:
+    """Create an optimizer's state (AdamW moments) now instead of at its first step, leaving that step
+    bit-identical: DCP's own initialiser (one step on zero gradients at lr 0: moments stay 0, weights unchanged),
+    then every step counter back to 0. A no-op if the state exists (a resumed run)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state  # private, same in torch 2.11 and 2.13
+
+    if optimizer.state:
+        return
+    _init_optim_state(optimizer)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+
+
+def local_nbytes(sd: dict) -> int:
+    """Bytes this rank holds for the tensors of a (nested) state dict: DTensors count their local shard."""
+    total = 0
+    for v in sd.values():
+        if isinstance(v, dict):
+            total += local_nbytes(v)
+        elif isinstance(v, torch.Tensor):
+            t = v.to_local() if hasattr(v, "to_local") else v
+            total += t.numel() * t.element_size()
+    return total
+
+
+class Prestage:
+    """One staging of the state whose copy is thrown away: it makes the stager allocate and pin (and cache) its
+    buffers in the background. finished() logs this rank's size and time once done and raises its error."""
+
+    def __init__(self, stager, sd: dict, rank: int):
+        self.t0, self.ended, self.rank, self.nbytes = time.perf_counter(), [], rank, local_nbytes(sd)
+        self.future = stager.stage(sd)
+        if isinstance(self.future, Future):
+            self.future.add_done_callback(lambda _: self.ended.append(time.perf_counter()))
+        else:  # a stager without a background thread (older torch) staged it already
+            self.ended.append(time.perf_counter())
+
+    def finished(self, block: bool) -> bool:
+        if isinstance(self.future, Future):
+            if not (block or self.future.done()):
+                return False
+            try:
+                self.future.result()
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"checkpoint: pre-staging the state into pinned memory failed: "
+                                      f"{describe_error(e)}; set --checkpoint.prestage=false (the first save then "
+                                      f"allocates the buffers itself) or another async_mode") from None
+        seconds = (self.ended[0] if self.ended else time.perf_counter()) - self.t0
+        logger.info(f"checkpoint: rank {self.rank} pre-staged {self.nbytes / 2**30:.2f} GiB into pinned memory in "
+                    f"{seconds:.1f} s, in the background")
+        return True
 
 
 def stop_writer_process() -> None:

@@ -21,7 +21,9 @@ class Model:
     flavor: str = "debugmodel"  # key into the model's flavors
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
-    attn_backend: str = "sdpa"  # sdpa (torch picks per device) | flash | cudnn | efficient | math (reference)
+    # auto (cuDNN first, then flash, on Hopper+; else torch's choice) | sdpa (torch's choice: flash first on CUDA) |
+    # flash | cudnn | efficient | math (reference)
+    attn_backend: str = "auto"
 
 
 @dataclass
@@ -126,6 +128,9 @@ class Checkpoint:
     load_step: int = -1  # -1 = newest complete step
     async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
     io_threads: int = 1  # writer threads per rank (DCP FileSystemWriter thread_count; one file per thread)
+    # async_with_pinned_mem: allocate and pin the staging buffers in the background as training starts, not inside
+    # the first save (which then stalled a step for ~30 s on an 8B model); costs that host memory from step 1
+    prestage: bool = True
     model_only_export: bool = False  # at the last step also write export-step-N: model weights only, export_dtype
     last_save_model_only: bool = False  # at the last step write only export-step-N (no full state: not resumable)
     export_dtype: str = "float32"  # float32 | bfloat16 | float16
