@@ -72,3 +72,17 @@ def test_attention_backend_choice():
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         backends, priority = sdpa_backends("auto", torch.device("cuda"))
         assert backends[:2] == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] and priority
+
+
+def test_n_layers_override(tmp_path):
+    """model.n_layers trains the flavor's block shape with another depth; 0 is refused naming the key."""
+    trainer = Trainer(_cfg(tmp_path, model={"n_layers": 2}, training={"steps": 1}))
+    try:
+        assert list(trainer.model.layers.keys()) == ["0", "1"] and trainer.model_args.n_layers == 2
+    finally:
+        trainer.close()
+    from titanlike.config.load import ConfigError
+    from titanlike.config.validate import validate
+
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        validate(_cfg(tmp_path, model={"n_layers": 0}))

@@ -102,8 +102,9 @@ class Trainer:
             raise ValueError(f"model.flavor={cfg.model.flavor!r} unknown for {spec.name}; "
                              f"choose one of {sorted(spec.flavors)}")
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
-        self.model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], vocab_size=vocab,
-                                              max_seq_len=t.seq_len)
+        flavor = spec.flavors[cfg.model.flavor]
+        n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
+        self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)
         validate_model(self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)

@@ -21,6 +21,7 @@ class Model:
     flavor: str = "debugmodel"  # key into the model's flavors
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
+    n_layers: int = -1  # -1 = the flavor's; else that many blocks of the flavor's shape (Megatron's --num-layers)
     # auto (cuDNN first, then flash, on Hopper+; else torch's choice) | sdpa (torch's choice: flash first on CUDA) |
     # flash | cudnn | efficient | math (reference)
     attn_backend: str = "auto"

@@ -124,6 +124,8 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
         errors.append(f"comm.heartbeat_stall_seconds={cfg.comm.heartbeat_stall_seconds} must be > 0")
     if cfg.model.vocab_size != -1:
         at_least("model.vocab_size", 1, " (or -1 to take it from the tokenizer)")
+    if cfg.model.n_layers != -1:
+        at_least("model.n_layers", 1, " (or -1 for the flavor's)")
 
     if lrs.warmup_steps > tr.steps:
         errors.append(f"lr_scheduler.warmup_steps={lrs.warmup_steps} exceeds training.steps={tr.steps}; "
