@@ -1,5 +1,8 @@
 """Activation checkpointing per transformer block: none | full | selective ("N" = every N-th block, "op" =
-per-op selective checkpointing that saves the expensive ops' outputs and recomputes the cheap ones).
+per-op selective checkpointing that saves the expensive ops' outputs and recomputes the cheap ones) |
+memory_budget (no wrapper at all: torch.compile's min-cut partitioner keeps `memory_budget` of each compiled
+block's activation memory and recomputes the ops cheapest per byte saved - it spends the memory a budget allows
+instead of a fixed rule).
 
 FQNs stay clean. Instead of torch's `checkpoint_wrapper` (which inserts `_checkpoint_wrapped_module.`
 into every parameter name and relies on state-dict hooks to hide it), a checkpointed block keeps its
@@ -18,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "memory_budget")
 
 _aten = torch.ops.aten
 
@@ -118,7 +121,11 @@ def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.M
     mode = ac_cfg.mode
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be one of {AC_MODES}, got {mode!r}")
-    if mode == "none":
+    # Process-wide and read when a graph is compiled (the first forward): set it on every call, so a model built
+    # after another in the same process does not inherit that one's budget. 1.0 is torch's default.
+    torch._functorch.config.activation_memory_budget = (
+        float(ac_cfg.memory_budget) if mode == "memory_budget" else 1.0)
+    if mode in ("none", "memory_budget"):
         return model
     context_fn = None
     every_n = 1

@@ -8,8 +8,8 @@ Every axis option takes a comma-separated list; the matrix is their product. A T
 `[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
 [defaults] < command line < each [[case]].
 Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp),
-float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective),
-ac_option ("op" or N), layout (degrees as tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only:
+float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
+memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only:
 training.loss_chunk_tokens), config (titanlike TOML; default by flavor).
 
 Each run logs every step; the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
@@ -82,6 +82,14 @@ def parse_layout(layout: str) -> dict[str, int]:
     return out
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_case(case: dict) -> dict:
     unknown = set(case) - set(AXES)
     if unknown:
@@ -89,8 +97,10 @@ def _check_case(case: dict) -> dict:
     case = {k: AXES[k][0](v) for k, v in case.items()}
     if case["float8"] not in FLOAT8:
         raise ValueError(f"float8={case['float8']!r}: choose one of {FLOAT8}")
-    if case["ac"] not in ("none", "full", "selective"):
-        raise ValueError(f"ac={case['ac']!r}: choose none, full or selective")
+    if case["ac"] not in ("none", "full", "selective", "memory_budget"):
+        raise ValueError(f"ac={case['ac']!r}: choose none, full, selective or memory_budget")
+    if case["ac"] == "memory_budget" and not (_is_float(case["ac_option"]) and 0 <= float(case["ac_option"]) <= 1):
+        raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
     parse_layout(case["layout"])
     return case
 
@@ -128,7 +138,7 @@ def label(case: dict) -> str:
     parts = [case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
-        parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] == "selective" else ""))
+        parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))
     if case["layout"]:
         parts.append(case["layout"])
     if case["loss_chunk"]:
@@ -150,6 +160,12 @@ def _fp8_all_gather(case: dict) -> bool:
     return case["float8"] == "tensorwise" and case["float8_all_gather"] and _fsdp_applies(case)
 
 
+def _ac_option_flags(case: dict, prefix: str, sep: str, selective_key: str = "selective_option") -> list[str]:
+    """ac_option as the flag its mode reads: the budget for memory_budget, else the selective option."""
+    key = "memory_budget" if case["ac"] == "memory_budget" else selective_key
+    return [f"{prefix}{key}={case['ac_option']}"] if sep == "=" else [f"{prefix}{key}", case["ac_option"]]
+
+
 def titanlike_cmd(case: dict, opts) -> list[str]:
     train = ["scripts/train.py"]
     if case["nproc"] > 1:
@@ -159,7 +175,7 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
            f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1",
-           f"--activation_checkpoint.mode={case['ac']}", f"--activation_checkpoint.selective_option={case['ac_option']}",
+           f"--activation_checkpoint.mode={case['ac']}", *_ac_option_flags(case, "--activation_checkpoint.", "="),
            f"--compile.enable={str(case['compile']).lower()}", f"--training.loss_chunk_tokens={case['loss_chunk']}",
            "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}",
            # one run folder per case, so profiler traces (-- --profiling.enable_profiling=true) don't overwrite
@@ -179,8 +195,8 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
         return None
     args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
-            "--activation_checkpoint.mode", case["ac"], "--activation_checkpoint.selective_ac_option",
-            case["ac_option"]]
+            "--activation_checkpoint.mode", case["ac"], *_ac_option_flags(case, "--activation_checkpoint.", " ",
+                                                                           selective_key="selective_ac_option")]
     if case["compile"]:
         args.append("--compile.enable")
     for k, v in parse_layout(case["layout"]).items():

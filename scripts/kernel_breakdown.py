@@ -13,7 +13,8 @@ recorded ProfilerStep#N annotations (divided by their count: per step). Kernel c
   copy        memcpy / memset
   other       eager ATen kernels (elementwise, reductions, index ops)
 
-"idle" is the part of the window where no kernel of any class ran: host-bound gaps, syncs, launch latency.
+"idle" is the part of the window where no kernel of any class ran: host-bound gaps, syncs, launch latency;
+`--gaps N` lists the N longest such stretches with the kernels on either side.
 """
 from __future__ import annotations
 
@@ -48,14 +49,17 @@ def kernel_class(name: str, cat: str) -> str:
 def breakdown(events: list[dict]) -> dict:
     """{"steps", "window_ms" (per step), "classes": {class: ms per step}, "idle_ms", "kernels": [(name, class,
     ms per step, calls per step)] sorted by time} for one rank's Chrome-trace events."""
-    steps = [e for e in events if e.get("ph") == "X" and re.fullmatch(r"ProfilerStep#\d+", str(e.get("name", "")))]
+    # The profiler records each ProfilerStep#N twice: on the CPU (user_annotation) and, for the kernels it
+    # launched, on the GPU (gpu_user_annotation). Count and span the CPU ones: a step, host gaps included.
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"
+             and re.fullmatch(r"ProfilerStep#\d+", str(e.get("name", "")))]
     if not steps:
         raise ValueError("no ProfilerStep#N annotations in the trace: write it with --profiling.enable_profiling")
     lo, hi = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
     n = len(steps)
     per_class: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list] = {}
-    busy = []
+    busy, busy_named = [], []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
@@ -69,16 +73,32 @@ def breakdown(events: list[dict]) -> dict:
         k[1] += (b - a) / 1e3 / n
         k[2] += 1
         busy.append((a, b))
+        busy_named.append((a, b, name))
     window = (hi - lo) / 1e3 / n
+    gaps = _gaps(sorted(busy_named), lo, hi)
     kernels = sorted(((name, v[0], v[1], v[2] / n) for name, v in per_kernel.items()), key=lambda k: -k[2])
     return {"steps": n, "window_ms": window, "classes": dict(per_class),
-            "idle_ms": window - union_length(busy) / 1e3 / n, "kernels": kernels}
+            "idle_ms": window - union_length(busy) / 1e3 / n, "kernels": kernels, "gaps": gaps}
+
+
+def _gaps(spans: list[tuple], lo: float, hi: float) -> list[tuple]:
+    """[(ms, ms into the window, kernel before, kernel after)] of every stretch with no kernel, longest first."""
+    out, end, last = [], lo, "(window start)"
+    for a, b, name in spans:
+        if a > end:
+            out.append(((a - end) / 1e3, (end - lo) / 1e3, last, name))
+        if b > end:
+            end, last = b, name
+    if hi > end:
+        out.append(((hi - end) / 1e3, (end - lo) / 1e3, last, "(window end)"))
+    return sorted(out, key=lambda g: -g[0])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="a rank<r>_trace.json")
     p.add_argument("--top", type=int, default=15, help="list this many kernels by time")
+    p.add_argument("--gaps", type=int, default=0, help="list this many of the longest idle stretches")
     a = p.parse_args()
     with open(a.trace) as f:
         data = json.load(f)
@@ -92,6 +112,10 @@ def main() -> None:
     print(f"\n{'ms/step':>9} {'calls':>6} {'class':10} kernel")
     for name, label, ms, calls in r["kernels"][: a.top]:
         print(f"{ms:9.2f} {calls:6.0f} {label:10} {name[:110]}")
+    if a.gaps:
+        print(f"\n{'idle ms':>9} {'at ms':>8}  between")
+        for ms, at, before, after in r["gaps"][: a.gaps]:
+            print(f"{ms:9.2f} {at:8.1f}  {before[:60]}  ->  {after[:60]}")
 
 
 if __name__ == "__main__":

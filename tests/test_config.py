@@ -167,6 +167,9 @@ def test_toml_errors(tmp_path, text, message):
     (["stray"], "unexpected command-line argument 'stray'"),
     (["--config"], "--config needs a file"),
     (["--config=a.toml", "--config=b.toml"], "--config given twice"),
+    (["--activation_checkpoint.mode=memory_budget"], "memory_budget\" needs compile.enable=true"),
+    (["--activation_checkpoint.mode=memory_budget", "--compile.enable=true", "--activation_checkpoint.memory_budget=1.5"],
+     r"activation_checkpoint.memory_budget=1.5 must be within \[0, 1\]"),
 ])
 def test_cli_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -226,7 +229,7 @@ def test_global_batch():
 
 @pytest.mark.parametrize("section, key, value, message", [
     ("activation_checkpoint", "mode", "fulll", "activation_checkpoint.mode='fulll' is not one of none, full, "
-                                               "selective; did you mean 'full'"),
+                                               "selective, memory_budget; did you mean 'full'"),
     ("activation_checkpoint", "selective_option", "every", "selective_option='every' must be \"op\""),
     ("activation_checkpoint", "selective_option", "0", "selective_option='0'"),
     ("lr_scheduler", "decay_type", "cos", "lr_scheduler.decay_type='cos' is not one of"),

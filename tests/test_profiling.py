@@ -64,6 +64,9 @@ def test_kernel_breakdown_on_a_synthetic_trace():
     events = [  # two steps of 100 us each
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 100, "dur": 100},
+        # the GPU-side copies of the same annotations: not extra steps
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 80},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#4", "ts": 100, "dur": 90},
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "ts": 0, "dur": 60},
         {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_e4m3bf16_e4m3f32", "ts": 100, "dur": 40},
         {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "ts": 60,
@@ -82,3 +85,4 @@ def test_kernel_breakdown_on_a_synthetic_trace():
                                          "copy": 2.5, "other": 2.5})
     assert r["idle_ms"] * 1e3 == pytest.approx(15)  # nothing ran in 80..100 and 190..200: 30 us over 2 steps
     assert r["kernels"][0][1] == "gemm"
+    assert [g[:2] for g in r["gaps"]] == [(0.02, 0.08), (0.01, 0.19)]  # (ms idle, ms into the window), longest first

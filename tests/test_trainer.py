@@ -63,7 +63,7 @@ def test_attention_backend_choice():
     """auto puts cuDNN first only on a Hopper+ GPU; named backends pin one kernel; sdpa leaves torch's order."""
     from torch.nn.attention import SDPBackend
 
-    from titanlike.trainer import sdpa_backends
+    from titanlike.attention import sdpa_backends
 
     cpu = torch.device("cpu")
     assert sdpa_backends("auto", cpu) == (None, False)

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import float8
 import models
 from parallelize import get_plan
+from titanlike.attention import sdpa_context
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
@@ -38,23 +38,6 @@ from titanlike.tokenizer import build_tokenizer
 
 logger = logging.getLogger("titanlike")
 IGNORE_INDEX = -100
-SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
-                 "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
-# model.attn_backend = auto on Hopper and newer: cuDNN's attention before flash (torch's own order puts flash, i.e.
-# FlashAttention-2, first); a shape cuDNN refuses falls through to the next in this order.
-AUTO_HOPPER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-               SDPBackend.MATH]
-
-
-def sdpa_backends(name: str, device: torch.device) -> tuple[list | None, bool]:
-    """(backends, set_priority) for sdpa_kernel; None: leave torch's choice alone ("sdpa", or auto off Hopper)."""
-    if name == "auto":
-        hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-                  and torch.backends.cudnn.is_available())
-        return (AUTO_HOPPER, True) if hopper else (None, False)
-    return SDPA_BACKENDS.get(name), False
-
-
 def pick_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,7 +133,7 @@ class Trainer:
         use_amp = self.device.type == "cuda" and not self.dims.fsdp_enabled and t.mixed_precision_param != "float32"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param)) if use_amp
                     else contextlib.nullcontext())
-        self.attn_backend, self.attn_priority = sdpa_backends(cfg.model.attn_backend, self.device)
+        self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
@@ -204,11 +187,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
-
-    def _sdpa(self):
-        """The SDPA kernels model.attn_backend allows (see sdpa_backends); "sdpa" lets torch choose."""
-        return (sdpa_kernel(self.attn_backend, set_priority=self.attn_priority) if self.attn_backend
-                else contextlib.nullcontext())
 
     def _loss_ctx(self):
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()

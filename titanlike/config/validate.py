@@ -24,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.pp_schedule": PP_SCHEDULES,
-    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
     "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
@@ -170,6 +170,14 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
         errors.append(f"training.seq_len={seq_len} must be divisible by parallelism.tp={par.tp} "
                       f"(sequence parallel shards the sequence over the TP ranks), or set "
                       f"parallelism.enable_sequence_parallel=false")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
+        errors.append("activation_checkpoint.mode=\"memory_budget\" needs compile.enable=true with \"model\" in "
+                      "compile.components (the budget steers torch.compile's partitioner); enable compile or use "
+                      "mode=\"selective\"")
+    if not 0.0 <= ac.memory_budget <= 1.0:
+        errors.append(f"activation_checkpoint.memory_budget={ac.memory_budget} must be within [0, 1] (the fraction of "
+                      f"a block's no-AC activation memory to keep)")
     # Async TP is an inductor pass over the compiled blocks: without compiling them it would silently do nothing.
     if par.tp > 1 and par.enable_async_tp and not (cfg.compile.enable and "model" in cfg.compile.components):
         errors.append("parallelism.enable_async_tp needs compile.enable=true with \"model\" in compile.components "
