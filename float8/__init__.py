@@ -14,7 +14,8 @@ in bf16 and the reverse. Recipes (torchao `Float8LinearConfig.from_recipe_name`)
   rowwise_with_gw_hp  rowwise, but the weight gradient GEMM in high precision; the most accurate
 Float8 FSDP all-gather (tensorwise): FSDP2 all-gathers the float8 weight (half the bytes of bf16); with
 `precompute_float8_dynamic_scale_for_fsdp` the scales of all weights come from one all-reduce after the optimizer
-step instead of one small all-reduce per layer inside the all-gather.
+step instead of one small all-reduce per layer inside the all-gather, and (`compile_fsdp_cast`) each weight's cast
+to float8 before its all-gather is one compiled kernel (float8/fsdp_cast.py).
 """
 from __future__ import annotations
 
@@ -113,6 +114,11 @@ def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False) -> Float8Conve
     result = Float8Converter(
         enabled=True, recipe=cfg.recipe, converted=converted, skipped=skipped, fsdp_float8_all_gather=all_gather,
         precompute_scales=all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp)
+    if result.precompute_scales and cfg.compile_fsdp_cast:
+        from float8.fsdp_cast import enable_compiled_fsdp_cast
+
+        if not enable_compiled_fsdp_cast():
+            logger.warning("float8.compile_fsdp_cast: this torchao has no fsdp_pre_all_gather hook; casts stay eager")
     kept = ", ".join(f"{k} ({v})" for k, v in list(skipped.items())[:4]) + (" ..." if len(skipped) > 4 else "")
     logger.info(f"float8 {cfg.recipe}: {len(converted)} Linear layers converted, {len(skipped)} kept in high "
                 f"precision{': ' + kept if kept else ''}; FSDP float8 all-gather {all_gather}, precomputed scales "

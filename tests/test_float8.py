@@ -186,3 +186,31 @@ def test_trainer_float8_resumes_without_float8(tmp_path):
         plain.train()
     finally:
         plain.close()
+
+
+def test_compiled_fsdp_cast_is_bit_identical_to_torchao():
+    """float8.compile_fsdp_cast: the pre-all-gather weight cast, compiled, gives torchao's exact bytes and scale."""
+    from torchao.float8.config import e4m3_dtype
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    from float8 import fsdp_cast
+
+    torch.manual_seed(0)
+    shards = [torch.randn(48, 32) * 3, torch.randn(16, 80) * 1e-3, torch.tensor([[1e6, -1e6, 0.1]])]  # (saturates)
+    was_enabled = fsdp_cast._original is not None  # (a trainer test in this process may have enabled it)
+    torchao_method = fsdp_cast._original or W.fsdp_pre_all_gather
+    expected = []
+    for hp in shards:
+        w = W(hp, LinearMMConfig(), e4m3_dtype, precomputed_scale=torch.tensor(448.0) / hp.abs().max())
+        expected.append((w, torchao_method(w, None)))
+    assert fsdp_cast.enable_compiled_fsdp_cast() and fsdp_cast.enable_compiled_fsdp_cast()  # idempotent
+    try:
+        assert W.fsdp_pre_all_gather is fsdp_cast._fused_pre_all_gather and fsdp_cast._original is torchao_method
+        for w, ((data,), (scale,)) in expected:
+            (got,), (got_scale,) = w.fsdp_pre_all_gather(None)
+            assert got.dtype == e4m3_dtype and got_scale is scale
+            assert torch.equal(got.view(torch.uint8), data.view(torch.uint8))
+    finally:
+        if not was_enabled:
+            W.fsdp_pre_all_gather, fsdp_cast._original = torchao_method, None

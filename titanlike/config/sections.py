@@ -121,6 +121,9 @@ class Float8:
     filter_small: bool = False  # also keep layers too small to gain (torchao's H100 size thresholds per recipe)
     enable_fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather float8 weights (half the bytes)
     precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce for all scales after optimizer.step()
+    # with both of the above: each weight's cast to float8 before its all-gather as one compiled kernel instead of
+    # torchao's three eager ones (same bytes; float8/fsdp_cast.py)
+    compile_fsdp_cast: bool = True
 
 
 @dataclass
