@@ -27,6 +27,7 @@ WORLD_SIZES = {
     "base_gpu.toml": [1],
     "llama3_1b.toml": [1],
     "llama3_8b.toml": [8, 2],
+    "llama3_8b_2xh200.toml": [2],
     "llama3_70b.toml": [64],
     "llama3_405b.toml": [128],
 }
