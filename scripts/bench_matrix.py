@@ -1,0 +1,99 @@
+"""The benchmark matrix of scripts/benchmark.py: axes with their defaults and parsers, expansion of command-line
+comma lists and TOML [defaults]/[[case]] tables into checked cases, and each case's label."""
+from __future__ import annotations
+
+import itertools
+
+FLOAT8 = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+
+
+def _bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("on", "true", "1", "yes"):
+        return True
+    if str(v).lower() in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on/off, got {v!r}")
+
+
+# axis -> (parser, default)
+AXES = {"flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1), "compile": (_bool, False),
+        "float8": (str, "none"), "float8_all_gather": (_bool, True), "ac": (str, "none"), "ac_option": (str, "2"),
+        "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, "")}
+
+
+def parse_layout(layout: str) -> dict[str, int]:
+    """"tp=2:pp=2" -> {"tp": 2, "pp": 2}; "" -> {}."""
+    out = {}
+    for part in filter(None, layout.split(":")):
+        key, _, value = part.partition("=")
+        if key not in DEGREES or not value.lstrip("-").isdigit():
+            raise ValueError(f"layout {layout!r}: expected KEY=N joined by ':' with KEY in {DEGREES}, e.g. tp=2:pp=2")
+        out[key] = int(value)
+    return out
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_case(case: dict) -> dict:
+    unknown = set(case) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown benchmark axes {sorted(unknown)}; known: {sorted(AXES)}")
+    case = {k: AXES[k][0](v) for k, v in case.items()}
+    if case["float8"] not in FLOAT8:
+        raise ValueError(f"float8={case['float8']!r}: choose one of {FLOAT8}")
+    if case["ac"] not in ("none", "full", "selective", "memory_budget"):
+        raise ValueError(f"ac={case['ac']!r}: choose none, full, selective or memory_budget")
+    if case["ac"] == "memory_budget" and not (_is_float(case["ac_option"]) and 0 <= float(case["ac_option"]) <= 1):
+        raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
+    parse_layout(case["layout"])
+    return case
+
+
+def _product(values: dict) -> list[dict]:
+    """{axis: value or list} -> every combination, in the order given."""
+    lists = {k: v if isinstance(v, list) else [v] for k, v in values.items()}
+    return [dict(zip(lists, combo)) for combo in itertools.product(*lists.values())]
+
+
+def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None) -> list[dict]:
+    """Cases: axis defaults < the TOML's [defaults] < the command line (comma lists; None = not given) < each
+    TOML [[case]]; list values expand into their product."""
+    doc = {}
+    if toml_text:
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+
+        doc = tomllib.loads(toml_text)
+        unknown_tables = set(doc) - {"defaults", "case"}
+        if unknown_tables:
+            raise ValueError(f"benchmark matrix: unknown tables {sorted(unknown_tables)}; use [defaults] and [[case]]")
+    base = {k: default for k, (_, default) in AXES.items()}
+    base.update(doc.get("defaults", {}))
+    base.update({k: [x.strip() for x in str(v).split(",")] for k, v in cli_axes.items() if v is not None})
+    cases = []
+    for spec in doc.get("case", [{}]):
+        cases += [_check_case(c) for c in _product({**base, **spec})]
+    return cases
+
+
+def label(case: dict) -> str:
+    parts = [case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
+             "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
+    if case["ac"] != "none":
+        parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))
+    if case["layout"]:
+        parts.append(case["layout"])
+    if case["loss_chunk"]:
+        parts.append(f"ce{case['loss_chunk']}")
+    return " ".join(parts)
