@@ -122,7 +122,8 @@ class Float8:
     enable_fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather float8 weights (half the bytes)
     precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce for all scales after optimizer.step()
     # with both of the above: each weight's cast to float8 before its all-gather as one compiled kernel instead of
-    # torchao's three eager ones (same bytes; float8/fsdp_cast.py)
+    # torchao's three eager ones (same bytes; float8/fsdp_cast.py). It compiles even with compile.enable=false: set
+    # it false too for a fully eager run.
     compile_fsdp_cast: bool = True
 
 
