@@ -3,6 +3,9 @@
     python scripts/train.py --config configs/debug_model.toml [--section.key=value ...] [--print-config] [--debug]
     torchrun --nproc_per_node 8 scripts/train.py --config configs/llama3_8b.toml
 
+Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
+key means: the comments in titanlike/config/sections.py.
+
 Configuration mistakes exit with status 2 and one line naming the key and the fix (a traceback only with --debug).
 """
 from __future__ import annotations
@@ -20,6 +23,9 @@ from titanlike.log import setup_logging  # noqa: E402
 
 def main(argv: list[str]) -> int:
     argv, flags = split_flags(argv)
+    if flags & {"--help", "-h"}:
+        print(__doc__.strip())
+        return 0
     debug = "--debug" in flags
     logger = setup_logging()
     try:

@@ -28,6 +28,11 @@ def test_bad_input_exits_2_with_one_clear_line(args, expect):
     assert expect in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_help_says_how_to_run_and_where_keys_are():
+    p = _run("--help")
+    assert p.returncode == 0 and "--print-config" in p.stdout and "torchrun" in p.stdout, p.stderr
+
+
 def test_print_config_round_trips(tmp_path):
     p = _run("--config", "configs/debug_model.toml", "--training.steps=7", "--print-config")
     assert p.returncode == 0, p.stderr

@@ -25,7 +25,7 @@ from titanlike.config.sections import JobConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_model.toml"
 
 # Flags that belong to scripts, not to the config; split_flags() pulls them out before load_config() sees argv.
-SCRIPT_FLAGS = ("--print-config", "--debug")
+SCRIPT_FLAGS = ("--print-config", "--debug", "--help", "-h")
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
