@@ -21,7 +21,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective", "memory_budget")
+from titanlike.config.validate import CHOICES
+
+AC_MODES = CHOICES["activation_checkpoint.mode"]  # one list: what config validation accepts
 
 _aten = torch.ops.aten
 

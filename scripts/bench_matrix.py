@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 
-FLOAT8 = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+from titanlike.config.validate import CHOICES
+
+FLOAT8 = ("none", *CHOICES["float8.recipe"])
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+AC_MODES = CHOICES["activation_checkpoint.mode"]
 
 
-def _bool(v) -> bool:
+def on_off(v) -> bool:
     if isinstance(v, bool):
         return v
     if str(v).lower() in ("on", "true", "1", "yes"):
@@ -19,9 +22,9 @@ def _bool(v) -> bool:
 
 
 # axis -> (parser, default)
-AXES = {"flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1), "compile": (_bool, False),
-        "float8": (str, "none"), "float8_all_gather": (_bool, True), "ac": (str, "none"), "ac_option": (str, "2"),
-        "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, "")}
+AXES = {"flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
+        "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
+        "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, "")}
 
 
 def parse_layout(layout: str) -> dict[str, int]:
@@ -50,8 +53,8 @@ def _check_case(case: dict) -> dict:
     case = {k: AXES[k][0](v) for k, v in case.items()}
     if case["float8"] not in FLOAT8:
         raise ValueError(f"float8={case['float8']!r}: choose one of {FLOAT8}")
-    if case["ac"] not in ("none", "full", "selective", "memory_budget"):
-        raise ValueError(f"ac={case['ac']!r}: choose none, full, selective or memory_budget")
+    if case["ac"] not in AC_MODES:
+        raise ValueError(f"ac={case['ac']!r}: choose one of {AC_MODES}")
     if case["ac"] == "memory_budget" and not (_is_float(case["ac_option"]) and 0 <= float(case["ac_option"]) <= 1):
         raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
     parse_layout(case["layout"])

@@ -9,8 +9,9 @@ Every axis option takes a comma-separated list; the matrix is their product. A T
 [defaults] < command line < each [[case]].
 Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp),
 float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
-memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only:
-training.loss_chunk_tokens), config (titanlike TOML; default by flavor).
+memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as
+tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
+TOML; default by flavor).
 
 Each run logs every step; the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
 rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N + 12·L·d·seq
@@ -40,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (ROOT, os.path.join(ROOT, "scripts")):  # titanlike, and bench_matrix beside this file
     if _path not in sys.path:
         sys.path.insert(0, _path)
-from bench_matrix import AXES, _bool, expand_matrix, label, parse_layout  # noqa: E402
+from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout  # noqa: E402
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?mfu\s+([\d.]+)%)?"
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     for axis, (kind, default) in AXES.items():
         # on/off axes also work as bare flags ("--compile" = "--compile on"), as in earlier command lines
         p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, default=None,
-                       **({"nargs": "?", "const": "on"} if kind is _bool else {}),
+                       **({"nargs": "?", "const": "on"} if kind is on_off else {}),
                        help=f"comma-separated values (default {default!r})")
     p.add_argument("--matrix", default="", help="TOML file with [defaults] and [[case]] tables")
     p.add_argument("--steps", type=int, default=20)

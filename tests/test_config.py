@@ -169,8 +169,8 @@ def test_toml_errors(tmp_path, text, message):
     (["--config"], "--config needs a file"),
     (["--config=a.toml", "--config=b.toml"], "--config given twice"),
     (["--activation_checkpoint.mode=memory_budget"], "memory_budget\" needs compile.enable=true"),
-    (["--activation_checkpoint.mode=memory_budget", "--compile.enable=true", "--activation_checkpoint.memory_budget=1.5"],
-     r"activation_checkpoint.memory_budget=1.5 must be within \[0, 1\]"),
+    (["--activation_checkpoint.mode=memory_budget", "--compile.enable=true",
+      "--activation_checkpoint.memory_budget=1.5"], r"activation_checkpoint.memory_budget=1.5 must be within \[0, 1\]"),
 ])
 def test_cli_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
