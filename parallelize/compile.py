@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-COMPONENTS = ("model", "loss")
+from titanlike.config.validate import COMPILE_COMPONENTS as COMPONENTS  # "optimizer": titanlike/master_weights.py
 
 
 def _check_components(compile_cfg) -> None:

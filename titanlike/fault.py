@@ -34,7 +34,9 @@ class NonFiniteGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
         self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
-        self.on_device = all(g.get("fused") for o in self.optimizers for g in o.param_groups)
+        # fused AdamW, or an optimizer that declares it reads found_inf (titanlike/master_weights.py)
+        self.on_device = all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
+                             for o in self.optimizers)
         self.max_consecutive = max_consecutive
         z = lambda: torch.zeros((), device=device)  # noqa: E731
         self.skipped, self.consecutive, self.first_bad, self.last_bad = z(), z(), z(), z()

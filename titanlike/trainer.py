@@ -29,6 +29,7 @@ from titanlike.loss import apply_chunked_loss, loss_targets
 from titanlike.fault import NonFiniteError, NonFiniteGuard, PreemptionHandler, SpikeDetector
 from titanlike.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.hang import HangWatch, enable_flight_recorder
+from titanlike.master_weights import build_master_weight_adamw, mixed_precision_mode
 from titanlike.metrics import MetricsLogger
 from titanlike.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, fused_clip_optimizers
 from titanlike.parallel_dims import ParallelDims
@@ -116,9 +117,15 @@ class Trainer:
         # parameter FQNs are the whole model's).
         self.model = None if self.pp else self.model_parts[0]
 
-        # One optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs.
-        optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
-        self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
+        # Who casts weights to bf16: FSDP's policy, autocast, or bf16 weights + fp32 masters (one device only).
+        self.precision = mixed_precision_mode(cfg, self.dims, self.device)
+        if self.precision == "master_weights":
+            self.optimizer = build_master_weight_adamw(
+                self.model_parts[0], cfg.optimizer, accumulate_fp32=t.global_batch_size > t.local_batch_size,
+                compile=cfg.compile.enable and "optimizer" in cfg.compile.components and self.device.type == "cuda")
+        else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
+            optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
+            self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # Fused AdamW clips inside its kernel (titanlike/optim.py): one pass over the fp32 gradients less.
         self.fused_clip = fused_clip_optimizers(self.optimizer)
@@ -129,10 +136,8 @@ class Trainer:
         self.preempted = False
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
         self.loss_fn = cross_entropy_sum
-        # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP on a GPU, autocast does the bf16 cast.
-        use_amp = self.device.type == "cuda" and not self.dims.fsdp_enabled and t.mixed_precision_param != "float32"
-        self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param)) if use_amp
-                    else contextlib.nullcontext())
+        self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
+                    if self.precision == "autocast" else contextlib.nullcontext())
         self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
@@ -232,7 +237,8 @@ class Trainer:
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.fused_clip)
+            grad_norm = (self.optimizer.clip_grad_norm_(self.cfg.training.max_norm) if self.precision == "master_weights"
+                         else clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.fused_clip))
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
         if commit and (self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm)):

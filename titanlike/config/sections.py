@@ -39,6 +39,10 @@ class Training:
     device: str = "auto"  # auto | cpu | cuda
     mixed_precision_param: str = "bfloat16"  # FSDP param dtype on CUDA (CPU always float32)
     mixed_precision_reduce: str = "float32"
+    # One device only (FSDP casts sharded weights itself): auto (master_weights when compile.components has
+    # "optimizer", else autocast) | autocast (fp32 weights, bf16 matmuls) | master_weights (bf16 weights, fp32
+    # master weights and moments in the optimizer, as Megatron's --bf16; titanlike/master_weights.py)
+    mixed_precision_impl: str = "auto"
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
     skip_nonfinite_steps: bool = True  # a NaN/Inf gradient norm skips that update (counted, logged)
     max_consecutive_bad_steps: int = 5  # this many skipped updates in a row stop the run; 0 = never stop
@@ -110,7 +114,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    components: list[str] = field(default_factory=lambda: ["model", "loss", "optimizer"])
 
 
 @dataclass

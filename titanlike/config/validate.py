@@ -20,6 +20,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": ("auto", "cpu", "cuda"),
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
+    "training.mixed_precision_impl": ("auto", "autocast", "master_weights"),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
@@ -30,7 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
-COMPILE_COMPONENTS = ("model", "loss")
+COMPILE_COMPONENTS = ("model", "loss", "optimizer")
 
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh axes whose product is the world size
 

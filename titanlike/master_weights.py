@@ -1,0 +1,220 @@
+"""bf16 model weights with fp32 master weights in the optimizer (Megatron's `--bf16`), for runs on one device.
+
+Why: under autocast the model keeps fp32 weights, and every step casts each weight to bf16 for its matmuls
+(forward) and each bf16 weight gradient back to fp32 (backward): 12 bytes per parameter that the update does not
+need (18 GB per step on the 1.5B model, ~4% of an H100 step), and the residual stream between blocks stays fp32
+(the embedding's output is). Here the model holds the bf16 compute copy (what FSDP's MixedPrecisionPolicy gives
+every multi-GPU run), the backward writes bf16 gradients, and the AdamW step reads them and updates fp32 master
+weights and moments, writing the bf16 copy in the same pass: one compiled kernel per parameter, 28 bytes per
+parameter as fused AdamW over fp32 (compile.components "optimizer"; eager on CPU and without it).
+
+Checkpoints never see the bf16 copy: the model's state_dict hands out the fp32 master weights (loading writes them
+first, then the bf16 copy), and the optimizer state has AdamW's keys with fp32 moments, so a checkpoint moves
+freely between this mode, autocast and FSDP layouts.
+
+Gradient accumulation: bf16 gradients summed in bf16 over micro-batches would lose bits, so with accumulation each
+micro-batch's gradient is added into an fp32 buffer by a post-accumulate-grad hook (Megatron's main_grad) instead.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from titanlike.optim import clip_with_norm_, param_groups
+
+MODES = ("auto", "autocast", "master_weights")
+
+
+def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
+    """What casts the weights to the compute dtype: "fsdp" (its MixedPrecisionPolicy; fp32 on CPU), "autocast",
+    "master_weights" (this file) or "none" (fp32 throughout). training.mixed_precision_impl picks among the last
+    three on one device ("auto": master weights when the update compiles, else autocast); ValueError naming the
+    key when the choice cannot be honoured."""
+    t = cfg.training
+    impl = t.mixed_precision_impl
+    if dims.world_size > 1 or cfg.fault_tolerance.enable:
+        if impl == "master_weights":
+            raise ValueError(f"training.mixed_precision_impl='master_weights' is for runs on one device (this one has "
+                             f"{dims.world_size} processes{' and torchft' if cfg.fault_tolerance.enable else ''}); "
+                             f"FSDP casts sharded weights itself: use mixed_precision_impl='auto'")
+        if dims.fsdp_enabled:
+            return "fsdp"
+        return "autocast" if device.type == "cuda" and t.mixed_precision_param != "float32" else "none"
+    if impl == "master_weights":
+        if t.mixed_precision_param != "bfloat16":
+            raise ValueError(f"training.mixed_precision_impl='master_weights' keeps bf16 weights, but "
+                             f"training.mixed_precision_param={t.mixed_precision_param!r}; set it to 'bfloat16' "
+                             f"(float16 would need loss scaling) or use mixed_precision_impl='autocast'")
+        return "master_weights"
+    if device.type != "cuda" or t.mixed_precision_param == "float32":
+        return "none"
+    compiled = cfg.compile.enable and "optimizer" in cfg.compile.components
+    if impl == "auto" and compiled and t.mixed_precision_param == "bfloat16":
+        return "master_weights"
+    return "autocast"
+
+
+def adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, steps, group_lrs, group_of, hyper,
+                 grad_scale, found_inf):
+    """torch.optim.AdamW's update (decoupled weight decay, bias correction) on fp32 master weights from (bf16)
+    gradients divided by `grad_scale`, writing the compute copy `params`. Where `found_inf` is 1 nothing changes
+    (a skipped non-finite step, decided on the device). hyper[i] = (beta1, beta2, eps, weight_decay) of param i;
+    group_of[i] indexes group_lrs, 0-dim device tensors (no recompile, no host sync when the LR changes)."""
+    keep = found_inf == 0
+    for i, (p, g, w, m, v, s) in enumerate(zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps)):
+        beta1, beta2, eps, wd = hyper[i]
+        lr = group_lrs[group_of[i]]
+        g = g.float() / grad_scale
+        s_new = s + 1
+        m_new = torch.lerp(m, g, 1 - beta1)
+        v_new = v * beta2 + (1 - beta2) * g * g
+        bc1 = 1 - torch.pow(beta1, s_new)
+        bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, s_new))
+        w_new = w * (1 - lr * wd) - (lr / bc1) * m_new / (v_new.sqrt() / bc2_sqrt + eps)
+        w.copy_(torch.where(keep, w_new, w))
+        m.copy_(torch.where(keep, m_new, m))
+        v.copy_(torch.where(keep, v_new, v))
+        s.copy_(torch.where(keep, s_new, s))
+        p.copy_(w)  # the compute copy, rounded to its dtype
+
+
+def _bucket_key(name: str) -> str:
+    """Blocks of a decoder have identical parameter shapes: one compiled update serves every `layers.N`."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else "rest"
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over the model's bf16 parameters whose arithmetic happens on fp32 master copies (`self.masters`).
+
+    Like fused AdamW it reads `grad_scale` (clipping folded into the update, titanlike/optim.py) and `found_inf`
+    (titanlike/fault.py's guard) as device tensors, so a step never waits for the host."""
+
+    skips_on_device = True  # reads found_inf (titanlike/fault.py)
+
+    def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
+                 dtype: torch.dtype = torch.bfloat16, compile: bool = False, accumulate_fp32: bool = False):
+        # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
+        # both, and load into either.
+        adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+        super().__init__(groups, {**adamw_keys, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
+        self.masters: dict[nn.Parameter, torch.Tensor] = {}
+        for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
+            self.masters[p] = p.detach().float().clone()
+            p.data = p.data.to(dtype)  # the same Parameter object: module, optimizer and hooks keep pointing at it
+        names = {p: n for n, p in model.named_parameters()}
+        buckets: dict[str, list] = {}
+        for n, p in model.named_parameters():
+            if p in self.masters:
+                buckets.setdefault(_bucket_key(n), []).append(p)
+        self._buckets = list(buckets.values())
+        self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        device = next(iter(self.masters)).device
+        self._group_lrs = [torch.zeros((), device=device) for _ in self.param_groups]
+        self._one, self._zero = torch.ones((), device=device), torch.zeros((), device=device)
+        self._update = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile else adamw_update
+        self._main_grads: dict[nn.Parameter, torch.Tensor] = {}
+        if accumulate_fp32:
+            for p in self.masters:
+                p.register_post_accumulate_grad_hook(self._accumulate)
+        _expose_masters(model, {names[p]: w for p, w in self.masters.items()})
+
+    def _accumulate(self, p: nn.Parameter) -> None:
+        main = self._main_grads.get(p)
+        if main is None:
+            self._main_grads[p] = p.grad.float()
+        else:
+            main.add_(p.grad)
+        p.grad = None
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The gradient the next step uses: the fp32 sum under accumulation, else the bf16 `.grad`."""
+        main = self._main_grads.get(p)
+        return main if main is not None else p.grad
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradients (per-tensor norms in fp32), clipping folded into the next step."""
+        params = [p for p in self.masters if self.grad(p) is not None]
+        if not params:
+            return torch.zeros((), device=self._one.device)
+        norms = torch._foreach_norm([self.grad(p) for p in params], 2.0, dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        clip_with_norm_(params, max_norm, total, fused_into=[self])
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for lr_t, group in zip(self._group_lrs, self.param_groups):
+            if torch.is_tensor(group["lr"]):
+                lr_t.copy_(group["lr"])
+            else:
+                lr_t.fill_(group["lr"])  # a kernel argument: no host-to-device copy, no sync
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        scale = self._one if scale is None else scale
+        found_inf = self._zero if found_inf is None else found_inf
+        for bucket in self._buckets:
+            ps = [p for p in bucket if self.grad(p) is not None]
+            if not ps:
+                continue
+            for p in ps:
+                if not self.state[p]:  # AdamW's keys, so checkpoints interchange with torch's AdamW
+                    w = self.masters[p]
+                    self.state[p] = {"step": torch.zeros((), device=w.device), "exp_avg": torch.zeros_like(w),
+                                     "exp_avg_sq": torch.zeros_like(w)}
+            groups = [self.param_groups[self._group_of[p]] for p in ps]
+            self._update([p.detach() for p in ps], [self.grad(p) for p in ps], [self.masters[p] for p in ps],
+                         [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps],
+                         [self.state[p]["step"] for p in ps], self._group_lrs,
+                         tuple(self._group_of[p] for p in ps),
+                         tuple((*g["betas"], g["eps"], g["weight_decay"]) for g in groups), scale, found_inf)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._main_grads.clear()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load casts floating state to the parameter's dtype (bf16 here); the moments must stay fp32."""
+        saved = {pid: dict(s) for pid, s in state_dict["state"].items()}  # the values before that cast
+        super().load_state_dict(state_dict)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for pid, p in zip(saved_ids, itertools.chain.from_iterable(g["params"] for g in self.param_groups)):
+            for key, value in saved.get(pid, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
+
+
+def _expose_masters(model: nn.Module, masters: dict[str, torch.Tensor]) -> None:
+    """The model's state_dict gives the fp32 masters under the parameters' names; load_state_dict fills them
+    (then its own copy into the bf16 parameter follows). DCP, HF export and torchft all go through these."""
+
+    def save_hook(module, state_dict, prefix, local_metadata):
+        for name, w in masters.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = w
+
+    def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for name, w in masters.items():
+            value = state_dict.get(prefix + name)
+            if value is not None and value is not w and value.shape == w.shape:
+                w.copy_(value)
+
+    model.register_state_dict_post_hook(save_hook)
+    model.register_load_state_dict_pre_hook(load_pre_hook)
+
+
+def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool,
+                              dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
+    """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here."""
+    if cfg.name != "AdamW":
+        raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW'")
+    return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, dtype=dtype,
+                             compile=compile, accumulate_fp32=accumulate_fp32)
