@@ -13,7 +13,8 @@ memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for mem
 tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
 TOML; default by flavor).
 
-Each run logs every step; the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
+Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
+covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
 rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N + 12·L·d·seq
 per token, the same for both), peak reserved memory, time of the first step (compile time), median step time and its
 spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its synthetic
@@ -83,7 +84,7 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
     cmd = [sys.executable, *train, "--config", config, f"--model.flavor={case['flavor']}",
            f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
-           f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1",
+           f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
            f"--activation_checkpoint.mode={case['ac']}", *_ac_option_flags(case, "--activation_checkpoint.", "="),
            f"--compile.enable={str(case['compile']).lower()}", f"--training.loss_chunk_tokens={case['loss_chunk']}",
            "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}",
@@ -104,6 +105,7 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
         return None
     args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
+            "--metrics.log_freq", str(opts.log_freq),
             "--activation_checkpoint.mode", case["ac"], *_ac_option_flags(case, "--activation_checkpoint.", " ",
                                                                            selective_key="selective_ac_option")]
     if case["compile"]:
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--matrix", default="", help="TOML file with [defaults] and [[case]] tables")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from the medians")
+    p.add_argument("--log-freq", type=int, default=1,
+                   help="both log (and read the loss back, a host sync) every N steps; each line's tok/s covers its N")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
     p.add_argument("--peer", default="", help="path to peer_torchtitan.sh; empty = titanlike only")

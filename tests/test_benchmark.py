@@ -16,7 +16,7 @@ _spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-OPTS = Namespace(vocab=128256, data="mock", steps=10, dump_folder="/tmp/x", extra=[], peer="peer.sh", peer_extra=[])
+OPTS = Namespace(vocab=128256, data="mock", steps=10, log_freq=1, dump_folder="/tmp/x", extra=[], peer="peer.sh", peer_extra=[])
 
 
 def test_matrix_from_command_line_and_toml():

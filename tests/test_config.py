@@ -241,7 +241,7 @@ def test_global_batch():
     ("parallelism", "fsdp_reshard_after_forward", "sometimes", "fsdp_reshard_after_forward"),
     ("training", "mixed_precision_param", "bf16", "mixed_precision_param='bf16' is not one of bfloat16"),
     ("training", "mixed_precision_reduce", "fp32", "mixed_precision_reduce"),
-    ("compile", "components", ["model", "optimizer"], "compile.components has \\['optimizer'\\]"),
+    ("compile", "components", ["model", "optimiser"], "compile.components has \\['optimiser'\\]"),
     ("training", "steps", 0, "training.steps=0 must be >= 1"),
     ("training", "seq_len", -5, "training.seq_len=-5 must be >= 1"),
     ("training", "local_batch_size", 0, "training.local_batch_size=0 must be >= 1"),

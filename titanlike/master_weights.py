@@ -17,6 +17,8 @@ micro-batch's gradient is added into an fp32 buffer by a post-accumulate-grad ho
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 
 import torch
@@ -81,9 +83,42 @@ def adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, steps, group_lrs
 
 
 def _bucket_key(name: str) -> str:
-    """Blocks of a decoder have identical parameter shapes: one compiled update serves every `layers.N`."""
+    """The module whose forward first reads parameter `name`: `layers.N` for a block (every block has the same
+    shapes, so one compiled update serves them all), else the top-level module (`tok_embeddings`, `output`)."""
     parts = name.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else "rest"
+    if len(parts) > 2 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0] if len(parts) > 1 else ""
+
+
+class _ForwardOverlap:
+    """Runs each bucket's update on a side stream; the next forward waits only for the bucket it is about to use.
+
+    The AdamW step is memory-bound (28 B/param) and the forward is mostly matmuls: with the updates queued in forward
+    order (embedding, block 0, 1, ...), block i's update runs while the forward computes the blocks before it, instead
+    of the whole forward waiting for every update. A forward pre-hook per bucket module makes the compute stream wait
+    for that bucket's event (no host sync); anything else that reads weights or optimizer state (state_dict,
+    checkpoints, the next step) first calls `join()`. The gradients the side stream reads stay referenced (`held`)
+    until the compute stream has waited for the last bucket: freed then, the compute stream may reuse their memory
+    in its own order, with no cross-stream bookkeeping (record_stream)."""
+
+    def __init__(self, model: nn.Module, keys: list[str]):
+        self.stream = torch.cuda.Stream()
+        self.events = {k: torch.cuda.Event() for k in keys}
+        self.last = keys[-1]
+        self.held: list[torch.Tensor] = []
+        for k in keys:
+            model.get_submodule(k).register_forward_pre_hook(functools.partial(self._wait, k))
+
+    @torch._dynamo.disable  # runs eagerly before the (compiled) module: an event wait is not graph material
+    def _wait(self, key: str, module, args) -> None:
+        torch.cuda.current_stream().wait_event(self.events[key])
+        if key == self.last:
+            self.held.clear()
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.held.clear()
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -95,7 +130,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     skips_on_device = True  # reads found_inf (titanlike/fault.py)
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
-                 dtype: torch.dtype = torch.bfloat16, compile: bool = False, accumulate_fp32: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, compile: bool = False, accumulate_fp32: bool = False,
+                 overlap: bool = False):
         # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
         # both, and load into either.
         adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
@@ -109,17 +145,23 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for n, p in model.named_parameters():
             if p in self.masters:
                 buckets.setdefault(_bucket_key(n), []).append(p)
-        self._buckets = list(buckets.values())
+        self._buckets = list(buckets.items())  # in model order: the order the next forward needs them
         self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         device = next(iter(self.masters)).device
         self._group_lrs = [torch.zeros((), device=device) for _ in self.param_groups]
         self._one, self._zero = torch.ones((), device=device), torch.zeros((), device=device)
         self._update = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile else adamw_update
         self._main_grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._overlap = _ForwardOverlap(model, list(buckets)) if overlap and device.type == "cuda" else None
         if accumulate_fp32:
             for p in self.masters:
                 p.register_post_accumulate_grad_hook(self._accumulate)
-        _expose_masters(model, {names[p]: w for p, w in self.masters.items()})
+        _expose_masters(model, {names[p]: w for p, w in self.masters.items()}, self.join)
+
+    def join(self) -> None:
+        """Order the current stream after every queued update (before reading weights or state off the forward)."""
+        if self._overlap is not None:
+            self._overlap.join()
 
     def _accumulate(self, p: nn.Parameter) -> None:
         main = self._main_grads.get(p)
@@ -151,6 +193,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.join()  # the last step's updates are done before its LRs and state are touched again
         for lr_t, group in zip(self._group_lrs, self.param_groups):
             if torch.is_tensor(group["lr"]):
                 lr_t.copy_(group["lr"])
@@ -160,29 +203,44 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         scale = self._one if scale is None else scale
         found_inf = self._zero if found_inf is None else found_inf
-        for bucket in self._buckets:
+        for p in self.masters:  # first use: AdamW's keys, so checkpoints interchange with torch's AdamW
+            if not self.state[p] and self.grad(p) is not None:
+                w = self.masters[p]
+                self.state[p] = {"step": torch.zeros((), device=w.device), "exp_avg": torch.zeros_like(w),
+                                 "exp_avg_sq": torch.zeros_like(w)}
+        side = self._overlap
+        if side is not None:  # after everything the update reads was written on this stream: the new state's
+            side.stream.wait_stream(torch.cuda.current_stream())  # zeros, gradients, clip factor, found_inf, LRs
+            side.held += [scale, found_inf]
+        for key, bucket in self._buckets:
             ps = [p for p in bucket if self.grad(p) is not None]
             if not ps:
                 continue
-            for p in ps:
-                if not self.state[p]:  # AdamW's keys, so checkpoints interchange with torch's AdamW
-                    w = self.masters[p]
-                    self.state[p] = {"step": torch.zeros((), device=w.device), "exp_avg": torch.zeros_like(w),
-                                     "exp_avg_sq": torch.zeros_like(w)}
             groups = [self.param_groups[self._group_of[p]] for p in ps]
-            self._update([p.detach() for p in ps], [self.grad(p) for p in ps], [self.masters[p] for p in ps],
-                         [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps],
-                         [self.state[p]["step"] for p in ps], self._group_lrs,
-                         tuple(self._group_of[p] for p in ps),
-                         tuple((*g["betas"], g["eps"], g["weight_decay"]) for g in groups), scale, found_inf)
+            grads = [self.grad(p) for p in ps]
+            with torch.cuda.stream(side.stream) if side is not None else contextlib.nullcontext():
+                self._update([p.detach() for p in ps], grads, [self.masters[p] for p in ps],
+                             [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps],
+                             [self.state[p]["step"] for p in ps], self._group_lrs,
+                             tuple(self._group_of[p] for p in ps),
+                             tuple((*g["betas"], g["eps"], g["weight_decay"]) for g in groups), scale, found_inf)
+                if side is not None:
+                    side.events[key].record()
+            if side is not None:
+                side.held += grads
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._main_grads.clear()
 
+    def state_dict(self) -> dict:
+        self.join()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load casts floating state to the parameter's dtype (bf16 here); the moments must stay fp32."""
+        self.join()
         saved = {pid: dict(s) for pid, s in state_dict["state"].items()}  # the values before that cast
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -192,16 +250,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
 
 
-def _expose_masters(model: nn.Module, masters: dict[str, torch.Tensor]) -> None:
+def _expose_masters(model: nn.Module, masters: dict[str, torch.Tensor], join) -> None:
     """The model's state_dict gives the fp32 masters under the parameters' names; load_state_dict fills them
     (then its own copy into the bf16 parameter follows). DCP, HF export and torchft all go through these."""
 
     def save_hook(module, state_dict, prefix, local_metadata):
+        join()
         for name, w in masters.items():
             if prefix + name in state_dict:
                 state_dict[prefix + name] = w
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        join()
         for name, w in masters.items():
             value = state_dict.get(prefix + name)
             if value is not None and value is not w and value.shape == w.shape:
@@ -212,9 +272,9 @@ def _expose_masters(model: nn.Module, masters: dict[str, torch.Tensor]) -> None:
 
 
 def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool,
-                              dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
+                              dtype: torch.dtype = torch.bfloat16, overlap: bool = False) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here."""
     if cfg.name != "AdamW":
         raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW'")
     return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, dtype=dtype,
-                             compile=compile, accumulate_fp32=accumulate_fp32)
+                             compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap)

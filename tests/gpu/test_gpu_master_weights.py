@@ -1,5 +1,7 @@
 """bf16 weights + fp32 master weights on CUDA: the compiled update (the one Inductor writes) equals the eager
 one, and equals fused AdamW on fp32 weights given the same gradients; the debug run tracks autocast's loss."""
+import math
+
 import pytest
 import torch
 
@@ -51,6 +53,27 @@ def test_compiled_update_equals_eager_and_fused_adamw():
         torch.testing.assert_close(oc.masters[pc], pr.detach(), rtol=1e-5, atol=1e-6)
         assert torch.equal(pc.detach(), oc.masters[pc].to(torch.bfloat16)), n
         assert float(oc.state[pc]["step"]) == 3  # 4 steps, one skipped
+
+
+def test_overlapped_update_changes_no_bit(tmp_path):
+    """The update on a side stream, waited for per block by the next forward, gives the same run bit for bit as the
+    update on the compute stream (a missing wait or an early-freed gradient would show as a difference)."""
+    runs = {}
+    for overlap in (False, True):
+        # NaN in the memory the optimizer state will reuse: an update that ran before its zeros were written reads it
+        junk = [torch.full((n,), float("nan"), device="cuda") for n in [2**28] + [2**17] * 64]
+        del junk
+        trainer = Trainer(_debug_cfg(tmp_path, "--compile.enable", "--training.steps=12", "--metrics.log_freq=1",
+                                     f"--optimizer.overlap_with_forward={str(overlap).lower()}"))
+        try:
+            runs[overlap] = ([h["loss"] for h in trainer.train()],
+                             {k: v.clone() for k, v in trainer.model.state_dict().items()})
+            assert (trainer.optimizer._overlap is not None) == overlap
+        finally:
+            trainer.close()
+    assert runs[False][0] == runs[True][0] and all(math.isfinite(x) for x in runs[True][0])
+    for k, v in runs[False][1].items():
+        assert torch.equal(v, runs[True][1][k]), k
 
 
 def test_master_weights_track_autocast_loss(tmp_path):

@@ -66,6 +66,9 @@ class Optimizer:
     decay_norms_and_biases: bool = False  # Megatron/GPT convention: 1-D params get no weight decay
     decay_embeddings: bool = False
     fused: str = "auto"  # auto (fused on CUDA) | true | false
+    # training.mixed_precision_impl=master_weights on CUDA: each block's update runs on a side stream while the next
+    # forward computes the blocks before it (the forward waits per block, never for the whole step)
+    overlap_with_forward: bool = True
 
 
 @dataclass
