@@ -26,8 +26,6 @@ from torch import nn
 
 from titanlike.optim import clip_with_norm_, param_groups
 
-MODES = ("auto", "autocast", "master_weights")
-
 
 def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
     """What casts the weights to the compute dtype: "fsdp" (its MixedPrecisionPolicy; fp32 on CPU), "autocast",
