@@ -236,6 +236,8 @@ def test_global_batch():
     ("lr_scheduler", "decay_type", "cos", "lr_scheduler.decay_type='cos' is not one of"),
     ("float8", "recipe", "rowise", "did you mean 'rowwise'"),
     ("checkpoint", "async_mode", "on", "checkpoint.async_mode"),
+    ("optimizer", "name", "Adam", "optimizer.name='Adam' is not one of AdamW"),
+    ("training", "mixed_precision_impl", "master", "did you mean 'master_weights'"),
     ("optimizer", "fused", "yes", "optimizer.fused='yes' is not one of auto, true, false"),
     ("training", "device", "gpu", "training.device"),
     ("parallelism", "fsdp_reshard_after_forward", "sometimes", "fsdp_reshard_after_forward"),

@@ -24,6 +24,7 @@ import itertools
 import torch
 from torch import nn
 
+from titanlike.config.validate import check_mixed_precision
 from titanlike.optim import clip_with_norm_, param_groups
 
 
@@ -33,25 +34,20 @@ def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
     three on one device ("auto": master weights when the update compiles, else autocast); ValueError naming the
     key when the choice cannot be honoured."""
     t = cfg.training
-    impl = t.mixed_precision_impl
+    errors: list[str] = []
+    check_mixed_precision(cfg, dims.world_size, errors)  # the config rule, here for configs built in code too
+    if errors:
+        raise ValueError(errors[0])
     if dims.world_size > 1 or cfg.fault_tolerance.enable:
-        if impl == "master_weights":
-            raise ValueError(f"training.mixed_precision_impl='master_weights' is for runs on one device (this one has "
-                             f"{dims.world_size} processes{' and torchft' if cfg.fault_tolerance.enable else ''}); "
-                             f"FSDP casts sharded weights itself: use mixed_precision_impl='auto'")
         if dims.fsdp_enabled:
             return "fsdp"
         return "autocast" if device.type == "cuda" and t.mixed_precision_param != "float32" else "none"
-    if impl == "master_weights":
-        if t.mixed_precision_param != "bfloat16":
-            raise ValueError(f"training.mixed_precision_impl='master_weights' keeps bf16 weights, but "
-                             f"training.mixed_precision_param={t.mixed_precision_param!r}; set it to 'bfloat16' "
-                             f"(float16 would need loss scaling) or use mixed_precision_impl='autocast'")
+    if t.mixed_precision_impl == "master_weights":
         return "master_weights"
     if device.type != "cuda" or t.mixed_precision_param == "float32":
         return "none"
     compiled = cfg.compile.enable and "optimizer" in cfg.compile.components
-    if impl == "auto" and compiled and t.mixed_precision_param == "bfloat16":
+    if t.mixed_precision_impl == "auto" and compiled and t.mixed_precision_param == "bfloat16":
         return "master_weights"
     return "autocast"
 
@@ -271,8 +267,7 @@ def _expose_masters(model: nn.Module, masters: dict[str, torch.Tensor], join) ->
 
 def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool,
                               dtype: torch.dtype = torch.bfloat16, overlap: bool = False) -> MasterWeightAdamW:
-    """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here."""
-    if cfg.name != "AdamW":
-        raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW'")
+    """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here.
+    (optimizer.name is AdamW: config validation allows nothing else.)"""
     return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, dtype=dtype,
                              compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap)

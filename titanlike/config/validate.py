@@ -21,6 +21,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_impl": ("auto", "autocast", "master_weights"),
+    "optimizer.name": ("AdamW",),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
@@ -203,6 +204,22 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
                           f"fault_tolerance.group_size = {unit} (times the data-parallel degree inside a group)")
 
 
+def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[str]) -> None:
+    """training.mixed_precision_impl="master_weights" (titanlike/master_weights.py): one device, bf16 weights."""
+    t = cfg.training
+    if t.mixed_precision_impl != "master_weights":
+        return
+    ft = cfg.fault_tolerance.enable
+    if (world_size or 1) > 1 or ft:
+        errors.append(f"training.mixed_precision_impl='master_weights' is for runs on one device (this one has "
+                      f"{world_size} processes{' and torchft' if ft else ''}); FSDP casts sharded weights itself: "
+                      f"use mixed_precision_impl='auto'")
+    if t.mixed_precision_param != "bfloat16":
+        errors.append(f"training.mixed_precision_impl='master_weights' keeps bf16 weights, but "
+                      f"training.mixed_precision_param={t.mixed_precision_param!r}; set it to 'bfloat16' "
+                      f"(float16 would need loss scaling) or use mixed_precision_impl='autocast'")
+
+
 def _check_global_batch(cfg: JobConfig, dp_shard: int | None, errors: list[str]) -> None:
     tr, par = cfg.training, cfg.parallelism
     gbs, lbs = tr.global_batch_size, tr.local_batch_size
@@ -230,6 +247,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     _check_numbers(cfg, errors)
     _check_features(cfg, errors)
     _check_global_batch(cfg, dp_shard, errors)
+    check_mixed_precision(cfg, world_size, errors)
     check_data(cfg, errors)
     if cfg.checkpoint.create_seed_checkpoint and world_size is not None and world_size > 1:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
