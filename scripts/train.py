@@ -13,13 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-# One process: let the CUDA caching allocator grow segments instead of keeping many fixed ones (fragmentation). With the
-# master-weight update overlapped with the forward (titanlike/master_weights.py) the 1B model on an H100 reserves
-# 36.6 instead of 43.4 GiB for the same 33.7 GiB allocated. A value the user set is kept; multi-GPU runs keep torch's
-# default. Set before torch initialises CUDA.
-if os.environ.get("WORLD_SIZE", "1") == "1":
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
 # Running from a source checkout without `pip install -e .` still works.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
