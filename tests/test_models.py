@@ -117,12 +117,18 @@ def _reference_attention(q, k, v):
     return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("repeat", [False, True], ids=["enable_gqa", "repeat_kv"])
 @pytest.mark.parametrize("n_kv", [4, 2, 1])
-def test_attention_core_gqa(n_kv):
+def test_attention_core_gqa(n_kv, repeat):
+    """Both ways of handing grouped KV heads to SDPA give the reference, forward and backward."""
     torch.manual_seed(0)
-    q = torch.randn(2, 10, 4, 8)
-    k, v = torch.randn(2, 10, n_kv, 8), torch.randn(2, 10, n_kv, 8)
-    torch.testing.assert_close(causal_attention(q, k, v), _reference_attention(q, k, v))
+    q = torch.randn(2, 10, 4, 8, requires_grad=True)
+    k, v = torch.randn(2, 10, n_kv, 8, requires_grad=True), torch.randn(2, 10, n_kv, 8, requires_grad=True)
+    out, ref = causal_attention(q, k, v, repeat_kv_heads=repeat), _reference_attention(q, k, v)
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    for g, g_ref in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(g, g_ref)
 
 
 @pytest.mark.parametrize("n_kv", [4, 2, 1])

@@ -74,6 +74,15 @@ def test_attention_backend_choice():
         assert backends[:2] == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] and priority
 
 
+def test_kv_heads_repeated_only_for_kernels_without_gqa():
+    """The memory-efficient kernel takes no grouped KV heads: the model repeats them for it, and only for it."""
+    from titanlike.attention import repeats_kv_heads
+
+    cpu = torch.device("cpu")
+    assert repeats_kv_heads("efficient", cpu)
+    assert not any(repeats_kv_heads(name, cpu) for name in ("auto", "sdpa", "flash", "cudnn", "math"))
+
+
 def test_n_layers_override(tmp_path):
     """model.n_layers trains the flavor's block shape with another depth; 0 is refused naming the key."""
     trainer = Trainer(_cfg(tmp_path, model={"n_layers": 2}, training={"steps": 1}))

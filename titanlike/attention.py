@@ -25,6 +25,15 @@ def sdpa_backends(name: str, device: torch.device) -> tuple[list | None, bool]:
     return SDPA_BACKENDS.get(name), False
 
 
+def repeats_kv_heads(name: str, device: torch.device) -> bool:
+    """Whether the model must repeat its KV heads for the kernels `name` allows (ModelArgs.repeat_kv_heads): the
+    memory-efficient kernel has no grouped-query support, and is torch's own pick on CUDA GPUs older than Ampere
+    (no flash there), where passing the heads once would fall through to the slow math kernel."""
+    if name == "efficient":
+        return True
+    return name in ("auto", "sdpa") and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8
+
+
 def sdpa_context(name: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of contexts that allow the kernels `name` picks ("sdpa": torch chooses, a no-op context)."""
     backends, priority = sdpa_backends(name, device)

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import float8
 import models
 from parallelize import get_plan
-from titanlike.attention import sdpa_context
+from titanlike.attention import repeats_kv_heads, sdpa_context
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
@@ -88,7 +88,8 @@ class Trainer:
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
         flavor = spec.flavors[cfg.model.flavor]
         n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
-        self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)
+        self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers,
+                                              repeat_kv_heads=repeats_kv_heads(cfg.model.attn_backend, self.device))
         validate_model(self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)

@@ -25,6 +25,9 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # A kernel choice, not architecture: repeat the KV heads before SDPA instead of passing them once with
+    # enable_gqa (models.common.causal_attention). The trainer sets it for kernels without GQA support.
+    repeat_kv_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -32,6 +32,26 @@ def test_debug_run_on_cuda_with_compile(tmp_path, backend):
     assert hist[-1]["memory/peak_active_gib"] > 0
 
 
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_native_gqa_matches_repeated_heads(backend):
+    """SDPA with the KV heads passed once (enable_gqa, the default) against repeating them (what the memory-efficient
+    kernel needs), forward and backward, in bf16 on the kernel `backend` names."""
+    from models.common import causal_attention
+    from titanlike.attention import sdpa_context
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, h, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    results = []
+    for repeat in (False, True):
+        with sdpa_context(backend, q.device)():
+            out = causal_attention(q, k, v, repeat_kv_heads=repeat)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_cuda_tracks_fp32_cpu_loss(tmp_path):
     """Same seed and data: the bf16 GPU run's loss curve stays within a few percent of the fp32 CPU run."""
     runs = {}
