@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 import models
 from titanlike.config.load import config_from_dict
 from titanlike.config.sections import Optimizer
-from titanlike.master_weights import MasterWeightAdamW, build_master_weight_adamw, mixed_precision_mode
+from titanlike.master_weights import (MasterWeightAdamW, build_master_weight_adamw, join_master, mixed_precision_mode,
+                                      split_master)
 from titanlike.optim import build_optimizer, clip_grad_norm_
 from titanlike.checkpoint.states import FLAT_OPTIM
 from titanlike.trainer import Trainer
@@ -50,7 +51,7 @@ def _pair(cfg=Optimizer(lr=1e-2, weight_decay=0.1)):
 
 def test_update_matches_torch_adamw_on_fp32_weights():
     """Same gradients in (the bf16 model's, upcast for the reference), same clipping: the fp32 masters follow torch's
-    AdamW to rounding, and the model's bf16 weights are exactly the masters rounded."""
+    AdamW to rounding, and the model's bf16 weights are exactly the masters rounded (ties away from zero)."""
     ref, ref_opt, m, opt = _pair()
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     ref_params = dict(ref.named_parameters())
@@ -66,21 +67,35 @@ def test_update_matches_torch_adamw_on_fp32_weights():
         opt.zero_grad()
         ref_opt.zero_grad()
     for n, p in m.named_parameters():
-        w = opt.masters[p]
+        w = opt.master(p)
         torch.testing.assert_close(w, ref_params[n].detach(), rtol=1e-5, atol=1e-6)
-        assert torch.equal(p.detach(), w.to(torch.bfloat16)), n
+        assert torch.equal(p.detach(), split_master(w)[0]), n
     for p in m.parameters():  # AdamW's state keys, fp32 moments
         s, r = opt.state[p], ref_opt.state[dict(zip(m.parameters(), ref.parameters()))[p]]
         assert set(s) == set(r) and s["exp_avg"].dtype == torch.float32 and float(s["step"]) == 3
 
 
+def test_master_split_is_exact():
+    """The bf16 parameter and the int16 low bits hold the fp32 master bit for bit, over every binade and both signs;
+    the bf16 half is the nearest bf16 (a tie goes away from zero, where bf16 rounding goes to even)."""
+    torch.manual_seed(0)
+    x = torch.randn(200_000) * torch.logspace(-38, 38, 200_000)
+    x = x[x.isfinite()]
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0 + 2**-8, -(1.0 + 2**-8)])])
+    hi, lo = split_master(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert torch.equal(join_master(hi, lo).view(torch.int32), x.view(torch.int32))
+    assert torch.equal((hi.float() - x).abs(), (x.to(torch.bfloat16).float() - x).abs())  # as near as bf16 rounding
+    assert hi[-2].item() == 1.0 + 2**-7 and hi[-1].item() == -(1.0 + 2**-7)  # the ties: away from zero
+
+
 def test_found_inf_skips_and_grad_scale_divides():
     _, _, m, opt = _pair()
     _backward(m, 0)
-    before = {p: (opt.masters[p].clone(), p.detach().clone()) for p in m.parameters()}
+    before = {p: (opt.master(p), p.detach().clone()) for p in m.parameters()}
     opt.found_inf = torch.ones(())
     opt.step()
-    assert all(torch.equal(opt.masters[p], w) and torch.equal(p.detach(), b) for p, (w, b) in before.items())
+    assert all(torch.equal(opt.master(p), w) and torch.equal(p.detach(), b) for p, (w, b) in before.items())
     assert all(float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in m.parameters())
     # grad_scale = 2 gives the update of gradients halved
     _, _, m2, opt2 = _pair()
@@ -129,7 +144,7 @@ def test_checkpoint_holds_masters_and_moves_between_layouts(tmp_path):
         opt.zero_grad()
     sd = get_model_state_dict(m)
     assert all(v.dtype == torch.float32 for v in sd.values())
-    assert all(sd[n] is opt.masters[p] for n, p in m.named_parameters())
+    assert all(torch.equal(sd[n], opt.master(p)) for n, p in m.named_parameters())
     dcp.save({"model": sd, "optimizer": get_optimizer_state_dict(m, opt, options=FLAT_OPTIM)},
              checkpoint_id=str(tmp_path), no_dist=True)
 
@@ -144,10 +159,10 @@ def test_checkpoint_holds_masters_and_moves_between_layouts(tmp_path):
         set_optimizer_state_dict(t, t_opt, target["optimizer"], options=FLAT_OPTIM)
         for (n, p), q in zip(m.named_parameters(), t.parameters()):
             if target_kind == "master":
-                assert torch.equal(t_opt.masters[q], opt.masters[p]) and torch.equal(q.detach(), p.detach()), n
+                assert torch.equal(t_opt.master(q), opt.master(p)) and torch.equal(q.detach(), p.detach()), n
                 assert t_opt.state[q]["exp_avg"].dtype == torch.float32
             else:
-                assert torch.equal(q.detach(), opt.masters[p]), n
+                assert torch.equal(q.detach(), opt.master(p)), n
             assert torch.equal(t_opt.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
 
 
