@@ -166,6 +166,22 @@ def test_checkpoint_holds_masters_and_moves_between_layouts(tmp_path):
             assert torch.equal(t_opt.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
 
 
+def test_stable_state_dict_tensors_for_the_pinned_stager():
+    """With stable_state_dict (pinned async checkpoints) every state_dict call hands out the same fp32 tensors, holding
+    the current masters; without it each call makes new ones."""
+    for stable in (False, True):
+        m = _model()
+        opt = build_master_weight_adamw(m, Optimizer(lr=1e-2), compile=False, accumulate_fp32=False,
+                                        stable_state_dict=stable)
+        first = m.state_dict()
+        _backward(m, 0)
+        opt.step()
+        second = m.state_dict()
+        for n, p in m.named_parameters():
+            assert (second[n] is first[n]) == stable, n
+            assert torch.equal(second[n], opt.master(p)), n
+
+
 def test_mode_choice_and_errors():
     def cfg(**training):
         return config_from_dict({"training": training, "compile": {"enable": True}})

@@ -150,7 +150,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
                  dtype: torch.dtype = torch.bfloat16, compile: bool = False, accumulate_fp32: bool = False,
-                 overlap: bool = False):
+                 overlap: bool = False, stable_state_dict: bool = False):
         # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
         # both, and load into either.
         adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
@@ -177,7 +177,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if accumulate_fp32:
             for p in self.low_bits:
                 p.register_post_accumulate_grad_hook(self._accumulate)
-        _expose_masters(model, {names[p]: (p, lo) for p, lo in self.low_bits.items()}, self.join)
+        _expose_masters(model, {names[p]: (p, lo) for p, lo in self.low_bits.items()}, self.join, stable_state_dict)
 
     def master(self, p: nn.Parameter) -> torch.Tensor:
         """The fp32 master weight of `p` (a new tensor)."""
@@ -276,16 +276,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
 
 
-def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch.Tensor]], join) -> None:
+def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch.Tensor]], join,
+                    stable: bool) -> None:
     """The model's state_dict gives fp32 masters (joined, new tensors) under the parameters' names; load_state_dict
     splits what it is given into the low bits and the bf16 value the module then copies into the parameter. DCP,
-    HF export and torchft all go through these."""
+    HF export and torchft all go through these.
+
+    stable: hand out the same fp32 tensors at every call (refilled; 4 B/param kept from the first save on). DCP's
+    pinned-memory stager (checkpoint.async_mode=async_with_pinned_mem) caches its host buffer per device tensor:
+    new tensors at every save would be pinned afresh, stalling each save for seconds."""
+    kept: dict[str, torch.Tensor] = {}
 
     def save_hook(module, state_dict, prefix, local_metadata):
         join()
         for name, (p, lo) in parts.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = join_master(p.detach(), lo)
+                w = join_master(p.detach(), lo)
+                if stable:
+                    w = kept[name].copy_(w) if name in kept else kept.setdefault(name, w)
+                state_dict[prefix + name] = w
 
     def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         join()
@@ -301,8 +310,10 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
 
 
 def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool,
-                              dtype: torch.dtype = torch.bfloat16, overlap: bool = False) -> MasterWeightAdamW:
+                              dtype: torch.dtype = torch.bfloat16, overlap: bool = False,
+                              stable_state_dict: bool = False) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here.
-    (optimizer.name is AdamW: config validation allows nothing else.)"""
+    (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
     return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, dtype=dtype,
-                             compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap)
+                             compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap,
+                             stable_state_dict=stable_state_dict)

@@ -124,7 +124,8 @@ class Trainer:
             self.optimizer = build_master_weight_adamw(
                 self.model_parts[0], cfg.optimizer, accumulate_fp32=t.global_batch_size > t.local_batch_size,
                 compile=cfg.compile.enable and "optimizer" in cfg.compile.components and self.device.type == "cuda",
-                overlap=cfg.optimizer.overlap_with_forward)
+                overlap=cfg.optimizer.overlap_with_forward,
+                stable_state_dict=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem")
         else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
             optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
             self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
