@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -23,18 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
 from models.common import repeat_kv  # noqa: E402
-
-
-def timed(fn, iters: int) -> float:
-    """ms per call after 3 warm-up calls (CUDA events would hide nothing here: one stream, synchronised ends)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1e3
+from scripts.optimizer_bench import timed  # noqa: E402  (ms per call after 3 warm-up calls, synchronised)
 
 
 def main() -> None:
