@@ -74,6 +74,16 @@ def test_attention_backend_choice():
         assert backends[:2] == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] and priority
 
 
+def test_fa4_choice_off_cuda():
+    """FlashAttention-4 is taken only on a CUDA device: "auto" quietly keeps SDPA elsewhere, "fa4" says why not."""
+    from titanlike.attention import wants_fa4
+
+    cpu = torch.device("cpu")
+    assert not any(wants_fa4(name, cpu) for name in ("auto", "sdpa", "cudnn", "flash", "math"))
+    with pytest.raises(ValueError, match="model.attn_backend='fa4'.*CUDA"):
+        wants_fa4("fa4", cpu)
+
+
 def test_kv_heads_repeated_only_for_kernels_without_gqa():
     """The memory-efficient kernel takes no grouped KV heads: the model repeats them for it, and only for it."""
     from titanlike.attention import repeats_kv_heads

@@ -1,5 +1,6 @@
-"""Which SDPA kernels attention may use (model.attn_backend): the models call F.scaled_dot_product_attention and
-the trainer wraps forward and backward in `sdpa_context`."""
+"""Which attention kernels the model may use (model.attn_backend). The models call F.scaled_dot_product_attention and
+the trainer wraps forward and backward in `sdpa_context`; with "fa4" (or "auto" where it runs) the trainer points the
+attention modules at FlashAttention-4 instead (`wants_fa4`, titanlike/attention_fa4.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,22 @@ def repeats_kv_heads(name: str, device: torch.device) -> bool:
     if name == "efficient":
         return True
     return name in ("auto", "sdpa") and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8
+
+
+def wants_fa4(name: str, device: torch.device) -> bool:
+    """Whether the model's attention runs on FlashAttention-4 (titanlike/attention_fa4.py): always for "fa4" (a
+    ValueError naming the key and the fix where it cannot run), and for "auto" where it can (a Hopper or newer GPU
+    with flash-attn-4 installed); otherwise SDPA."""
+    if name not in ("fa4", "auto") or device.type != "cuda":
+        if name == "fa4":
+            raise ValueError("model.attn_backend='fa4' needs a CUDA device; use 'auto' (or 'math' on CPU)")
+        return False
+    from titanlike.attention_fa4 import fa4_unavailable
+
+    reason = fa4_unavailable(device)
+    if name == "fa4" and reason is not None:
+        raise ValueError(f"model.attn_backend='fa4': {reason}; or choose 'auto' / 'cudnn'")
+    return reason is None
 
 
 def sdpa_context(name: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

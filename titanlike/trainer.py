@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import float8
 import models
 from parallelize import get_plan
-from titanlike.attention import repeats_kv_heads, sdpa_context
+from titanlike.attention import repeats_kv_heads, sdpa_context, wants_fa4
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
@@ -93,6 +93,10 @@ class Trainer:
         validate_model(self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
+        if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
+            from titanlike.attention_fa4 import use_fa4
+
+            logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
         n_params = models.llama3.count_params(model)
         n_dense = models.llama3.count_params(model, exclude_embedding=True)
         self.flops_per_token = models.llama3.flops_per_token(self.model_args, n_dense, t.seq_len)

@@ -22,6 +22,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.repeat_kv_heads = args.repeat_kv_heads
+        # The attention kernel: SDPA by default; the trainer may point it at another with the same contract
+        # (titanlike/attention_fa4.py for model.attn_backend = "fa4").
+        self.attention_fn = causal_attention
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -35,7 +38,7 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, rope_cache)
-        out = causal_attention(xq, xk, xv, self.repeat_kv_heads)  # [B, S, H_local, D]
+        out = self.attention_fn(xq, xk, xv, self.repeat_kv_heads)  # [B, S, H_local, D]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -22,8 +22,8 @@ class Model:
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
     n_layers: int = -1  # -1 = the flavor's; else that many blocks of the flavor's shape (Megatron's --num-layers)
-    # auto (cuDNN first, then flash, on Hopper+; else torch's choice) | sdpa (torch's choice: flash first on CUDA) |
-    # flash | cudnn | efficient | math (reference)
+    # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
+    # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)
     attn_backend: str = "auto"
 
 

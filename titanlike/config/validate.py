@@ -16,7 +16,7 @@ from titanlike.config.validate_data import check_data
 
 # Allowed values of string "choice" fields. Extend here when a consumer learns a new value.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.attn_backend": ("auto", "sdpa", "flash", "cudnn", "efficient", "math"),
+    "model.attn_backend": ("auto", "sdpa", "flash", "cudnn", "efficient", "math", "fa4"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),

@@ -1,0 +1,55 @@
+"""FlashAttention-4 as the model's attention (titanlike/attention_fa4.py, model.attn_backend = "fa4"): the custom ops
+match cuDNN's SDPA forward and backward, eager and compiled, and a run on them learns.
+
+Marked `gpu`; skipped without CUDA or without the flash-attn-4 package (`pip install 'titanlike[fa4]'`)."""
+import pytest
+import torch
+
+from tests.gpu.test_gpu_train import _debug_cfg
+from titanlike.trainer import Trainer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_fa4():
+    from titanlike.attention_fa4 import fa4_unavailable
+
+    reason = fa4_unavailable(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa4_matches_cudnn_sdpa(compiled, head_dim):
+    from models.common import causal_attention
+    from titanlike.attention import sdpa_context
+    from titanlike.attention_fa4 import fa4_causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn(2, 1024, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fa4 = torch.compile(fa4_causal_attention, fullgraph=True) if compiled else fa4_causal_attention
+    out = fa4(q, k, v)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    with sdpa_context("cudnn", q.device)():
+        ref_out = causal_attention(q, k, v)
+        ref = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_run_on_fa4_learns(tmp_path):
+    """The 1B block shape (head dim 64), two blocks, compiled, on FA4: the loss falls."""
+    trainer = Trainer(_debug_cfg(tmp_path, "--model.flavor=1B", "--model.n_layers=2", "--model.attn_backend=fa4",
+                                 "--compile.enable", "--training.seq_len=512", "--training.local_batch_size=4"))
+    try:
+        from titanlike.attention_fa4 import fa4_causal_attention
+
+        assert all(layer.attention.attention_fn is fa4_causal_attention for layer in trainer.model.layers.values())
+        hist = trainer.train()
+    finally:
+        trainer.close()
+    assert hist[-1]["loss"] < hist[0]["loss"] - 1.0, hist
