@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from titanlike.attention_fa4 import fa4_forward_op
 from titanlike.config.validate import CHOICES
 
 AC_MODES = CHOICES["activation_checkpoint.mode"]  # one list: what config validation accepts
@@ -41,6 +42,7 @@ def _op_save_list() -> set:
     # Optional ops: present in current torch, guarded so an older/newer build without them still imports.
     if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
         ops.add(_aten._scaled_dot_product_cudnn_attention.default)
+    ops.add(fa4_forward_op())  # model.attn_backend = "fa4": the same rule as SDPA's
     c10d = getattr(torch.ops, "_c10d_functional", None)
     if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
         # Under TP/sequence parallel, recomputing a reduce-scatter means communicating again.

@@ -70,6 +70,11 @@ def _backward(ctx, dout, dlse):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def fa4_forward_op():
+    """The forward op (for per-op activation checkpointing's list of outputs to keep)."""
+    return torch.ops.titanlike.fa4_causal_fwd.default
+
+
 def fa4_causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
                          repeat_kv_heads: bool = False) -> torch.Tensor:
     """models.common.causal_attention's contract ([B, S, H, D] q, [B, S, Hkv, D] k/v -> [B, S, H, D]) on FA4.
