@@ -4,9 +4,10 @@ activations, transposed to [B, H, S, D] views).
 
     python scripts/attention_bench.py --flavor 1B --seq 4096 --batch 2 [--iters 20] [--flex]
 
-Rows: SDPA backends (cuDNN, flash = FlashAttention-2, memory-efficient) with the KV heads repeated as the model
-does today (`repeat`) or passed once with `enable_gqa=True` (`gqa`); with `--flex`, compiled FlexAttention with a
-causal block mask (Triton), default and autotuned. TFLOP/s counts the causal half of the score matrix, backward as
+Rows: SDPA backends (cuDNN, flash = FlashAttention-2, memory-efficient) with the KV heads repeated first (`repeat`,
+what the memory-efficient kernel needs) or passed once with `enable_gqa=True` (`gqa`, the model's default);
+FlashAttention-4 where flash-attn-4 imports (titanlike/attention_fa4.py); with `--flex`, compiled FlexAttention with
+a causal block mask (Triton), default and autotuned. TFLOP/s counts the causal half of the score matrix, backward as
 2.5x forward. Figures: docs/benchmarks.md (seventh session).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
+from titanlike.attention_fa4 import fa4_causal_attention, fa4_unavailable  # noqa: E402
 from models.common import repeat_kv  # noqa: E402
 from scripts.optimizer_bench import timed  # noqa: E402  (ms per call after 3 warm-up calls, synchronised)
 
@@ -62,6 +64,13 @@ def main() -> None:
             for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                              ("efficient", SDPBackend.EFFICIENT_ATTENTION))
             for gqa in (False, True)]
+    reason = fa4_unavailable(q.device)
+    if reason is None:
+        def fa4_step():
+            fa4_causal_attention(q, k, v).transpose(1, 2).backward(dout)
+        rows.append(("fa4 (flash-attn-4)", fa4_step))
+    else:
+        print(f"fa4: not run ({reason})")
     if a.flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
