@@ -10,11 +10,7 @@ custom ops (opaque nodes with fake implementations for tracing), and autograd co
 """
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("titanlike")
 
 HEAD_DIMS = (64, 96, 128)  # what this wrapper hands to FA4; other head dims stay on SDPA
 

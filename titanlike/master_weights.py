@@ -5,8 +5,8 @@ Why: under autocast the model keeps fp32 weights, and every step casts each weig
 need (18 GB per step on the 1.5B model, ~4% of an H100 step), and the residual stream between blocks stays fp32
 (the embedding's output is). Here the model holds the bf16 compute copy (what FSDP's MixedPrecisionPolicy gives
 every multi-GPU run), the backward writes bf16 gradients, and the AdamW step reads them and updates fp32 master
-weights and moments, writing the bf16 copy in the same pass: one compiled kernel per parameter, 28 bytes per
-parameter as fused AdamW over fp32 (compile.components "optimizer"; eager on CPU and without it).
+weights and moments, writing the bf16 copy in the same pass: one compiled kernel per parameter (compile.components
+"optimizer"; eager on CPU and without it).
 
 The master weight is not a second fp32 copy: the bf16 parameter already holds its top 16 bits, so the optimizer keeps
 only the low 16 bits (`split_master` / `join_master`, bit-exact). The update then moves 26 bytes per parameter
@@ -149,14 +149,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     skips_on_device = True  # reads found_inf (titanlike/fault.py)
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
-                 dtype: torch.dtype = torch.bfloat16, compile: bool = False, accumulate_fp32: bool = False,
-                 overlap: bool = False, stable_state_dict: bool = False):
+                 compile: bool = False, accumulate_fp32: bool = False, overlap: bool = False,
+                 stable_state_dict: bool = False):
         # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
         # both, and load into either.
         adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
         super().__init__(groups, {**adamw_keys, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
-        if dtype != torch.bfloat16:
-            raise ValueError(f"master weights keep bf16 parameters (their low 16 bits live here), not {dtype}")
         self.low_bits: dict[nn.Parameter, torch.Tensor] = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             hi, self.low_bits[p] = split_master(p.detach().float())
@@ -309,11 +307,10 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
     model.register_load_state_dict_pre_hook(load_pre_hook)
 
 
-def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool,
-                              dtype: torch.dtype = torch.bfloat16, overlap: bool = False,
+def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool, overlap: bool = False,
                               stable_state_dict: bool = False) -> MasterWeightAdamW:
-    """Call after the model is materialised and initialised in fp32: its parameters become `dtype` here.
+    """Call after the model is materialised and initialised in fp32: its parameters become bf16 here.
     (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
-    return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, dtype=dtype,
+    return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                              compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap,
                              stable_state_dict=stable_state_dict)
