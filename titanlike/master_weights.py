@@ -112,7 +112,7 @@ def _bucket_key(name: str) -> str:
 class _ForwardOverlap:
     """Runs each bucket's update on a side stream; the next forward waits only for the bucket it is about to use.
 
-    The AdamW step is memory-bound (28 B/param) and the forward is mostly matmuls: with the updates queued in forward
+    The AdamW step is memory-bound (26 B/param) and the forward is mostly matmuls: with the updates queued in forward
     order (embedding, block 0, 1, ...), block i's update runs while the forward computes the blocks before it, instead
     of the whole forward waiting for every update. A forward pre-hook per bucket module makes the compute stream wait
     for that bucket's event (no host sync); anything else that reads weights or optimizer state (state_dict,
