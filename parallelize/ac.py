@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titanlike.attention_fa4 import fa4_forward_op
+from models.common.fa4 import fa4_forward_op
 from titanlike.config.validate import CHOICES
 
 AC_MODES = CHOICES["activation_checkpoint.mode"]  # one list: what config validation accepts

@@ -19,7 +19,7 @@ from parallelize.fsdp import apply_fsdp
 from parallelize.tp import (
     ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
 )
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.parallel_dims import ParallelDims
 
 
 def _refuse_unimplemented(dims: ParallelDims, allow: tuple[str, ...] = ()) -> None:

@@ -28,12 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
 
-from titanlike.config.validate_pp import (
-    PP_SCHEDULES,
-    V_SCHEDULES,
-    pp_microbatches,
-    pp_stage_count,
-)
+from titanlike.config.validate_pp import PP_SCHEDULES, V_SCHEDULES, pp_microbatches, pp_stage_count
 
 logger = logging.getLogger("titanlike")
 

@@ -16,11 +16,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlike.checkpoint import layout  # noqa: E402
-from titanlike.checkpoint.layout import CONFIG, CheckpointError  # noqa: E402
-from titanlike.checkpoint.states import EXTRA, read_meta_json, read_metadata, unpack  # noqa: E402
+from titanlike.checkpoint import layout
+from titanlike.checkpoint.layout import CONFIG, CheckpointError
+from titanlike.checkpoint.states import EXTRA, read_meta_json, read_metadata, unpack
 
 
 def _size(n: float) -> str:

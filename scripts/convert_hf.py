@@ -17,9 +17,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlike.checkpoint.layout import CheckpointError  # noqa: E402
+from titanlike.checkpoint.layout import CheckpointError
 
 DTYPES = ["float32", "bfloat16", "float16"]
 

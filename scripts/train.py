@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
-# Running from a source checkout without `pip install -e .` still works.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlike.config import ConfigError, config_to_toml, load_config  # noqa: E402
-from titanlike.config.load import split_flags  # noqa: E402
-from titanlike.log import setup_logging  # noqa: E402
+from titanlike.config import ConfigError, config_to_toml, load_config
+from titanlike.config.load import split_flags
+from titanlike.observe.log import setup_logging
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +31,7 @@ def main(argv: list[str]) -> int:
         if "--print-config" in flags:
             print(config_to_toml(cfg), end="")
             return 0
-        from titanlike.trainer import Trainer
+        from titanlike.train.trainer import Trainer
 
         trainer = Trainer(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -42,8 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from titanlike.checkpoint import CheckpointError
-    from titanlike.fault import NonFiniteError
-    from titanlike.hang import CommError
+    from titanlike.resilience.nonfinite import NonFiniteError
+    from titanlike.resilience.comm_watch import CommError
 
     try:
         if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training

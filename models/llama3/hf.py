@@ -96,7 +96,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 def _ffn_sizing(dim: int, intermediate_size: int) -> tuple[int, float | None]:
     """Find (multiple_of, ffn_dim_multiplier) reproducing HF's intermediate_size under Llama sizing."""
-    from models.common import ffn_hidden_dim
+    from models.common.ffn import ffn_hidden_dim
 
     for multiple_of in (4096, 1024, 256):
         for mult in (None, 1.0, 1.2, 1.3, 1.5):

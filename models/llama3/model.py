@@ -13,7 +13,10 @@ import math
 import torch
 from torch import nn
 
-from models.common import FeedForward, RMSNorm, apply_rotary_emb, causal_attention, ffn_hidden_dim, precompute_rope_cache
+from models.common.ffn import FeedForward, ffn_hidden_dim
+from models.common.norms import RMSNorm
+from models.common.rope import apply_rotary_emb, precompute_rope_cache
+from models.common.attention import causal_attention
 from models.llama3.args import ModelArgs
 
 

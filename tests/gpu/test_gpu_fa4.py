@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_train import _debug_cfg
-from titanlike.trainer import Trainer
+from titanlike.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _needs_fa4():
-    from titanlike.attention_fa4 import fa4_unavailable
+    from models.common.fa4 import fa4_unavailable
 
     reason = fa4_unavailable(torch.device("cuda"))
     if reason:
@@ -23,9 +23,9 @@ def _needs_fa4():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fa4_matches_cudnn_sdpa(compiled, head_dim):
-    from models.common import causal_attention
-    from titanlike.attention import sdpa_context
-    from titanlike.attention_fa4 import fa4_causal_attention
+    from models.common.attention import causal_attention
+    from models.common.backends import sdpa_context
+    from models.common.fa4 import fa4_causal_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 1024, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -46,7 +46,7 @@ def test_run_on_fa4_learns(tmp_path):
     trainer = Trainer(_debug_cfg(tmp_path, "--model.flavor=1B", "--model.n_layers=2", "--model.attn_backend=fa4",
                                  "--compile.enable", "--training.seq_len=512", "--training.local_batch_size=4"))
     try:
-        from titanlike.attention_fa4 import fa4_causal_attention
+        from models.common.fa4 import fa4_causal_attention
 
         assert all(layer.attention.attention_fn is fa4_causal_attention for layer in trainer.model.layers.values())
         hist = trainer.train()

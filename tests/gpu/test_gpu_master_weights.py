@@ -7,9 +7,9 @@ import torch
 
 from tests.gpu.test_gpu_train import _debug_cfg
 from titanlike.config.sections import Optimizer
-from titanlike.master_weights import build_master_weight_adamw, split_master
-from titanlike.optim import build_optimizer, grad_norm
-from titanlike.trainer import Trainer
+from titanlike.optim.master_weights import build_master_weight_adamw, split_master
+from titanlike.optim.adamw import build_optimizer, grad_norm
+from titanlike.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

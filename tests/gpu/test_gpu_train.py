@@ -7,7 +7,7 @@ import torch
 
 from tests.launch import REPO_ROOT, run_torchrun
 from titanlike.config.load import load_config
-from titanlike.trainer import Trainer
+from titanlike.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,8 +36,8 @@ def test_debug_run_on_cuda_with_compile(tmp_path, backend):
 def test_native_gqa_matches_repeated_heads(backend):
     """SDPA with the KV heads passed once (enable_gqa, the default) against repeating them (what the memory-efficient
     kernel needs), forward and backward, in bf16 on the kernel `backend` names."""
-    from models.common import causal_attention
-    from titanlike.attention import sdpa_context
+    from models.common.attention import causal_attention
+    from models.common.backends import sdpa_context
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 1024, h, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()

@@ -21,8 +21,8 @@ import sys
 import torch
 
 from titanlike.config.load import config_from_dict
-from titanlike.log import setup_logging
-from titanlike.trainer import Trainer
+from titanlike.observe.log import setup_logging
+from titanlike.train.trainer import Trainer
 
 STEPS = 6
 
@@ -95,7 +95,7 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(root, f"{phase}.json"), "w") as f:
             json.dump(out, f)
-    from titanlike.distributed import destroy_distributed
+    from titanlike.distributed.init import destroy_distributed
 
     destroy_distributed()
 

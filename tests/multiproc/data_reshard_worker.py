@@ -47,7 +47,7 @@ dl.load_state_dict(torch.load(state_1rank, weights_only=False))
 torch.save({"rows": rows(iter(dl), 4)}, os.path.join(out_dir, f"b_rank{rank}.pt"))
 
 # C: training + validation under FSDP on the same data; validation loss equal on both ranks
-from titanlike.trainer import Trainer  # noqa: E402
+from titanlike.train.trainer import Trainer  # noqa: E402
 
 job = load_config([
     "--config", "configs/debug_model.toml", "--training.steps=2", "--lr_scheduler.warmup_steps=1",

@@ -27,9 +27,9 @@ import float8
 from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
-from titanlike.distributed import destroy_distributed, init_distributed
-from titanlike.loss import apply_chunked_loss, loss_targets
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.train.loss import apply_chunked_loss, loss_targets
+from titanlike.distributed.parallel_dims import ParallelDims
 
 LOCAL_BATCH, STEPS = 2, 3
 rank = world = 0

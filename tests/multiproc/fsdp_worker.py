@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
-from titanlike.distributed import destroy_distributed, init_distributed
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.distributed.parallel_dims import ParallelDims
 
 TOL = 1e-5
 DEVICE = "cpu"

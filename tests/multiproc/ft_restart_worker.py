@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-import titanlike.trainer  # noqa: E402,F401  (the slow imports: torch, torchao, ...)
+import titanlike.train.trainer  # noqa: E402,F401  (the slow imports: torch, torchao, ...)
 import train  # noqa: E402
 
 print("ready", flush=True)

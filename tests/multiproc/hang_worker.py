@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-import titanlike.trainer as trainer_module  # noqa: E402
+import titanlike.train.trainer as trainer_module  # noqa: E402
 
 _step = trainer_module.Trainer.train_step
 

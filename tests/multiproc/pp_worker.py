@@ -24,9 +24,10 @@ import models
 from par_helpers import exit_without_teardown, SEQ, global_batch, tiny_args
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
-from titanlike.distributed import destroy_distributed, init_distributed
-from titanlike.parallel_dims import ParallelDims
-from titanlike.pipeline_step import OptimizersContainer, PipelineRunner
+from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.distributed.parallel_dims import ParallelDims
+from titanlike.optim.container import OptimizersContainer
+from titanlike.train.pipeline import PipelineRunner
 
 TOL = 1e-5
 DEVICE = "cpu"

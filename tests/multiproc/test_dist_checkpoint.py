@@ -30,7 +30,7 @@ def _tp_supported() -> bool:
     from par_helpers import meta_model
     from parallelize import get_plan
     from titanlike.config.sections import JobConfig
-    from titanlike.parallel_dims import ParallelDims
+    from titanlike.distributed.parallel_dims import ParallelDims
 
     try:
         get_plan("llama3", "default")(meta_model(), ParallelDims(tp=2, dp_shard=1, world_size=2), JobConfig())
@@ -43,7 +43,7 @@ def _tp_supported() -> bool:
 
 def _single(root: str, name: str, **ckpt) -> tuple[dict[int, float], list[dict]]:
     """A 1-process run (local batch 4 = FSDP 2's global batch) in this process: losses, checkpoint stats."""
-    from titanlike.trainer import Trainer
+    from titanlike.train.trainer import Trainer
 
     trainer = Trainer(make_cfg(root, name, local_batch=4, deterministic=False, checkpoint=ckpt))
     try:
@@ -59,7 +59,7 @@ def _losses(run: dict) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    from titanlike.trainer import Trainer
+    from titanlike.train.trainer import Trainer
 
     # another init seed than the runs' own: a run that failed to load the seed would show it in its loss
     seed = Trainer(make_cfg(root, "seed", deterministic=False, seed=1, checkpoint={"create_seed_checkpoint": True}))

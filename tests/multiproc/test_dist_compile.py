@@ -14,7 +14,7 @@ from par_helpers import global_batch, loss_fn, reference_model
 from parallelize import get_plan
 from parallelize.compile import apply_compile, compile_loss
 from titanlike.config.sections import JobConfig
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.parallel_dims import ParallelDims
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from parallelize import PLANS, get_plan
 from parallelize.ac import is_checkpointed
 from parallelize.llama3 import parallelize_llama, parallelize_llama_fsdp_only
 from titanlike.config.sections import JobConfig
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.parallel_dims import ParallelDims
 
 CALLS = []
 

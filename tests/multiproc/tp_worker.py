@@ -25,9 +25,9 @@ import models.common
 from par_helpers import exit_without_teardown, global_batch, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
-from titanlike.distributed import destroy_distributed, init_distributed
-from titanlike.optim import clip_grad_norm_
-from titanlike.parallel_dims import ParallelDims
+from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.optim.adamw import clip_grad_norm_
+from titanlike.distributed.parallel_dims import ParallelDims
 
 TOL = 1e-5
 DEVICE = "cpu"

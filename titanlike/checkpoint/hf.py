@@ -147,7 +147,7 @@ def _same_shape(a, b) -> bool:
 
 def hf_config(args, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
     """A transformers LlamaConfig dict for these ModelArgs (legacy rope keys: read by transformers 4.x and 5.x)."""
-    from models.common import ffn_hidden_dim
+    from models.common.ffn import ffn_hidden_dim
 
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",

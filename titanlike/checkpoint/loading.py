@@ -13,9 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CheckpointError
-from titanlike.checkpoint.states import (
-    EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state, unpack,
-)
+from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state, unpack
 
 logger = logging.getLogger("titanlike")
 _EXTRAS = ("lr_scheduler", "dataloader", "trainer")

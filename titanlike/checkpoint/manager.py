@@ -41,9 +41,8 @@ from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, quiet_dcp, rng_state
-from titanlike.checkpoint.staging import (KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager,
-                                         stop_writer_process)
-from titanlike.hang import keep_own_timeout
+from titanlike.checkpoint.staging import KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process
+from titanlike.resilience.comm_watch import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
 # A lone process saving asynchronously: DCP's writer thread warns it "assumes the intent" of one process. It is ours.

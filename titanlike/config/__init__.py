@@ -4,13 +4,7 @@
     print(config_to_toml(cfg))
 """
 from titanlike.config.load import (  # noqa: F401
-    DEFAULT_CONFIG,
-    ConfigError,
-    config_from_dict,
-    config_to_dict,
-    config_to_toml,
-    load_config,
-    split_flags,
+    DEFAULT_CONFIG, ConfigError, config_from_dict, config_to_dict, config_to_toml, load_config, split_flags,
 )
 from titanlike.config.sections import JobConfig  # noqa: F401
 from titanlike.config.validate import resolve_dp_shard, validate, validate_model  # noqa: F401

@@ -1,4 +1,4 @@
-"""JSONL -> Megatron indexed .bin/.idx, command-compatible with Megatron's tools/preprocess_data.py (common flags).
+"""JSONL -> Megatron indexed .bin/.idx: the work behind scripts/preprocess_data.py (Megatron's flags).
 
     python scripts/preprocess_data.py --input data.jsonl[.gz] --output-prefix out/my --json-keys text \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 8
@@ -11,7 +11,6 @@ no output. Files are written under temporary names and renamed when complete.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import itertools
@@ -33,40 +32,6 @@ _CHUNK_LINES, _CHUNK_BYTES = 256, 1 << 20
 _SHOWN_BAD = 20
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, nargs="+", help="JSONL file(s) (.gz too), globs or folders")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output per key")
-    g.add_argument("--split-sentences", action="store_true", help="(Megatron) not supported: documents only")
-    g.add_argument("--keep-newlines", action="store_true", help="(Megatron, with --split-sentences) accepted")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="auto",
-                   help="HuggingFaceTokenizer | GPT2BPETokenizer | TikTokenizer | Llama3Tokenizer | "
-                        "SentencePieceTokenizer | Llama2Tokenizer | GPTSentencePieceTokenizer | NullTokenizer | "
-                        "builtin | auto")
-    g.add_argument("--tokenizer-model", default="", help="tokenizer.json / tokenizer.model file or folder")
-    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
-    g.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
-    g.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids are below this")
-    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
-    g.add_argument("--prepend-bos", action="store_true", help="prepend the BOS token to every document")
-    g.add_argument("--eod-token", default="", help="text of the EOD token (default: the tokenizer's EOS)")
-    g.add_argument("--lang", default="english", help="(Megatron, sentence splitting) accepted, unused")
-    g.add_argument("--cache-dir", default="", help="builtin tokenizer cache (default ~/.cache/titanlike)")
-    g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True, help="path prefix; writes <prefix>_<key>_document.bin/.idx")
-    g.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="(Megatron) only mmap exists")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenising processes (1 = in this process)")
-    g.add_argument("--partitions", type=int, default=1, help="(Megatron) accepted; input is streamed, not split")
-    g.add_argument("--log-interval", type=int, default=1000, help="(Megatron) accepted; a live bar shows progress")
-    g.add_argument("--keep-sequential-samples", action="store_true", help="(Megatron) accepted: order is kept")
-    g.add_argument("--strict", action="store_true", help="stop at the first bad line (no output is left)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
 def tokenizer_config(args) -> SimpleNamespace:
     """A data-config-like object for titanlike.tokenizer.build_tokenizer from the Megatron flags."""
     return SimpleNamespace(tokenizer=args.tokenizer_model or "builtin", tokenizer_type=args.tokenizer_type,
@@ -82,7 +47,7 @@ _W: dict = {}
 
 def _init_worker(tok_cfg, keys, append_eod, prepend_bos, dtype) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
-    from titanlike.tokenizer import build_tokenizer
+    from titanlike.data.tokenizers import build_tokenizer
 
     tok = build_tokenizer(tok_cfg)
     _W.update(tok=tok, keys=keys, post=[tok.eod_id] if append_eod else [], pre=[tok.bos_id] if prepend_bos else [],
@@ -158,7 +123,7 @@ def run(args) -> dict:
     """Preprocess; returns a summary dict. Raises SystemExit(1) on --strict failures."""
     from tqdm import tqdm
 
-    from titanlike.tokenizer import build_tokenizer
+    from titanlike.data.tokenizers import build_tokenizer
 
     if args.split_sentences:
         raise SystemExit("error: --split-sentences is not supported (it needs NLTK); preprocess whole documents")
@@ -236,18 +201,3 @@ def run(args) -> dict:
             print(f"  ... and {summary['bad_lines'] - len(shown)} more (use --strict to stop at the first)",
                   file=sys.stderr)
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-            return 1
-        raise
-    return 0

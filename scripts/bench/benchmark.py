@@ -1,0 +1,330 @@
+"""Throughput matrix: titanlike and (optionally) the peer, torchtitan, on the same shapes in one run.
+
+    python scripts/benchmark.py --flavor 1B --seq 4096 --batch 2 --compile on --float8 none,tensorwise \
+        --peer .peer/peer_torchtitan.sh --out $OUT/bench.json
+    python scripts/benchmark.py --matrix bench.toml --out $OUT/bench.json   # cases from a TOML file
+
+Every axis option takes a comma-separated list; the matrix is their product. A TOML matrix has an optional
+`[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
+[defaults] < command line < each [[case]].
+Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp),
+float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
+memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as
+tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
+TOML; default by flavor).
+
+Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
+covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
+rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N + 12·L·d·seq
+per token, the same for both), peak reserved memory, time of the first step (compile time), median step time and its
+spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its synthetic
+word corpus; both use the Llama 3 vocabulary (--vocab), so compute per token is identical. Peer float8 flags
+(torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then
+for tensorwise under FSDP --quantize.linear.float8.enable_fsdp_float8_all_gather and
+--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp (recipe_name must stay unset: torchtitan refuses
+it together with the all-gather), for rowwise* --quantize.linear.float8.recipe_name NAME.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?mfu\s+([\d.]+)%)?"
+                  r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?")
+PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
+                  r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
+PEER_FLAVORS = ("debugmodel", "1B", "8B", "8B_4L", "70B", "405B")
+CONFIG_BY_FLAVOR = {"debugmodel": "configs/debug_model.toml", "1B": "configs/llama3_1b.toml",
+                    "8B": "configs/llama3_8b.toml", "70B": "configs/llama3_70b.toml", "405B": "configs/llama3_405b.toml"}
+PEER_DEGREE = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
+               "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree"}
+
+
+def _fsdp_applies(case: dict) -> bool:
+    degrees = parse_layout(case["layout"])
+    others = 1
+    for k in ("dp_replicate", "tp", "pp", "cp"):
+        others *= degrees.get(k, 1)
+    shard = degrees.get("dp_shard", -1)
+    shard = case["nproc"] // others if shard == -1 else shard
+    return shard * degrees.get("cp", 1) > 1 or degrees.get("dp_replicate", 1) > 1
+
+
+def _fp8_all_gather(case: dict) -> bool:
+    return case["float8"] == "tensorwise" and case["float8_all_gather"] and _fsdp_applies(case)
+
+
+def _ac_option_flags(case: dict, prefix: str, sep: str, selective_key: str = "selective_option") -> list[str]:
+    """ac_option as the flag its mode reads: the budget for memory_budget, else the selective option."""
+    key = "memory_budget" if case["ac"] == "memory_budget" else selective_key
+    return [f"{prefix}{key}={case['ac_option']}"] if sep == "=" else [f"{prefix}{key}", case["ac_option"]]
+
+
+def titanlike_cmd(case: dict, opts) -> list[str]:
+    train = ["scripts/train.py"]
+    if case["nproc"] > 1:
+        train = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}", *train]
+    config = case["config"] or CONFIG_BY_FLAVOR.get(case["flavor"], "configs/base_gpu.toml")
+    cmd = [sys.executable, *train, "--config", config, f"--model.flavor={case['flavor']}",
+           f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
+           f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
+           f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
+           f"--activation_checkpoint.mode={case['ac']}", *_ac_option_flags(case, "--activation_checkpoint.", "="),
+           f"--compile.enable={str(case['compile']).lower()}", f"--training.loss_chunk_tokens={case['loss_chunk']}",
+           "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}",
+           # one run folder per case, so profiler traces (-- --profiling.enable_profiling=true) don't overwrite
+           "--job.run_name=" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label(case))]
+    cmd += [f"--parallelism.{k}={v}" for k, v in parse_layout(case["layout"]).items()]
+    if case["float8"] != "none":
+        cmd += ["--float8.enable=true", f"--float8.recipe={case['float8']}"]
+        if _fp8_all_gather(case):
+            cmd += ["--float8.enable_fsdp_float8_all_gather=true",
+                    "--float8.precompute_float8_dynamic_scale_for_fsdp=true"]
+    return cmd + list(opts.extra)
+
+
+def peer_cmd(case: dict, opts) -> list[str] | None:
+    """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it."""
+    if case["flavor"] not in PEER_FLAVORS or case["loss_chunk"]:
+        return None
+    args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
+            "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
+            "--metrics.log_freq", str(opts.log_freq),
+            "--activation_checkpoint.mode", case["ac"], *_ac_option_flags(case, "--activation_checkpoint.", " ",
+                                                                           selective_key="selective_ac_option")]
+    if case["compile"]:
+        args.append("--compile.enable")
+    for k, v in parse_layout(case["layout"]).items():
+        args += [f"--parallelism.{PEER_DEGREE[k]}", str(v)]
+    if case["float8"] != "none":
+        args += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output"]
+        if case["float8"] != "tensorwise":
+            args += ["--quantize.linear.float8.recipe_name", case["float8"]]
+        elif _fp8_all_gather(case):
+            args += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+    return args + list(opts.peer_extra)
+
+
+def parse_ours(text: str) -> list[dict]:
+    rows = []
+    for m in OURS.finditer(ANSI.sub("", text)):
+        rows.append({"step": int(m[1]), "loss": float(m[2]), "tps": float(m[3].replace(",", "")),
+                     "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None})
+    return rows
+
+
+def parse_peer(text: str) -> list[dict]:
+    return [{"step": int(m[1]), "loss": float(m[2]), "mem": float(m[3]), "tps": float(m[4].replace(",", "")),
+             "tflops": float(m[5].replace(",", "")) if m[5] else None, "mfu": float(m[6])}
+            for m in PEER.finditer(ANSI.sub("", text))]
+
+
+def summarize(rows: list[dict], warmup: int, tokens_per_step: int, flops_per_token: float | None) -> dict:
+    """Medians over the steps after `warmup`, the first step's time, and the step-time spread."""
+    if not rows:
+        return {}
+    kept = [r for r in rows if r["step"] > warmup] or rows
+    out = {}
+    for k in ("tps", "mfu", "mem", "tflops"):
+        vals = [r[k] for r in kept if r.get(k) is not None]
+        if vals:
+            out[k] = statistics.median(vals)
+    if flops_per_token and "tps" in out:
+        out["tflops"] = out["tps"] * flops_per_token / 1e12  # the same formula for both, over the same tokens
+    step_s = [tokens_per_step / r["tps"] for r in kept if r["tps"] > 0]
+    if step_s:
+        med = statistics.median(step_s)
+        out["step_ms"] = 1e3 * med
+        out["step_ms_min"], out["step_ms_max"] = 1e3 * min(step_s), 1e3 * max(step_s)
+        if len(step_s) >= 2:
+            q = statistics.quantiles(step_s, n=10, method="inclusive")
+            out["spread_pct"] = 100 * (q[-1] - q[0]) / med
+    first = rows[0]
+    if first["tps"] > 0:
+        out["first_step_s"] = tokens_per_step / first["tps"]
+    out.update(loss_first=first["loss"], loss_last=rows[-1]["loss"], steps_measured=len(kept),
+               loss_curve=[[r["step"], r["loss"]] for r in rows])
+    return out
+
+
+def compare_to_bf16(results: list[dict]) -> list[str]:
+    """For each float8 case with a bf16 twin (every other axis equal): how far its titanlike loss curve strays,
+    relative to the bf16 loss at the same step (max over all steps; mean over the last 20 logged steps)."""
+    lines = []
+    for res in results:
+        case = res["case"]
+        if case["float8"] == "none":
+            continue
+        twin = next((r for r in results if r["case"] == {**case, "float8": "none"}), None)
+        if twin is None:
+            continue
+        a = dict(map(tuple, twin["titanlike"].get("loss_curve", [])))
+        b = dict(map(tuple, res["titanlike"].get("loss_curve", [])))
+        rel = [abs(b[s] - a[s]) / abs(a[s]) for s in sorted(set(a) & set(b)) if a[s]]
+        if rel:
+            res["loss_vs_bf16"] = {"max_rel": max(rel), "last20_mean_rel": statistics.fmean(rel[-20:]),
+                                   "steps": len(rel)}
+            lines.append(f"{res['label']}: loss vs bf16 over {len(rel)} steps: max {100 * max(rel):.2f}%, "
+                         f"last 20 mean {100 * statistics.fmean(rel[-20:]):.2f}%")
+    return lines
+
+
+def flops_per_token(flavor: str, seq: int, vocab: int) -> float | None:
+    """Model FLOPs per token (titanlike's formula), from the flavor built on meta; None for an unknown flavor."""
+    try:
+        import torch
+
+        import models
+
+        spec = models.get_spec("llama3")
+        args = dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        return models.llama3.flops_per_token(args, models.llama3.count_params(model, exclude_embedding=True), seq)
+    except (KeyError, ImportError):
+        return None
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(results: list[dict]) -> str:
+    head = (f"{'case':<44} {'who':<9} {'tok/s/dev':>10} {'MFU%':>6} {'TFLOP/s':>8} {'mem GiB':>8} {'1st s':>7} "
+            f"{'step ms':>8} {'spread%':>8} {'loss first→last':>16} {'ratio':>6}")
+    lines = [head, "-" * len(head)]
+    for res in results:
+        for who in ("titanlike", "peer"):
+            r = res.get(who)
+            if r is None:
+                continue
+            ratio = res.get("ratio") if who == "titanlike" else None
+            loss = f"{r['loss_first']:.3f}→{r['loss_last']:.3f}" if "loss_first" in r else "failed"
+            lines.append(f"{res['label'] if who == 'titanlike' else '':<44} {who:<9} {_fmt(r.get('tps'), ',.0f'):>10} "
+                         f"{_fmt(r.get('mfu'), '.1f'):>6} {_fmt(r.get('tflops'), '.4g'):>8} "
+                         f"{_fmt(r.get('mem'), '.1f'):>8} {_fmt(r.get('first_step_s'), '.1f'):>7} "
+                         f"{_fmt(r.get('step_ms'), '.1f'):>8} {_fmt(r.get('spread_pct'), '.1f'):>8} {loss:>16} "
+                         f"{_fmt(ratio, '.3f'):>6}")
+    return "\n".join(lines)
+
+
+def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
+    t0 = time.time()
+    # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
+    # holding GPU memory through the next case).
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        text, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text, rc = p.communicate()[0], 124
+    wall = time.time() - t0
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(text)
+    print(f"$ {' '.join(cmd)}\n  exit {rc} in {wall:.0f}s", flush=True)
+    if rc != 0:
+        print(text[-4000:], flush=True)
+    return text, rc, wall
+
+
+def _environment() -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    # nvidia-smi, not torch.cuda: a CUDA context in this parent process would hold GPU 0 memory through every run
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.split("\n")
+        gpus = [g.strip() for g in gpus if g.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = []
+    env["device"], env["device_count"] = (gpus[0] if gpus else "cpu"), len(gpus)
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for axis, (kind, default) in AXES.items():
+        # on/off axes also work as bare flags ("--compile" = "--compile on"), as in earlier command lines
+        p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, default=None,
+                       **({"nargs": "?", "const": "on"} if kind is on_off else {}),
+                       help=f"comma-separated values (default {default!r})")
+    p.add_argument("--matrix", default="", help="TOML file with [defaults] and [[case]] tables")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="first steps excluded from the medians")
+    p.add_argument("--log-freq", type=int, default=1,
+                   help="both log (and read the loss back, a host sync) every N steps; each line's tok/s covers its N")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
+    p.add_argument("--peer", default="", help="path to peer_torchtitan.sh; empty = titanlike only")
+    p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
+    p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--log", default="", help="prefix for the full logs of every run")
+    p.add_argument("extra", nargs="*", help="extra --section.key=value for titanlike (after --)")
+    a = p.parse_args(argv)
+    a.peer_extra = a.peer_extra.split()
+    toml_text = open(a.matrix).read() if a.matrix else None
+    cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
+    results = []
+    for i, case in enumerate(cases):
+        # Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP
+        # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
+        degrees = parse_layout(case["layout"])
+        tokens = case["batch"] * case["seq"] // max(1, degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1))
+        fpt = flops_per_token(case["flavor"], case["seq"], a.vocab)
+        res = {"label": label(case), "case": case, "flops_per_token": fpt}
+        log = a.log and f"{a.log}.{i}"
+        text, rc, wall = run(titanlike_cmd(case, a), env, log and log + ".titanlike.log", a.timeout)
+        res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
+        cmd = peer_cmd(case, a) if a.peer else None
+        if cmd:
+            text, rc, wall = run(cmd, {**env, "NPROC": str(case["nproc"])}, log and log + ".peer.log", a.timeout)
+            res["peer"] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
+            if res["titanlike"].get("tps") and res["peer"].get("tps"):
+                res["ratio"] = res["titanlike"]["tps"] / res["peer"]["tps"]
+        results.append(res)
+        print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
+        comparisons = compare_to_bf16(results)
+        if a.out:  # after every case: a run cut short by the machine's time limit keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump({**out, "results": results}, f, indent=2)
+    print("\n" + format_table(results))
+    for line in comparisons if cases else []:
+        print(line)
+    return {**out, "results": results}
+
+
+if __name__ == "__main__":
+    res = main()
+    failed = [r["label"] for r in res["results"] if r["titanlike"].get("rc")]
+    sys.exit(1 if failed else 0)

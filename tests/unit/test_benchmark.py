@@ -1,0 +1,121 @@
+"""scripts/bench/benchmark.py: matrix expansion (command line and TOML), the titanlike and peer command lines, log parsing,
+summary statistics and the table — and one tiny real run on CPU (2 cases, with a stand-in peer script)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from titanlike.observe.metrics import MetricsLogger
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # benchmark.py imports bench_matrix beside it
+_spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "bench" / "benchmark.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+OPTS = Namespace(vocab=128256, data="mock", steps=10, log_freq=1, dump_folder="/tmp/x", extra=[], peer="peer.sh", peer_extra=[])
+
+
+def test_matrix_from_command_line_and_toml():
+    cases = bench.expand_matrix({"flavor": "1B", "float8": "none,tensorwise", "seq": "2048,4096", "compile": "on"})
+    assert [(c["seq"], c["float8"]) for c in cases] == [(2048, "none"), (2048, "tensorwise"), (4096, "none"),
+                                                         (4096, "tensorwise")]
+    assert all(c["compile"] is True and c["batch"] == 2 and c["ac"] == "none" for c in cases)
+    toml = """
+[defaults]
+flavor = "8B"
+seq = 8192
+batch = 1
+[[case]]
+float8 = ["none", "tensorwise"]
+[[case]]
+ac = "selective"
+ac_option = ["op", "2"]
+layout = "tp=2"
+"""
+    cases = bench.expand_matrix({"nproc": "2", "seq": "1024"}, toml)  # the command line beats [defaults]
+    assert len(cases) == 4 and all(c["nproc"] == 2 and c["seq"] == 1024 and c["flavor"] == "8B" for c in cases)
+    assert [c["ac_option"] for c in cases[2:]] == ["op", "2"] and cases[3]["layout"] == "tp=2"
+    with pytest.raises(ValueError, match="float8"):
+        bench.expand_matrix({"float8": "fp4"})
+    with pytest.raises(ValueError, match="unknown benchmark axes"):
+        bench.expand_matrix({}, "[[case]]\nwarp = 9\n")
+    with pytest.raises(ValueError, match="KEY=N"):
+        bench.expand_matrix({"layout": "tp2"})
+
+
+def test_command_lines_for_both_frameworks():
+    (case,) = bench.expand_matrix({"flavor": "8B", "nproc": "2", "float8": "tensorwise", "compile": "on",
+                                   "ac": "selective", "ac_option": "2", "seq": "8192", "batch": "1"})
+    ours = bench.titanlike_cmd(case, OPTS)
+    assert "--nproc_per_node=2" in ours and "configs/llama3_8b.toml" in ours
+    assert {"--float8.enable=true", "--float8.recipe=tensorwise", "--float8.enable_fsdp_float8_all_gather=true",
+            "--float8.precompute_float8_dynamic_scale_for_fsdp=true", "--compile.enable=true"} <= set(ours)
+    peer = " ".join(bench.peer_cmd(case, OPTS))
+    assert ("--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output "
+            "--quantize.linear.float8.enable_fsdp_float8_all_gather "
+            "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp") in peer
+    assert "recipe_name" not in peer  # torchtitan 0.2.2 refuses recipe_name together with the float8 all-gather
+    assert "--compile.enable" in peer and "--activation_checkpoint.selective_ac_option 2" in peer
+
+    (one_gpu,) = bench.expand_matrix({"flavor": "1B", "float8": "tensorwise"})  # no FSDP: no float8 all-gather
+    assert not any("all_gather" in a for a in bench.titanlike_cmd(one_gpu, OPTS) + bench.peer_cmd(one_gpu, OPTS))
+    (rowwise,) = bench.expand_matrix({"nproc": "4", "float8": "rowwise", "layout": "tp=2"})
+    assert "--parallelism.tp=2" in bench.titanlike_cmd(rowwise, OPTS)
+    peer = " ".join(bench.peer_cmd(rowwise, OPTS))
+    assert "--quantize.linear.float8.recipe_name rowwise" in peer and "--parallelism.tensor_parallel_degree 2" in peer
+    (chunked,) = bench.expand_matrix({"loss_chunk": "4096"})
+    assert bench.peer_cmd(chunked, OPTS) is None  # titanlike-only feature: no peer run
+
+
+def test_parse_and_summarize_logs():
+    lines = []
+    for step, tps in enumerate([100.0, 900.0, 1000.0, 1100.0, 1000.0], start=1):
+        m = {"loss": 10.0 - step, "grad_norm": 1.0, "lr": 1e-4, "throughput/tokens_per_sec_per_device": tps,
+             "throughput/mfu_pct": tps / 20, "memory/peak_reserved_gib": 30.0 + step, "memory/peak_reserved_pct": 40}
+        lines.append("12:00:00 INFO " + MetricsLogger.format_line(step, m))
+    rows = bench.parse_ours("\n".join(lines))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[0]["mfu"] == 5.0 and rows[4]["mem"] == 35.0
+    s = bench.summarize(rows, warmup=1, tokens_per_step=1000, flops_per_token=2e9)
+    assert s["tps"] == 1000.0 and s["mfu"] == 50.0 and s["steps_measured"] == 4
+    assert s["tflops"] == pytest.approx(2.0) and s["first_step_s"] == pytest.approx(10.0)
+    assert s["step_ms"] == pytest.approx(1000.0) and 0 < s["spread_pct"] < 25
+    assert (s["loss_first"], s["loss_last"]) == (9.0, 5.0)
+
+    peer_line = ("\x1b[31mstep:  7  \x1b[32mloss: 9.14030  \x1b[38;2;180;60;0mgrad_norm:  1.2345  \x1b[36mmemory: "
+                 "35.01GiB(44.27%)  \x1b[34mtps: 49,602  \x1b[36mtflops: 448.05  \x1b[35mmfu: 45.30%\x1b[39m")
+    (row,) = bench.parse_peer(peer_line)
+    assert row == {"step": 7, "loss": 9.1403, "mem": 35.01, "tps": 49602.0, "tflops": 448.05, "mfu": 45.3}
+    table = bench.format_table([{"label": "1B s4096", "titanlike": s, "peer": bench.summarize([row], 0, 1000, None),
+                                 "ratio": 1000 / 49602}])
+    assert "tok/s/dev" in table and "49,602" in table and "0.020" in table
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_with_stand_in_peer(tmp_path):
+    """Two real titanlike runs (bf16 vs float8 tensorwise) of the debug model on CPU, a fake peer printing
+    torchtitan-style lines, the JSON and the ratio."""
+    peer = tmp_path / "peer.sh"
+    peer.write_text("#!/bin/bash\nfor s in 1 2 3 4; do echo \"step: $s  loss: 5.0  grad_norm: 1.0  "
+                    "memory: 1.00GiB(1.00%)  tps: 500  tflops: 0.01  mfu: 0.10%\"; done\n")
+    out = tmp_path / "bench.json"
+    res = bench.main(["--config", "configs/debug_model.toml", "--flavor", "debugmodel", "--vocab", "256",
+                      "--data", "mock", "--seq", "32", "--batch", "2", "--steps", "4", "--warmup", "1",
+                      "--float8", "none,tensorwise", "--peer", str(peer), "--dump-folder", str(tmp_path / "runs"),
+                      "--out", str(out), "--", "--training.device=cpu"])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == json.loads(json.dumps(res["results"]))
+    assert [r["case"]["float8"] for r in saved["results"]] == ["none", "tensorwise"]
+    for r in saved["results"]:
+        ours = r["titanlike"]
+        assert ours["rc"] == 0 and ours["tps"] > 0 and ours["steps_measured"] == 3 and ours["tflops"] > 0
+        assert ours["first_step_s"] > 0 and "spread_pct" in ours and ours["mem"] > 0
+        assert r["peer"]["tps"] == 500 and r["ratio"] == pytest.approx(ours["tps"] / 500)
+        assert [step for step, _ in ours["loss_curve"]] == [1, 2, 3, 4]
+    # float8 vs its bf16 twin: same data and seed, so the curves agree closely even on this tiny model
+    assert saved["results"][1]["loss_vs_bf16"]["max_rel"] < 0.01 and "loss_vs_bf16" not in saved["results"][0]

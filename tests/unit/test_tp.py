@@ -1,0 +1,109 @@
+"""Tensor parallel without processes: the Llama plan dict, divisibility errors, config rules, async-TP fallback.
+
+The numerical parity runs in tests/multiproc/test_dist_tp.py; the trainer run in tests/test_tp_train.py.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+import models
+from parallelize import get_plan
+from parallelize.llama3 import llama_tp_plan
+from parallelize.tp import ReplicateParallel, check_tp_divisibility, describe_plan, maybe_enable_async_tp
+from titanlike.config import ConfigError, JobConfig, config_from_dict, validate
+from titanlike.distributed.parallel_dims import ParallelDims
+
+
+def meta_llama(**kw) -> torch.nn.Module:
+    spec = models.get_spec("llama3")
+    args = spec.args_cls(**{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128,
+                            "multiple_of": 32, "max_seq_len": 16, **kw})
+    with torch.device("meta"):
+        return spec.model_cls(args)
+
+
+def test_llama_plan_is_the_megatron_layout():
+    plan = llama_tp_plan(sequence_parallel=True, loss_parallel=True)
+    kinds = {
+        "tok_embeddings": RowwiseParallel, "layers.*.attention_norm": SequenceParallel,
+        "layers.*.attention": PrepareModuleInput, "layers.*.attention.wq": ColwiseParallel,
+        "layers.*.attention.wk": ColwiseParallel, "layers.*.attention.wv": ColwiseParallel,
+        "layers.*.attention.wo": RowwiseParallel, "layers.*.ffn_norm": SequenceParallel,
+        "layers.*.feed_forward": PrepareModuleInput, "layers.*.feed_forward.w1": ColwiseParallel,
+        "layers.*.feed_forward.w3": ColwiseParallel, "layers.*.feed_forward.w2": RowwiseParallel,
+        "norm": SequenceParallel, "output": ColwiseParallel,
+    }
+    assert list(plan) == list(kinds)  # parents before children: the order parallelize_module applies them in
+    assert all(isinstance(plan[k], kind) for k, kind in kinds.items()), plan
+    assert plan["tok_embeddings"].output_layouts == (Shard(1),)
+    assert plan["layers.*.attention.wo"].output_layouts == (Shard(1),)
+    assert plan["layers.*.attention"].input_layouts == (Shard(1), None)  # the RoPE table is left alone
+    # Column-wise q/k/v hand plain tensors to attention: SDPA never sees a DTensor.
+    assert all(plan[f"layers.*.attention.{w}"].use_local_output for w in ("wq", "wk", "wv"))
+    out = plan["output"]
+    assert out.output_layouts == (Shard(-1),) and not out.use_local_output  # vocab-sharded DTensor logits
+
+    plain = llama_tp_plan(sequence_parallel=False, loss_parallel=False)
+    assert plain["output"].output_layouts == (Replicate(),) and plain["output"].use_local_output
+    assert plain["layers.*.attention.wo"].output_layouts == (Replicate(),)
+    assert isinstance(plain["norm"], ReplicateParallel) and isinstance(plain["layers.*.ffn_norm"], ReplicateParallel)
+    assert "layers.*.attention.wq" in describe_plan(plain)
+
+
+@pytest.mark.parametrize("kw,tp,message", [
+    ({"n_heads": 4, "n_kv_heads": 1}, 2, r"parallelism.tp=2 does not divide n_kv_heads=1 .* use parallelism.tp in \[1\]"),
+    ({"dim": 48, "n_heads": 6, "n_kv_heads": 6}, 4, r"n_heads=6 and n_kv_heads=6 .*tp in \[1, 2, 3, 6\]"),
+    ({"multiple_of": 7}, 2, r"FFN hidden size 175"),
+])
+def test_divisibility_errors(kw, tp, message):
+    with pytest.raises(ValueError, match=message):
+        check_tp_divisibility(meta_llama(**kw), tp)
+
+
+def test_gqa_with_tp_equal_to_kv_heads_is_fine():
+    check_tp_divisibility(meta_llama(n_heads=8, n_kv_heads=2), 2)
+    check_tp_divisibility(meta_llama(n_heads=4, n_kv_heads=4), 4)
+
+
+def test_fsdp_only_plan_refuses_tp():
+    dims = ParallelDims(tp=2, world_size=2)
+    with pytest.raises(ValueError, match="model.plan='fsdp_only' applies FSDP only, but parallelism.tp=2"):
+        get_plan("llama3", "fsdp_only")(meta_llama(), dims, JobConfig())
+
+
+def test_config_rules():
+    def cfg(**par):
+        return config_from_dict({"parallelism": {"dp_shard": 1, **par}, "training": {"seq_len": 100}})
+
+    with pytest.raises(ConfigError, match="seq_len=100 must be divisible by parallelism.tp=8 .*"
+                                          "enable_sequence_parallel=false"):
+        validate(cfg(tp=8), world_size=8)
+    validate(cfg(tp=8, enable_sequence_parallel=False), world_size=8)  # without SP any length works
+    with pytest.raises(ConfigError, match="parallelism.enable_async_tp needs compile.enable=true"):
+        validate(cfg(tp=4, enable_async_tp=True, enable_sequence_parallel=False), world_size=4)
+    ok = config_from_dict({"parallelism": {"tp": 4, "dp_shard": 1, "enable_async_tp": True},
+                           "compile": {"enable": True}})
+    validate(ok, world_size=4)
+
+
+def test_async_tp_falls_back_off_cuda():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append  # on the titanlike logger itself: setup_logging() turns propagation off
+    log = logging.getLogger("titanlike")
+    log.addHandler(handler)
+    try:
+        cpu_mesh = types.SimpleNamespace(device_type="cpu")
+        assert maybe_enable_async_tp(cpu_mesh, enable=True, compile_enabled=True) is False
+        assert maybe_enable_async_tp(cpu_mesh, enable=False, compile_enabled=True) is False
+    finally:
+        log.removeHandler(handler)
+    text = " ".join(r.getMessage() for r in records)
+    assert "needs CUDA" in text and "running synchronous TP" in text
+    assert not torch._inductor.config._micro_pipeline_tp

@@ -1,0 +1,121 @@
+"""Tokenizers behind one small interface, all loaded from local files (never the network).
+
+`build_tokenizer(data_cfg)` resolves `data.tokenizer_type` (Megatron's names are accepted) and the file fields:
+  * builtin: a byte-level BPE trained on the stdlib corpus (see titanlike/data/stdlib_corpus.py) the first time it
+    is needed and cached as `<cache>/tokenizer/bpe<vocab>-<fingerprint>/tokenizer.json`; later runs just load it.
+  * HuggingFaceTokenizer: an HF `tokenizer.json` (or a folder holding one).
+  * GPT2BPETokenizer: GPT-2 `vocab.json` + `merges.txt` (data.vocab_file / data.merge_file), as Megatron uses.
+  * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file in the Llama 3 `tokenizer.model` format, with Llama 3's
+    256 special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
+  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model` (titanlike/data/tokenizers/sentencepiece_model.py).
+  * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
+"auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
+after each document; by default the EOS token), each overridable by token name in the config.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from titanlike.data.tokenizers.base import Tokenizer
+from titanlike.data.tokenizers.hf import TOKENIZER_TRAIN_MAX_BYTES, HFTokenizer, builtin_tokenizer, gpt2_bpe_tokenizer
+
+
+# Megatron's --tokenizer-type names (and short ones) -> our kind.
+TOKENIZER_TYPES = {
+    "auto": "auto", "builtin": "builtin",
+    "huggingfacetokenizer": "hf", "hf": "hf",
+    "gpt2bpetokenizer": "gpt2", "gpt2": "gpt2",
+    "tiktokenizer": "tiktoken", "llama3tokenizer": "tiktoken", "tiktoken": "tiktoken",
+    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
+    "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece",
+    "nulltokenizer": "null", "null": "null",
+}
+
+
+def _opt(cfg, name: str, default=""):
+    return getattr(cfg, name, default)
+
+
+def _sniff_model_file(path: Path) -> str:
+    """A `tokenizer.model` is either a tiktoken rank file (text lines "<base64> <rank>") or a sentencepiece proto."""
+    with open(path, "rb") as f:
+        head = f.readline(200)
+    return "tiktoken" if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", head) else "sentencepiece"
+
+
+def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
+    """(kind, main file) from data.tokenizer_type + data.tokenizer / tokenizer_model / vocab_file."""
+    type_name = str(_opt(data_cfg, "tokenizer_type", "auto") or "auto")
+    kind = TOKENIZER_TYPES.get(type_name.lower())
+    if kind is None:
+        raise ValueError(f"data.tokenizer_type={type_name!r} is not known; use one of auto, builtin, "
+                         "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
+                         "SentencePieceTokenizer (Llama2Tokenizer), NullTokenizer")
+    spec = _opt(data_cfg, "tokenizer_model") or data_cfg.tokenizer
+    if kind == "builtin" or (kind == "auto" and spec == "builtin" and not _opt(data_cfg, "vocab_file")):
+        return "builtin", None
+    if kind in ("gpt2", "null") or (kind == "auto" and _opt(data_cfg, "vocab_file")):
+        return ("null" if kind == "null" else "gpt2"), None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        for name, k in (("tokenizer.json", "hf"), ("tokenizer.model", None)):
+            if (path / name).is_file() and kind in ("auto", k or kind):
+                path = path / name
+                break
+        else:
+            if (path / "vocab.json").is_file() and (path / "merges.txt").is_file() and kind == "auto":
+                return "gpt2", path
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data.tokenizer={spec!r}: no tokenizer file at {path}. Set --data.tokenizer=builtin to use the "
+            "self-trained byte-level BPE, or give the path of an HF tokenizer.json (or of a folder holding one), "
+            "a tiktoken/sentencepiece tokenizer.model, or GPT-2 files via data.vocab_file + data.merge_file."
+        )
+    if kind == "auto":
+        kind = "hf" if path.suffix == ".json" else _sniff_model_file(path)
+    return kind, path
+
+
+def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_MAX_BYTES) -> Tokenizer:
+    """The data config's tokenizer (see the module doc), with its bos/eos/eod overrides applied."""
+    kind, path = resolve_tokenizer_kind(data_cfg)
+    if kind == "builtin":
+        tok = builtin_tokenizer(data_cfg.builtin_vocab_size, data_cfg.cache_dir, max_train_bytes)
+    elif kind == "hf":
+        tok = HFTokenizer(path, bos_token=_opt(data_cfg, "bos_token") or None,
+                          eos_token=_opt(data_cfg, "eos_token") or None)
+    elif kind == "gpt2":
+        vocab, merges = _opt(data_cfg, "vocab_file"), _opt(data_cfg, "merge_file")
+        if path is not None and not vocab:  # a folder holding vocab.json + merges.txt
+            vocab, merges = path / "vocab.json", path / "merges.txt"
+        if not vocab or not merges:
+            raise ValueError("GPT2BPETokenizer needs data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
+        tok = gpt2_bpe_tokenizer(vocab, merges)
+    elif kind == "tiktoken":
+        from titanlike.data.tokenizers.tiktoken_bpe import TiktokenTokenizer
+
+        tok = TiktokenTokenizer(path)
+    elif kind == "sentencepiece":
+        from titanlike.data.tokenizers.sentencepiece_model import SentencePieceTokenizer
+
+        tok = SentencePieceTokenizer(path)
+    else:
+        from titanlike.data.tokenizers.null import NullTokenizer
+
+        tok = NullTokenizer(int(_opt(data_cfg, "null_vocab_size", 0) or data_cfg.builtin_vocab_size))
+    return apply_special_overrides(tok, data_cfg)
+
+
+def apply_special_overrides(tok: Tokenizer, data_cfg) -> Tokenizer:
+    """data.bos_token / eos_token / eod_token name tokens explicitly; an unknown name is an error, not a guess."""
+    for attr in ("bos", "eos", "eod"):
+        name = _opt(data_cfg, f"{attr}_token")
+        if not name:
+            continue
+        tid = tok.token_to_id(name)
+        if tid is None:
+            raise ValueError(f"data.{attr}_token={name!r} is not a token of {tok!r}; give the exact text of one of "
+                             "its special tokens (e.g. <|end_of_text|>, </s>, <|endoftext|>) or leave it empty")
+        setattr(tok, f"{attr}_id", tid)
+    return tok

@@ -1,0 +1,1 @@
+"""What a run reports: logging, metrics (console, TensorBoard, MFU, memory), profiler traces."""

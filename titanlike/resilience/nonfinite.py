@@ -1,0 +1,101 @@
+"""Surviving bad steps: the non-finite guard (skip the update, stop after too many in a row) and the loss-spike
+detector.
+
+With fused AdamW (the default on CUDA) nothing here adds a per-step host sync: the guard decides on the device
+(`found_inf` makes the kernel skip the update) and its counters are read on log steps only.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger("titanlike")
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class NonFiniteGuard:
+    """Skips every optimizer update whose gradient norm is NaN/Inf.
+
+    The global grad norm is the signal: it is reduced over every data/tensor/pipeline rank, so all ranks agree (a
+    NaN loss on one micro-batch of one rank makes the norm NaN everywhere). With fused AdamW the decision stays
+    on the device: the kernel reads `optimizer.found_inf` and leaves params, moments and step counts untouched
+    where it is 1 - no host sync. Other optimizers (foreach on CPU) decide on the host, one sync per step.
+    Counters live on the device; `check()` (log steps only) reports skipped steps and raises once
+    `max_consecutive` updates in a row were skipped, naming the first step of that streak.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
+        self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
+        # fused AdamW, or an optimizer that declares it reads found_inf (titanlike/master_weights.py)
+        self.on_device = all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
+                             for o in self.optimizers)
+        self.max_consecutive = max_consecutive
+        z = lambda: torch.zeros((), device=device)  # noqa: E731
+        self.skipped, self.consecutive, self.first_bad, self.last_bad = z(), z(), z(), z()
+        self.bad_microbatches = z()  # bit i set: micro-batch i of the last bad step had a non-finite local loss
+        self._reported = 0
+
+    def before_optimizer_step(self, step: int, microbatch_losses: list[torch.Tensor],
+                              grad_norm: torch.Tensor) -> bool:
+        """Records the step; returns False when the host must skip optimizer.step() (host mode only)."""
+        bad = (~torch.isfinite(grad_norm)).float()
+        self.skipped += bad
+        self.consecutive = (self.consecutive + 1) * bad
+        self.first_bad = torch.where(self.consecutive == 1, float(step), self.first_bad)
+        self.last_bad = torch.where(bad > 0, float(step), self.last_bad)
+        mask = sum(((~torch.isfinite(x)).float() * 2.0**i for i, x in enumerate(microbatch_losses)), bad * 0)
+        self.bad_microbatches = torch.where(bad > 0, mask, self.bad_microbatches)
+        if self.on_device:
+            for opt in self.optimizers:
+                opt.found_inf = bad  # fused AdamW skips the update where this is 1
+            return True
+        return not bool(bad.item())
+
+    def reset(self) -> None:
+        """Forget the current streak (after a rollback); the total of skipped updates stays."""
+        self.consecutive.zero_()
+        self.first_bad.zero_()
+
+    def check(self) -> int:
+        """Host-side report on a log step; returns the number of skipped updates so far."""
+        skipped, consecutive = int(self.skipped.item()), int(self.consecutive.item())
+        if skipped > self._reported:
+            mb = int(self.bad_microbatches.item())
+            which = [i for i in range(32) if mb >> i & 1]
+            logger.warning(f"skipped {skipped - self._reported} update(s) with a non-finite gradient norm; last at "
+                           f"step {int(self.last_bad.item())} (non-finite loss on this rank in micro-batch(es) "
+                           f"{which if which else 'none'}); {skipped} skipped in total")
+            self._reported = skipped
+        if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"{consecutive} consecutive steps had a non-finite loss or gradient norm, the first at step "
+                f"{int(self.first_bad.item())}; stopping. Lower optimizer.lr, check the data around that step, "
+                f"or resume from the last checkpoint (checkpoint.load_step)")
+        return skipped
+
+
+class SpikeDetector:
+    """Flags logged losses more than `zscore` standard deviations above the mean of the last `window` ones."""
+
+    def __init__(self, window: int, zscore: float):
+        self.losses: collections.deque[float] = collections.deque(maxlen=window)
+        self.zscore = zscore
+
+    def update(self, step: int, loss: float) -> bool:
+        spike = False
+        if len(self.losses) >= 8 and math.isfinite(loss):
+            mean = sum(self.losses) / len(self.losses)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.losses) / len(self.losses))
+            spike = std > 0 and (loss - mean) / std > self.zscore
+            if spike:
+                logger.warning(f"loss spike at step {step}: {loss:.4f} vs mean {mean:.4f} ± {std:.4f} "
+                               f"over the last {len(self.losses)} logged steps")
+        if math.isfinite(loss):
+            self.losses.append(loss)
+        return spike

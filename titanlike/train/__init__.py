@@ -1,0 +1,1 @@
+"""The training loop: Trainer (build + loop), the pipeline-parallel step, the loss."""

@@ -1,0 +1,137 @@
+"""The pipeline-parallel variant of the training step (used by Trainer when parallelism.pp > 1).
+
+PipelineRunner owns the schedule built by parallelize/pp.py and gives the trainer the same four things the
+plain step has: a step over the micro-batches (the schedule's), the loss sum (last stage only), a gradient norm
+clipped across all stages, and a validation forward.
+
+Loss convention (as Trainer.train_step): the schedule calls the loss once per micro-batch on the last stage;
+it returns sum-of-token-CE * (FSDP divide factor / global token count), the schedule gets scale_grads=False, so
+the accumulated gradients are exactly those of the global token-mean loss. The logged CE sum is the schedule's
+losses divided by that scale again (device tensors: no host sync); `reduce_over_pp` brings it from the last
+stage to every rank, on log steps only.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelize.pp import Pipeline, build_pipeline
+from titanlike.optim.adamw import clip_with_norm_, grad_norm
+
+
+class PipelineRunner:
+    def __init__(self, model: nn.Module, dims, cfg, device: torch.device, stage_plan: Callable, loss_fn: Callable):
+        """Split meta `model` and build the schedule (see parallelize.pp.build_pipeline). `loss_fn(logits, labels)`
+        returns the summed token cross-entropy of one micro-batch."""
+        self.loss_fn = loss_fn
+        self.device = device
+        self.pp_group = dims.get_mesh("pp").get_group()
+        self._scale = torch.ones((), device=device)  # per step: FSDP divide factor / global token count
+        self.pipeline: Pipeline = build_pipeline(model, dims, cfg, device, self._schedule_loss, stage_plan)
+        self.schedule = self.pipeline.schedule
+        self.model_parts: list[nn.Module] = self.pipeline.model_parts
+        self.has_first = self.pipeline.has_first_stage
+        self.has_last = self.pipeline.has_last_stage
+
+    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        if isinstance(loss, DTensor):  # loss parallel (TP) returns a replicated DTensor; to_local-like, differentiable
+            loss = loss.full_tensor()
+        return loss * self._scale
+
+    def _schedule_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One schedule step (forward + backward of all micro-batches); this rank's CE sum (zero off the last
+        stage)."""
+        # The schedule's own per-micro-batch losses: torch 2.13 also calls the loss fn during its one-time
+        # metadata inference, so recording the calls would count one too many.
+        losses: list[torch.Tensor] = []
+        # Only the first stage takes the tokens (other stages receive activations; torch refuses args there
+        # during shape inference), only the last one the labels. return_outputs=False: the last stage would
+        # otherwise keep and concatenate every micro-batch's logits.
+        self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
+                           losses=losses, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).sum() / self._scale
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of every (inputs, labels) batch through the schedule, gradients accumulated
+        (one schedule step per batch; the schedule splits each into pp_microbatches)."""
+        self._scale = scale
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            loss_sum = loss_sum + self._schedule_step(inputs, labels)
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed CE of one batch, forward only (zero off the last stage).
+
+        Not schedule.eval(): torch runs the training action list there, and the V-shaped schedules then fail
+        on their backward actions (torch 2.13), while switching the schedule between eval and train re-runs
+        its metadata inference. Validation is rare, so a plain sequential pass suffices: micro-batch by
+        micro-batch, each rank runs its stages in stage order, receiving and sending activations with
+        blocking point-to-point calls (a header with shape and dtype first, so any layout goes through)."""
+        p = self.pipeline
+        by_index = {s.stage_index: s.submod for s in p.stages}
+        me, last = dist.get_rank(self.pp_group), len(p.layout) - 1
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(inputs.tensor_split(p.n_microbatches), labels.tensor_split(p.n_microbatches)):
+            for sid, owner in enumerate(p.owners):
+                if owner != me:
+                    continue
+                if sid > 0 and p.owners[sid - 1] != me:
+                    x = self._recv(p.owners[sid - 1])
+                x = by_index[sid](x)
+                if sid == last:
+                    loss = self.loss_fn(x, y)
+                    total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                elif p.owners[sid + 1] != me:
+                    self._send(x, p.owners[sid + 1])
+        return total
+
+    _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    _HEADER = 8  # ndim, up to 6 sizes, dtype index
+
+    def _send(self, x: torch.Tensor, peer: int) -> None:
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        x = x.contiguous()
+        header = torch.zeros(self._HEADER, dtype=torch.int64, device=self.device)
+        header[0], header[1:1 + x.ndim], header[-1] = x.ndim, torch.tensor(x.shape), self._DTYPES.index(x.dtype)
+        dst = dist.get_global_rank(self.pp_group, peer)
+        dist.send(header, dst=dst, group=self.pp_group)
+        dist.send(x, dst=dst, group=self.pp_group)
+
+    def _recv(self, peer: int) -> torch.Tensor:
+        src = dist.get_global_rank(self.pp_group, peer)
+        header = torch.empty(self._HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=src, group=self.pp_group)
+        ndim, *rest = header.tolist()
+        x = torch.empty(rest[:ndim], dtype=self._DTYPES[rest[-1]], device=self.device)
+        dist.recv(x, src=src, group=self.pp_group)
+        return x
+
+    def reduce_over_pp(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the pipeline ranks (in place): turns the last stage's loss into every rank's."""
+        dist.all_reduce(x, group=self.pp_group)
+        return x
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, fused_into=None) -> torch.Tensor:
+        """Clip by the L2 norm over all stages and shards; returns it (identical on every rank, no host sync).
+
+        Each rank holds different parameters: its local norm (full_tensor() reduces DTensor shards over the
+        FSDP/TP mesh) is squared, summed over the pp group, and square-rooted. fused_into: see
+        titanlike.optim.clip_with_norm_."""
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        # titanlike.optim.grad_norm: DTensor grads on several meshes/placements (FSDP x TP) reduce group by group
+        sq = grad_norm([p.grad for p in params]).to(self.device).float() ** 2
+        dist.all_reduce(sq, group=self.pp_group)
+        total = sq.sqrt()
+        clip_with_norm_(params, max_norm, total, fused_into)
+        return total

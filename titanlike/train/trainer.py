@@ -1,0 +1,390 @@
+"""The Trainer: builds every component from a JobConfig, then runs the loop.
+
+Order matters and mirrors docs/ARCHITECTURE.md: mesh → tokenizer → model on meta → parallelize (TP → AC →
+compile → FSDP) → materialise + init → optimizer/LR → data → metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+import float8
+import models
+from parallelize import get_plan
+from models.common.backends import repeats_kv_heads, sdpa_context, wants_fa4
+from titanlike.checkpoint import CheckpointManager
+from titanlike.config import JobConfig, config_to_toml
+from titanlike.config.validate import validate_model
+from titanlike.data import build_dataloader, build_validation_dataloader
+from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.train.loss import apply_chunked_loss, loss_targets
+from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
+from titanlike.resilience.preemption import PreemptionHandler
+from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
+from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
+from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
+from titanlike.observe.metrics import MetricsLogger
+from titanlike.optim.lr import build_lr_scheduler
+from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
+from titanlike.distributed.parallel_dims import ParallelDims
+from titanlike.optim.container import OptimizersContainer
+from titanlike.train.pipeline import PipelineRunner
+from titanlike.observe.profiling import StepProfiler
+from titanlike.data.tokenizers import build_tokenizer
+
+logger = logging.getLogger("titanlike")
+IGNORE_INDEX = -100
+def pick_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("training.device='cuda' but no CUDA device is visible; use training.device='cpu'")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; the caller divides by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: under loss parallel it is a replicated DTensor (differentiable to_local)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, config_name: str = "run"):
+        self.cfg = cfg
+        t = cfg.training
+        # The run folder first: the flight recorder reads its dump path from the environment when groups are made.
+        self.run_dir = ft_run_dir(cfg.fault_tolerance,
+                                  os.path.join(cfg.job.dump_folder, cfg.job.run_name or config_name))
+        traces = enable_flight_recorder(cfg.comm, self.run_dir)
+        self.rank, self.world_size, local_rank = init_distributed(pick_device(t.device, 0).type,
+                                                                  timeout_s=cfg.comm.init_timeout_seconds)
+        self.device = pick_device(t.device, local_rank)
+        self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self._seed(t.seed, t.deterministic)
+
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/hang.py)
+
+        # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
+        self.tokenizer = build_tokenizer(cfg.data)
+        spec = models.get_spec(cfg.model.name)
+        if cfg.model.flavor not in spec.flavors:
+            raise ValueError(f"model.flavor={cfg.model.flavor!r} unknown for {spec.name}; "
+                             f"choose one of {sorted(spec.flavors)}")
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
+        flavor = spec.flavors[cfg.model.flavor]
+        n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
+        self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers,
+                                              repeat_kv_heads=repeats_kv_heads(cfg.model.attn_backend, self.device))
+        validate_model(self.model_args, cfg)
+        with torch.device("meta"):
+            model = spec.model_cls(self.model_args)
+        if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
+            from models.common.fa4 import use_fa4
+
+            logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
+        n_params = models.llama3.count_params(model)
+        n_dense = models.llama3.count_params(model, exclude_embedding=True)
+        self.flops_per_token = models.llama3.flops_per_token(self.model_args, n_dense, t.seq_len)
+        logger.info(f"model {spec.name} {cfg.model.flavor}: {n_params:,} params "
+                    f"({n_dense:,} non-embedding), {self.flops_per_token / 1e9:.2f} GFLOP/token")
+        # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
+        self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
+        self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
+                                             "loss" in cfg.compile.components) if t.loss_chunk_tokens > 0 else None)
+        plan = get_plan(cfg.model.name, cfg.model.plan)
+        self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/pipeline_step.py)
+        if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
+            self.pp = PipelineRunner(model, self.dims, cfg, self.device, plan, lambda out, y: self.loss_fn(out, y))
+            self.model_parts = self.pp.model_parts
+        else:
+            self.model_parts = [plan(model, self.dims, cfg)]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+        # The whole model; None under PP, where this rank holds only its stages (self.model_parts, whose
+        # parameter FQNs are the whole model's).
+        self.model = None if self.pp else self.model_parts[0]
+
+        # Who casts weights to bf16: FSDP's policy, autocast, or bf16 weights + fp32 masters (one device only).
+        self.precision = mixed_precision_mode(cfg, self.dims, self.device)
+        if self.precision == "master_weights":
+            self.optimizer = build_master_weight_adamw(
+                self.model_parts[0], cfg.optimizer, accumulate_fp32=t.global_batch_size > t.local_batch_size,
+                compile=cfg.compile.enable and "optimizer" in cfg.compile.components and self.device.type == "cuda",
+                overlap=cfg.optimizer.overlap_with_forward,
+                stable_state_dict=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem")
+        else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
+            optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
+            self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        # Fused AdamW clips inside its kernel (titanlike/optim.py): one pass over the fp32 gradients less.
+        self.fused_clip = fused_clip_optimizers(self.optimizer)
+        self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
+                      if t.skip_nonfinite_steps else None)
+        self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
+        self.preemption = PreemptionHandler(self.device, t.signal_check_freq)
+        self.preempted = False
+        self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
+        self.loss_fn = cross_entropy_sum
+        self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
+                    if self.precision == "autocast" else contextlib.nullcontext())
+        self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
+        # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
+        # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
+        self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_sum)
+
+        # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
+        # torchft: replica group i reads the i-th block of each global batch (the groups are the replicate axis)
+        dp_degree, dp_rank = ft_data_shard(cfg.fault_tolerance, self.dims.dp_degree, self.dims.dp_rank())
+        self.dp_degree = dp_degree
+        global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
+        self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
+        self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len
+        # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
+        self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
+        loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
+                         seq_len=t.seq_len, seed=t.seed, vocab_size=vocab)
+        self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", **loader_kw)
+        self.val_loader_kw = loader_kw
+        # Built now so bad validation data (paths, split, vocabulary) fails at start-up, not at the first interval.
+        self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer, **loader_kw)
+                           if cfg.validation.enable else None)
+        # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
+        # the backward loss is scaled by that mesh size to turn FSDP's mean back into the exact sum.
+        self.grad_divide_factor = self.dims.dp_cp_degree
+        self.step = 0
+        self.metrics = MetricsLogger(
+            log_dir=os.path.join(self.run_dir, cfg.metrics.save_tb_folder), device=self.device,
+            flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
+            enable_tensorboard=cfg.metrics.enable_tensorboard)
+        self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
+        self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable, a seed or an initial_load_path
+            cfg.checkpoint, os.path.join(self.run_dir, cfg.checkpoint.folder), model=self.model_parts,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
+            model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
+            strict=self.pp is None)  # a pipeline rank holds only its stages' keys
+        self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/ft.py)
+        if cfg.fault_tolerance.enable:
+            self.ft = FaultTolerance(cfg.fault_tolerance, cfg.comm, self.device, model_parts=self.model_parts,
+                                     optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                     dataloader=self.dataloader, trainer=self)
+            self.model = self.ft.wrap(self.model, fsdp=self.dims.fsdp_enabled)
+        logger.info(f"world {self.world_size} on {self.device.type}, mesh {self.mesh}, "
+                    f"global batch {global_bs} = {t.local_batch_size} local x {dp_degree} dp x "
+                    f"{self.grad_accum_steps} accumulation, seq {t.seq_len}")
+
+    def _seed(self, seed: int, deterministic: bool) -> None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+    def _loss_ctx(self):
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the data (and context) parallel ranks: the ranks that see different tokens."""
+        mesh = self.dims.get_mesh("dp_cp")
+        if mesh is not None:
+            torch.distributed.all_reduce(x, group=mesh.get_group())
+        return x
+
+    def next_batches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for _ in range(self.grad_accum_steps):
+            inputs, labels = next(data_iter)
+            out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
+        return out
+
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
+        if self.loss_head is None:
+            return _plain(self.loss_fn(self.model(inputs), labels))
+        with loss_targets(self.loss_head, labels):
+            return self.model(inputs)
+
+    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over all micro-batches. Returns device tensors (loss sum, token count, grad norm):
+        nothing here waits for the GPU."""
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
+        global_tokens = self._all_reduce_sum(local_tokens.float())
+        scale = self.grad_divide_factor / global_tokens
+        if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
+            with self._sdpa(), self._loss_ctx(), self.amp:
+                loss_sum = self.pp.step(batches, scale)
+            mb_losses = [loss_sum]
+            grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm, self.fused_clip)  # over all stages
+        else:
+            loss_sum, mb_losses = torch.zeros((), device=self.device), []
+            for inputs, labels in batches:
+                with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
+                    with self.amp:
+                        loss = self._forward_loss(inputs, labels)
+                    (loss * scale).backward()
+                loss_sum += loss.detach()
+                mb_losses.append(loss.detach())
+            grad_norm = (self.optimizer.clip_grad_norm_(self.cfg.training.max_norm) if self.precision == "master_weights"
+                         else clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.fused_clip))
+        self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
+        commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
+        if commit and (self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm)):
+            self.optimizer.step()  # with fused AdamW a non-finite step is skipped inside the kernel (found_inf)
+        for part in self.model_parts:
+            self.float8.post_optimizer_hook(part)
+        if commit:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, global_tokens, grad_norm
+
+    def train(self) -> list[dict]:
+        """Runs to training.steps; returns the logged metrics (one dict per log step). A collective that times
+        out or loses its peer raises CommError naming the timeout key and the stalled rank (titanlike/hang.py)."""
+        try:
+            return self._train_loop()
+        except RuntimeError as e:
+            err = self.hang.comm_error(e, self.step)
+            if err is None:
+                raise
+            raise err from e
+
+    def _train_loop(self) -> list[dict]:
+        t, log_freq = self.cfg.training, self.cfg.metrics.log_freq
+        history = []
+        if t.gc_freq > 0:
+            gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
+        self.hang.begin()  # every process group: comm.init_timeout_seconds until the first step is done
+        self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
+        self.checkpointer.prestage()  # pinned staging buffers allocated while step 1 runs (checkpoint.prestage)
+        if self.ft is not None:
+            self.ft.resumed(self.step)
+        data_iter = iter(self.dataloader)
+        profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.rank, self.device, start_step=self.step)
+        while self.step < t.steps:
+            self.step += 1
+            if self.ft is not None and self.ft.begin_step():  # took a live replica group's state: its data position
+                data_iter = iter(self.dataloader)
+            if t.gc_freq > 0 and self.step % t.gc_freq == 0:
+                gc.collect(1)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss_sum, tokens, grad_norm = self.train_step(self.next_batches(data_iter))
+            if self.ft is not None and not self.ft.committed:  # no update anywhere: redo the step (new quorum)
+                self.step -= 1
+                continue
+            self.metrics.add_tokens(self.tokens_per_step_device)
+            self.tokens_seen += self.tokens_per_step_local * self.dp_degree
+            if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
+                    loss_sum = self.pp.reduce_over_pp(loss_sum)
+                loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
+                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
+                if self.guard is not None:
+                    try:
+                        m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
+                    except NonFiniteError as e:
+                        history.append({"step": self.step, **m})
+                        self._rollback(e)  # back to the last checkpoint, or re-raise (no rollbacks left, none saved)
+                        data_iter = iter(self.dataloader)
+                        continue
+                if self.spikes is not None:
+                    self.spikes.update(self.step, m["loss"])
+                history.append({"step": self.step, **m})
+            v = self.cfg.validation
+            if v.enable and (self.step % v.interval == 0 or self.step == t.steps):
+                self.validate()
+            self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
+            profiler.step(self.step)
+            self.hang.step_done(self.step)  # heartbeat; after the first step the training timeout applies
+            if self.step < t.steps and self.preemption.should_stop(self.step):
+                if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
+                    self.checkpointer.save(self.step)  # (an interval step was saved just above)
+                self.preempted = True
+                break
+        profiler.stop()
+        return history
+
+    def _rollback(self, err: NonFiniteError) -> None:
+        """training.max_rollbacks: back to the newest complete checkpoint, keeping the data position, so the steps
+        after it see new batches instead of the ones that went bad. Every rank gets here at the same step (the
+        guard's counters come from the global grad norm)."""
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.training.max_rollbacks:  # (validate: max_rollbacks > 0 needs checkpoints)
+            raise err
+        bad_step = self.step
+        self.checkpointer.flush()
+        data_state = self.dataloader.state_dict()
+        if self.checkpointer.load_newest_saved() is None:
+            raise NonFiniteError(f"{err} (training.max_rollbacks: no complete checkpoint to roll back to)") from err
+        self.dataloader.load_state_dict(data_state)
+        self.guard.reset()
+        logger.warning(f"rolled back from step {bad_step} to the checkpoint of step {self.step} (rollback "
+                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err}; the data continues after "
+                       f"step {bad_step}'s batches")
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over validation.steps batches of the held-out data (logged with perplexity)."""
+        for part in self.model_parts:
+            part.eval()
+        # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
+        loader = self.val_loader if self.val_loader is not None else build_validation_dataloader(
+            self.cfg.data, self.cfg.validation, self.tokenizer, **self.val_loader_kw)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for _, (inputs, labels) in zip(range(self.cfg.validation.steps), loader):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self.amp, self._sdpa(), self._loss_ctx():
+                if self.pp is not None:  # forward-only schedule; the loss is summed on the last stage
+                    loss_sum += self.pp.eval_loss(inputs, labels)
+                else:
+                    loss_sum += self._forward_loss(inputs, labels)
+            tokens += (labels != IGNORE_INDEX).sum()
+        if self.pp is not None:
+            self.pp.reduce_over_pp(loss_sum)
+        loss = (self._all_reduce_sum(loss_sum) / self._all_reduce_sum(tokens)).item()
+        self.metrics.log_validation(self.step, loss)
+        for part in self.model_parts:
+            part.train()
+        return loss
+
+    def state_dict(self) -> dict:
+        """The trainer's own counters, for checkpoints."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+
+    def close(self) -> None:
+        try:
+            self.hang.close()
+            self.preemption.close()
+            if self.ft is not None:
+                self.ft.close()
+            if not self.hang.failed:  # after a failed collective the peers are gone: no more collectives
+                self.checkpointer.close()  # commits an async save still in flight
+        finally:
+            self.metrics.close()
+            destroy_distributed(barrier=not self.hang.failed)
