@@ -1,19 +1,14 @@
 """Parallelization plans: fn(model, dims: ParallelDims, cfg: JobConfig) -> model.
 
-Each technique lives in its own module (fsdp, ac, compile, ...); a model's plans compose them.
-`get_plan` picks a registered plan by name, or imports a user's "package.module:function".
+Each technique lives in its own module (fsdp, tp, pp, ac, compile, ...); a model family's plans compose them in
+parallelize/<name>.py, whose PLANS dict its ModelSpec names (ModelSpec.plans). `get_plan` picks a plan by name, or
+imports a user's "package.module:function". Nothing here is imported until a plan is asked for.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Callable
-
-from parallelize.llama3 import parallelize_llama, parallelize_llama_fsdp_only
-
-PLANS: dict[str, dict[str, Callable]] = {
-    "llama3": {"default": parallelize_llama, "fsdp_only": parallelize_llama_fsdp_only},
-}
 
 
 def _import_plan(ref: str) -> Callable:
@@ -40,12 +35,15 @@ def get_plan(model_name: str, plan_name: str) -> Callable:
     "package.module:function" (imported; works for any model)."""
     if ":" in plan_name:
         return _import_plan(plan_name)
-    plans = PLANS.get(model_name)
-    if plans is None:
+    import models
+
+    spec = models.MODELS.get(model_name)
+    if spec is None:
         raise ValueError(
-            f"no parallelization plans registered for model {model_name!r} (models with plans: {sorted(PLANS)}); "
+            f"no parallelization plans registered for model {model_name!r} (models: {sorted(models.MODELS)}); "
             f"pass a 'package.module:function' plan instead"
         )
+    plans = importlib.import_module(spec.plans).PLANS
     try:
         return plans[plan_name]
     except KeyError:
@@ -55,4 +53,4 @@ def get_plan(model_name: str, plan_name: str) -> Callable:
         ) from None
 
 
-__all__ = ["PLANS", "get_plan"]
+__all__ = ["get_plan"]

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from titanlike.config.validate import COMPILE_COMPONENTS as COMPONENTS  # "optimizer": titanlike/master_weights.py
+# compile.components (config validation reads this); "optimizer" is the one-device master-weight update
+# (titanlike/optim/master_weights.py).
+COMPONENTS = ("model", "loss", "optimizer")
 
 
 def _check_components(compile_cfg) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-RESHARD_MODES = ("default", "always", "never")
+RESHARD_MODES = ("default", "always", "never")  # parallelism.fsdp_reshard_after_forward (config validation reads it)
 
 
 def resolve_reshard_after_forward(mode: str, pp_enabled: bool = False) -> bool:
@@ -69,3 +69,31 @@ def apply_fsdp(
     # Root: anything not covered above. FSDP2 never reshards the root after forward.
     fully_shard(model, **config, reshard_after_forward=reshard)
     return model
+
+
+def _fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
+    """bf16/fp32 (from config) on CUDA; fp32/fp32 on CPU, where parity tests need exact float32."""
+    if dims.world_mesh is None or dims.world_mesh.device_type == "cpu":
+        return torch.float32, torch.float32
+
+    def dtype(name: str) -> torch.dtype:
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"training.mixed_precision_*: {name!r} is not a torch dtype")
+        return value
+
+    return dtype(training_cfg.mixed_precision_param), dtype(training_cfg.mixed_precision_reduce)
+
+
+def maybe_fsdp(model: nn.Module, dims, cfg) -> None:
+    """FSDP2/HSDP over the ParallelDims' FSDP mesh with the config's dtypes and reshard mode; nothing without FSDP."""
+    if not dims.fsdp_enabled:
+        return
+    mesh = dims.fsdp_mesh
+    if mesh is None:
+        raise RuntimeError("parallelize: FSDP is enabled but ParallelDims.build_mesh() was not called")
+    param_dtype, reduce_dtype = _fsdp_dtypes(dims, cfg.training)
+    apply_fsdp(
+        model, mesh, param_dtype, reduce_dtype,
+        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
+    )

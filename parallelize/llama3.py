@@ -6,7 +6,6 @@ hooks run outside the compiled blocks; FSDP last because it wraps whatever the b
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -15,50 +14,22 @@ from torch.distributed.tensor.parallel import (
 
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
-from parallelize.fsdp import apply_fsdp
+from parallelize.fsdp import maybe_fsdp
 from parallelize.tp import (
     ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
 )
-from titanlike.distributed.parallel_dims import ParallelDims
 
 
-def _refuse_unimplemented(dims: ParallelDims, allow: tuple[str, ...] = ()) -> None:
-    # Config validation refuses these too; checking here keeps a hand-built ParallelDims honest.
+def _refuse_unimplemented(dims, allow: tuple[str, ...] = ()) -> None:
+    # Config validation refuses these first; checking here keeps a hand-built ParallelDims honest.
     for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
         if name in allow:
             continue
         if degree > 1:
             raise ValueError(
                 f"parallelism.{name}={degree}: the llama3 plans do not implement {name.upper()} yet "
-                f"(tensor/pipeline/context/expert parallelism land in later issues); set parallelism.{name}=1"
+                f"(context and expert parallelism are not available yet); set parallelism.{name}=1"
             )
-
-
-def _fsdp_dtypes(dims: ParallelDims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
-    """bf16/fp32 (from config) on CUDA; fp32/fp32 on CPU, where parity tests need exact float32."""
-    if dims.world_mesh is None or dims.world_mesh.device_type == "cpu":
-        return torch.float32, torch.float32
-
-    def dtype(name: str) -> torch.dtype:
-        value = getattr(torch, name, None)
-        if not isinstance(value, torch.dtype):
-            raise ValueError(f"training.mixed_precision_*: {name!r} is not a torch dtype")
-        return value
-
-    return dtype(training_cfg.mixed_precision_param), dtype(training_cfg.mixed_precision_reduce)
-
-
-def _maybe_fsdp(model: nn.Module, dims: ParallelDims, cfg) -> None:
-    if not dims.fsdp_enabled:
-        return
-    mesh = dims.fsdp_mesh
-    if mesh is None:
-        raise RuntimeError("parallelize: FSDP is enabled but ParallelDims.build_mesh() was not called")
-    param_dtype, reduce_dtype = _fsdp_dtypes(dims, cfg.training)
-    apply_fsdp(
-        model, mesh, param_dtype, reduce_dtype,
-        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
-    )
 
 
 def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -90,7 +61,7 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True)
     return plan
 
 
-def _maybe_tp(model: nn.Module, dims: ParallelDims, cfg) -> None:
+def _maybe_tp(model: nn.Module, dims, cfg) -> None:
     """Tensor (+ sequence, loss, async) parallel over the "tp" mesh axis with llama_tp_plan (parallelize/tp.py)."""
     if not dims.tp_enabled:
         return
@@ -102,22 +73,26 @@ def _maybe_tp(model: nn.Module, dims: ParallelDims, cfg) -> None:
                           compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
+def parallelize_llama(model: nn.Module, dims, cfg) -> nn.Module:
     """Default plan: TP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
     # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
     _refuse_unimplemented(dims, allow=("tp", "pp"))
     _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
     apply_ac(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
-    _maybe_fsdp(model, dims, cfg)
+    maybe_fsdp(model, dims, cfg)
     return model
 
 
-def parallelize_llama_fsdp_only(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
+def parallelize_llama_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
     """Alternative plan: FSDP2/HSDP only; ignores the AC and compile sections (a baseline for debugging)."""
     if dims.tp_enabled:
         raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                          f"model.plan='default' (TP -> AC -> compile -> FSDP) or set parallelism.tp=1")
     _refuse_unimplemented(dims, allow=("pp",))  # pp: applied per stage, as in parallelize_llama
-    _maybe_fsdp(model, dims, cfg)
+    maybe_fsdp(model, dims, cfg)
     return model
+
+
+# Plan name (model.plan) -> plan; models/llama3's ModelSpec points here.
+PLANS = {"default": parallelize_llama, "fsdp_only": parallelize_llama_fsdp_only}

@@ -1,4 +1,5 @@
-"""Convert between Hugging Face Llama folders and titanlike checkpoints (local files only).
+"""Convert between Hugging Face model folders and titanlike checkpoints (local files only), for every model family
+with an HF adapter (models/<name>/hf.py).
 
     python scripts/convert_hf.py import HF_DIR OUT [--dtype float32]
         HF_DIR: config.json + model.safetensors (or shards + model.safetensors.index.json) + tokenizer files.
@@ -6,7 +7,7 @@
             --checkpoint.initial_load_path=OUT --data.tokenizer=OUT/tokenizer/tokenizer.json
     python scripts/convert_hf.py export CKPT OUT [--dtype bfloat16] [--tokenizer PATH] [--max-shard-gb 5]
         CKPT: a checkpoint folder (newest complete step) or a step folder, written under any layout.
-        OUT: a folder transformers.LlamaForCausalLM.from_pretrained(OUT) loads.
+        OUT: a folder transformers.AutoModelForCausalLM.from_pretrained(OUT) loads.
 
 Errors (missing shard, unsupported architecture, existing output, damaged checkpoint) exit with status 2 and one
 line naming the file and what to do.
@@ -48,16 +49,17 @@ def main(argv: list[str]) -> int:
             r = hf.import_hf(a.hf_dir, a.out, dtype=a.dtype, progress=not a.no_progress)
             args = r["model_args"]
             flavor = (f"--model.flavor={r['flavor']}" if r["flavor"] else
-                      "(no titanlike flavor has these shapes: add one to models/llama3/args.py)")
+                      f"(no titanlike flavor has these shapes: add one to models/{r['model']}/flavors.py)")
             tok = f" --data.tokenizer={os.path.join(a.out, 'tokenizer', 'tokenizer.json')}" if r["tokenizer"] else ""
             print(f"wrote {r['path']} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}).\n"
-                  f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} {flavor} "
+                  f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} --model.name={r['model']} "
+                  f"{flavor} "
                   f"--model.vocab_size={args.vocab_size}{tok}")
         else:
             out = hf.export_hf(a.ckpt, a.out, dtype=a.dtype, tokenizer=a.tokenizer,
                                max_shard_bytes=int(a.max_shard_gb * 2**30), progress=not a.no_progress,
                                max_position_embeddings=a.max_position_embeddings)
-            print(f"wrote {out}: load it with transformers.LlamaForCausalLM.from_pretrained({out!r})")
+            print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

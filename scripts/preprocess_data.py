@@ -1,7 +1,7 @@
 """Tokenise JSONL into Megatron's indexed .bin/.idx format (flags compatible with Megatron's tools/preprocess_data.py).
 
     python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --json-keys text \\
-        --tokenizer-type Llama3Tokenizer --tokenizer-model /models/llama3/tokenizer.model --append-eod --workers 8
+        --tokenizer-type Llama3Tokenizer --tokenizer-model /models/my_model/tokenizer.model --append-eod --workers 8
 
 The work is titanlike/data/preprocess.py's run(); docs/data.md describes the format. Exit status: 0 done (bad lines, if any, listed), 1 stopped by
 --strict, 2 bad arguments or files.

@@ -1,7 +1,7 @@
 """Train a model from a TOML config.
 
     python scripts/train.py --config configs/debug_model.toml [--section.key=value ...] [--print-config] [--debug]
-    torchrun --nproc_per_node 8 scripts/train.py --config configs/llama3_8b.toml
+    torchrun --nproc_per_node 8 scripts/train.py --config CONFIG.toml   # any file in configs/
 
 Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
 key means: the comments in titanlike/config/sections.py.

@@ -1,6 +1,6 @@
 """Which attention kernels the model may use (model.attn_backend). The models call F.scaled_dot_product_attention and
 the trainer wraps forward and backward in `sdpa_context`; with "fa4" (or "auto" where it runs) the trainer points the
-attention modules at FlashAttention-4 instead (`wants_fa4`, titanlike/attention_fa4.py)."""
+attention modules at FlashAttention-4 instead (`wants_fa4`, models/common/fa4.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+# model.attn_backend: "auto" and "sdpa" let torch (or the Hopper order below) choose; the others pin one kernel.
+ATTN_BACKENDS = ("auto", "sdpa", "flash", "cudnn", "efficient", "math", "fa4")
 SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
                  "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
 # model.attn_backend = auto on Hopper and newer: cuDNN's attention before flash (torch's own order puts flash, i.e.
@@ -36,7 +38,7 @@ def repeats_kv_heads(name: str, device: torch.device) -> bool:
 
 
 def wants_fa4(name: str, device: torch.device) -> bool:
-    """Whether the model's attention runs on FlashAttention-4 (titanlike/attention_fa4.py): always for "fa4" (a
+    """Whether the model's attention runs on FlashAttention-4 (models/common/fa4.py): always for "fa4" (a
     ValueError naming the key and the fix where it cannot run), and for "auto" where it can (a Hopper or newer GPU
     with flash-attn-4 installed); otherwise SDPA."""
     if name not in ("fa4", "auto") or device.type != "cuda":

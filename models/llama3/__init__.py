@@ -1,16 +1,31 @@
-"""Llama 3 family: model, flavors, counting helpers. The HF adapter lives in models.llama3.hf."""
+"""Llama 3 family: the model, its flavors, counts, config checks and Hugging Face adapter, as one ModelSpec."""
+from __future__ import annotations
 
-from models.llama3.args import ModelArgs, llama3_flavors
-from models.llama3.counts import count_params, flops_per_token
-from models.llama3.model import Attention, FeedForward, Transformer, TransformerBlock
+from models.common.checks import attention_head_checks, dense_checks
+from models.llama3 import hf
+from models.llama3.args import ModelArgs
+from models.llama3.counts import flops_per_token, param_counts, pp_costs
+from models.llama3.flavors import llama3_flavors
+from models.llama3.model import Attention, Transformer, TransformerBlock
+from models.spec import ModelSpec
 
-__all__ = [
-    "Attention",
-    "FeedForward",
-    "ModelArgs",
-    "Transformer",
-    "TransformerBlock",
-    "count_params",
-    "flops_per_token",
-    "llama3_flavors",
-]
+
+def check(args: ModelArgs, par, flavor: str) -> list[str]:
+    return attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor) + dense_checks(par, "llama3")
+
+
+SPEC = ModelSpec(
+    name="llama3",
+    model_cls=Transformer,
+    args_cls=ModelArgs,
+    flavors=llama3_flavors,
+    plans="parallelize.llama3",
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    pp_costs=pp_costs,
+    check=check,
+    hf=hf,
+    run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
+)
+
+__all__ = ["SPEC", "Attention", "ModelArgs", "Transformer", "TransformerBlock", "llama3_flavors"]

@@ -1,22 +1,37 @@
-"""Parameter and FLOP counting (works on meta-device and DTensor models: numel is the global size)."""
-
+"""Llama 3 parameter counts, training FLOPs per token and pipeline costs, all from the args alone."""
 from __future__ import annotations
 
-from torch import nn
+import torch
 
 from models.llama3.args import ModelArgs
+from models.spec import ParamCounts, PipelineCosts
 
 
-def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of parameters; exclude_embedding drops tok_embeddings only (the output projection is
-    real compute, so it stays in). Parameters shared between modules are counted once."""
+def param_counts(args: ModelArgs) -> ParamCounts:
+    """Exact counts of the model built on the meta device (no memory): dense, so every parameter is active."""
+    from models.llama3.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:
-        total -= model.tok_embeddings.weight.numel()
-    return total
+    return ParamCounts(total=total, active=total, embedding=model.tok_embeddings.weight.numel())
 
 
-def flops_per_token(args: ModelArgs, num_params_non_embedding: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the dense matmuls (forward 2N + backward 4N) plus the attention
-    score/value matmuls, 12 * n_layers * dim * seq_len (causal masking not discounted, as is customary)."""
-    return 6 * num_params_non_embedding + 12 * args.n_layers * args.dim * seq_len
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per non-embedding parameter (forward 2, backward 4: every weight is one
+    multiply-add per token in each matmul), plus the attention score and value matmuls, 2 * 2 * seq_len * dim per
+    layer forward, times 3 with the backward (causal masking not discounted, as is customary)."""
+    counts = param_counts(args)
+    return 6 * (counts.active - counts.embedding) + 12 * args.n_layers * args.dim * seq_len
+
+
+def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
+    """Training FLOPs per token of each piece: a block 6 * its parameters + 12 * dim * seq_len (its matmuls and the
+    attention scores), all blocks alike; the output projection 6 * dim * vocab; the embedding lookup no matmul."""
+    from models.llama3.model import TransformerBlock
+
+    with torch.device("meta"):
+        block_params = sum(p.numel() for p in TransformerBlock(0, args).parameters())
+    block = 6.0 * block_params + 12.0 * args.dim * seq_len
+    return PipelineCosts(layers={str(i): block for i in range(args.n_layers)}, embedding=0.0,
+                         output=6.0 * args.dim * args.vocab_size)

@@ -13,7 +13,11 @@ import re
 
 import torch
 
+from models.common.ffn import ffn_hidden_dim
 from models.llama3.args import ModelArgs
+
+ARCHITECTURES = ("LlamaForCausalLM",)  # what config.json names; export writes the first
+MODEL_TYPES = ("llama",)  # read when config.json has no architectures
 
 # titanlike per-layer suffix -> HF per-layer suffix
 _LAYER_MAP = {
@@ -146,3 +150,26 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         max_seq_len=config.get("max_position_embeddings", 8192),
         **kw,
     )
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
+    """A transformers LlamaConfig dict for these ModelArgs (legacy rope keys: read by transformers 4.x and 5.x)."""
+    from models.common.ffn import ffn_hidden_dim
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of,
+                                                                     args.ffn_dim_multiplier),
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": max_position_embeddings or args.max_seq_len, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(dtype).replace("torch.", ""),
+        "rope_scaling": None,
+    }
+    if args.use_scaled_rope:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                               "low_freq_factor": args.rope_low_freq_factor,
+                               "high_freq_factor": args.rope_high_freq_factor,
+                               "original_max_position_embeddings": args.rope_original_max_position}
+    return cfg

@@ -30,10 +30,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flex", action="store_true", help="also FlexAttention (compiles; --flex autotune is slow)")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS), help="model family")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_bench.py times GPU attention kernels: it needs a CUDA device")
-    args = models.get_spec("llama3").flavors[a.flavor]
+    args = models.get_spec(a.model).flavors[a.flavor]
     hq, hkv, d = args.n_heads, args.n_kv_heads or args.n_heads, args.dim // args.n_heads
     b, s = a.batch, a.seq
     flops = 4 * b * s * s * hq * d / 2 * 3.5  # causal half; forward 1x + backward 2.5x

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from models import DEFAULT_MODEL
 from titanlike.config.validate import CHOICES
 
 FLOAT8 = ("none", *CHOICES["float8.recipe"])
@@ -22,7 +23,7 @@ def on_off(v) -> bool:
 
 
 # axis -> (parser, default)
-AXES = {"flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
+AXES = {"model": (str, DEFAULT_MODEL), "flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
         "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
         "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, "")}
 
@@ -91,7 +92,7 @@ def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None)
 
 
 def label(case: dict) -> str:
-    parts = [case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
+    parts = [*([case["model"]] if case["model"] != DEFAULT_MODEL else []), case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
         parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))

@@ -1,8 +1,12 @@
 """Throughput matrix: titanlike and (optionally) the peer, torchtitan, on the same shapes in one run.
 
-    python scripts/benchmark.py --flavor 1B --seq 4096 --batch 2 --compile on --float8 none,tensorwise \
-        --peer .peer/peer_torchtitan.sh --out $OUT/bench.json
-    python scripts/benchmark.py --matrix bench.toml --out $OUT/bench.json   # cases from a TOML file
+    python scripts/bench/benchmark.py --flavor 1B --seq 4096 --batch 2 --compile on --float8 none,tensorwise \
+        --peer auto --out $OUT/bench.json
+    python scripts/bench/benchmark.py --matrix bench.toml --out $OUT/bench.json   # cases from a TOML file
+
+The peer's launcher is scripts/bench/peer_torchtitan.sh (`--peer auto` names the one in this checkout; it needs
+torchtitan 0.2.2's wheels, see docs/benchmarks.md "How to reproduce"); --peer takes any other launcher's path too,
+called as `bash PATH FLAVOR [torchtitan flags]` with NPROC set; without --peer, titanlike runs alone.
 
 Every axis option takes a comma-separated list; the matrix is their product. A TOML matrix has an optional
 `[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
@@ -18,7 +22,7 @@ covers its N steps, for both); the first --warmup steps (compilation, allocator 
 rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N + 12·L·d·seq
 per token, the same for both), peak reserved memory, time of the first step (compile time), median step time and its
 spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its synthetic
-word corpus; both use the Llama 3 vocabulary (--vocab), so compute per token is identical. Peer float8 flags
+word corpus; both use one vocabulary size (--vocab), so compute per token is identical. Peer float8 flags
 (torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then
 for tensorwise under FSDP --quantize.linear.float8.enable_fsdp_float8_all_gather and
 --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp (recipe_name must stay unset: torchtitan refuses
@@ -46,9 +50,15 @@ OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?
                   r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?")
 PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
+PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_FLAVORS = ("debugmodel", "1B", "8B", "8B_4L", "70B", "405B")
-CONFIG_BY_FLAVOR = {"debugmodel": "configs/debug_model.toml", "1B": "configs/llama3_1b.toml",
-                    "8B": "configs/llama3_8b.toml", "70B": "configs/llama3_70b.toml", "405B": "configs/llama3_405b.toml"}
+def default_config(model: str, flavor: str) -> str:
+    """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
+    config for the debug flavor, else configs/base_gpu.toml with --model.flavor."""
+    if flavor == "debugmodel":
+        return "configs/debug_model.toml"
+    path = f"configs/{model}_{flavor.lower()}.toml"
+    return path if os.path.isfile(os.path.join(ROOT, path)) else "configs/base_gpu.toml"
 PEER_DEGREE = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
                "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree"}
 
@@ -73,12 +83,17 @@ def _ac_option_flags(case: dict, prefix: str, sep: str, selective_key: str = "se
     return [f"{prefix}{key}={case['ac_option']}"] if sep == "=" else [f"{prefix}{key}", case["ac_option"]]
 
 
+def resolve_peer(peer: str) -> str:
+    """--peer's value as a launcher path: "auto" is this checkout's peer_torchtitan.sh; "" stays "" (no peer)."""
+    return PEER_LAUNCHER if peer == "auto" else peer
+
+
 def titanlike_cmd(case: dict, opts) -> list[str]:
     train = ["scripts/train.py"]
     if case["nproc"] > 1:
         train = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}", *train]
-    config = case["config"] or CONFIG_BY_FLAVOR.get(case["flavor"], "configs/base_gpu.toml")
-    cmd = [sys.executable, *train, "--config", config, f"--model.flavor={case['flavor']}",
+    config = case["config"] or default_config(case["model"], case["flavor"])
+    cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}", f"--model.flavor={case['flavor']}",
            f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
@@ -183,19 +198,14 @@ def compare_to_bf16(results: list[dict]) -> list[str]:
     return lines
 
 
-def flops_per_token(flavor: str, seq: int, vocab: int) -> float | None:
-    """Model FLOPs per token (titanlike's formula), from the flavor built on meta; None for an unknown flavor."""
+def flops_per_token(model: str, flavor: str, seq: int, vocab: int) -> float | None:
+    """Model FLOPs per token (the ModelSpec's count, as the trainer logs it); None for an unknown flavor."""
     try:
-        import torch
-
         import models
 
-        spec = models.get_spec("llama3")
-        args = dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq)
-        with torch.device("meta"):
-            model = spec.model_cls(args)
-        return models.llama3.flops_per_token(args, models.llama3.count_params(model, exclude_embedding=True), seq)
-    except (KeyError, ImportError):
+        spec = models.get_spec(model)
+        return spec.flops_per_token(dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq), seq)
+    except (KeyError, ValueError, ImportError):
         return None
 
 
@@ -282,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="both log (and read the loss back, a host sync) every N steps; each line's tok/s covers its N")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
-    p.add_argument("--peer", default="", help="path to peer_torchtitan.sh; empty = titanlike only")
+    p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
+                   "scripts/bench/peer_torchtitan.sh, or a path; empty (default) = titanlike only")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
     p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("extra", nargs="*", help="extra --section.key=value for titanlike (after --)")
     a = p.parse_args(argv)
     a.peer_extra = a.peer_extra.split()
+    a.peer = resolve_peer(a.peer)
     toml_text = open(a.matrix).read() if a.matrix else None
     cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -301,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
         degrees = parse_layout(case["layout"])
         tokens = case["batch"] * case["seq"] // max(1, degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1))
-        fpt = flops_per_token(case["flavor"], case["seq"], a.vocab)
+        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], a.vocab)
         res = {"label": label(case), "case": case, "flops_per_token": fpt}
         log = a.log and f"{a.log}.{i}"
         text, rc, wall = run(titanlike_cmd(case, a), env, log and log + ".titanlike.log", a.timeout)

@@ -36,10 +36,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compiled", action="store_true", help="also torch.compile the step (a long first compile)")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS), help="model family")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("optimizer_bench.py measures GPU memory bandwidth: it needs a CUDA device")
-    spec = models.get_spec("llama3")
+    spec = models.get_spec(a.model)
     with torch.device("meta"):
         model = spec.model_cls(dataclasses.replace(spec.flavors[a.flavor], vocab_size=a.vocab))
     shapes = [p.shape for p in model.parameters()]

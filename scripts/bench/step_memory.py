@@ -1,6 +1,6 @@
 """Step time and peak GPU memory of the trainer's own `train_step`, with no logging (no host sync per step).
 
-    python scripts/step_memory.py --config configs/llama3_1b.toml --model.vocab_size=128256 [--section.key=value ...]
+    python scripts/bench/step_memory.py --config CONFIG.toml --model.vocab_size=128256 [--section.key=value ...]
 
 Runs 6 warm-up steps, then times 8 and prints the mean step time, peak allocated and peak reserved memory: what the
 memory rows of docs/benchmarks.md (sixth session) compare. Set PYTORCH_CUDA_ALLOC_CONF before running to compare

@@ -69,7 +69,7 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     with torch.device("meta"):
         meta = spec.model_cls(args)
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    runner = PipelineRunner(meta, dims, cfg, device, get_plan("llama3", "default"), ce_sum)
+    runner = PipelineRunner(meta, spec, args, dims, cfg, device, get_plan("llama3", "default"), ce_sum)
     if expect_layout is not None:
         assert runner.pipeline.layout == expect_layout, f"{name}: layout {runner.pipeline.layout}"
     ref_sd = ref.state_dict()

@@ -3,13 +3,11 @@
 - seed checkpoint (1 process) -> FSDP 2 and 1-process runs start from identical weights: same loss every step
 - exact resume: FSDP 2 run stopped after step 4 (async pinned-memory saves), resumed in fresh processes -> the
   loss of every step equals the uninterrupted run's exactly
-- resharding: FSDP 2 step 4 -> 1 process, -> TP 2, -> FSDP 2 x TP 2 (the TP cases run once the llama3 plan
-  accepts tp > 1), and PP 2 step 4 -> FSDP 2 (once pipeline parallel exists): training continues with the
-  uninterrupted run's loss
+- resharding: FSDP 2 step 4 -> 1 process, -> TP 2, -> FSDP 2 x TP 2, and PP 2 step 4 -> FSDP 2: training
+  continues with the uninterrupted run's loss. Every layout always runs: a regression fails, nothing skips.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -23,22 +21,6 @@ from titanlike.checkpoint import complete_steps
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 TOL = 1e-5  # FSDP vs one process in fp32 (different reduction order); resume in one layout must be exact
-
-
-def _tp_supported() -> bool:
-    """Whether the llama3 plan accepts tp > 1 yet (tensor parallel is being written alongside this)."""
-    from par_helpers import meta_model
-    from parallelize import get_plan
-    from titanlike.config.sections import JobConfig
-    from titanlike.distributed.parallel_dims import ParallelDims
-
-    try:
-        get_plan("llama3", "default")(meta_model(), ParallelDims(tp=2, dp_shard=1, world_size=2), JobConfig())
-    except ValueError as e:
-        return "do not implement" not in str(e)
-    except Exception:  # noqa: BLE001 - e.g. no mesh built: the plan got past the refusal
-        return True
-    return True
 
 
 def _single(root: str, name: str, **ckpt) -> tuple[dict[int, float], list[dict]]:
@@ -67,12 +49,10 @@ def runs(tmp_path_factory):
         seed.checkpointer.save_seed()
     finally:
         seed.close()
-    env = {"CKPT_TEST_TP": "1" if _tp_supported() else "0",
-           "CKPT_TEST_PP": "1" if importlib.util.find_spec("titanlike.pipeline_step") else "0"}
+    env = {"CKPT_TEST_TP": "1", "CKPT_TEST_PP": "1"}  # the worker's TP and PP runs: always on
     run_torchrun(WORKER, 2, args=[root, "first"], timeout=240, env=env)
     run_torchrun(WORKER, 2, args=[root, "resume"], timeout=240, env=env)
-    if env["CKPT_TEST_TP"] == "1":
-        run_torchrun(WORKER, 4, args=[root, "tp4"], timeout=240)
+    run_torchrun(WORKER, 4, args=[root, "tp4"], timeout=240, env=env)
     out = {}
     for phase in ("first", "resume", "tp4"):
         path = os.path.join(root, f"{phase}.json")
@@ -126,8 +106,7 @@ def test_reshard_fsdp2_to_one_process(runs):
 @pytest.mark.parametrize("layout", ["resume.TP2", "tp4.FSDP2xTP2", "resume.PP2toFSDP2"])
 def test_reshard_across_layouts(runs, layout):
     _, out = runs
-    if layout not in out:
-        pytest.skip(f"{layout}: that parallelism is not implemented yet")
+    assert layout in out, f"{layout}: the worker wrote no run for it (phases present: {sorted(out)})"
     full, resumed = _losses(out["first.A"]), _losses(out[layout])
     if layout == "resume.PP2toFSDP2":  # the pipeline run that wrote the checkpoint tracked FSDP 2 too
         for step, loss in _losses(out["first.PP2"]).items():

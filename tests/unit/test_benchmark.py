@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -119,3 +121,82 @@ def test_tiny_cpu_run_with_stand_in_peer(tmp_path):
         assert [step for step, _ in ours["loss_curve"]] == [1, 2, 3, 4]
     # float8 vs its bf16 twin: same data and seed, so the curves agree closely even on this tiny model
     assert saved["results"][1]["loss_vs_bf16"]["max_rel"] < 0.01 and "loss_vs_bf16" not in saved["results"][0]
+
+
+def _load_peer_launcher():
+    spec = importlib.util.spec_from_file_location("peer_torchtitan", ROOT / "scripts" / "bench" / "peer_torchtitan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_launcher_prepares_offline_inputs(tmp_path):
+    """The launcher's tokenizer and corpus, written without torchtitan (absent here, as on any CPU machine)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    before = {m for m in sys.modules if m.split(".")[0] == "torchtitan"}
+    peer = _load_peer_launcher()
+    peer.main(["--work", str(tmp_path), "--docs", "3", "--words-per-doc", "20", "--prepare-only"])
+    assert {m for m in sys.modules if m.split(".")[0] == "torchtitan"} == before  # torchtitan only when it runs
+
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert tok.token_to_id(config["bos_token"]) == 0 and tok.token_to_id(config["eos_token"]) == 1
+    docs = [json.loads(line) for line in (tmp_path / "data" / "train.json").read_text().splitlines()]
+    assert len(docs) == 3 and all(len(d["text"].split()) == 20 for d in docs)
+    ids = tok.encode(docs[0]["text"]).ids
+    assert len(ids) == 20 and all(3 <= i < 3 + peer.N_WORDS for i in ids)  # every word known: no <unk> (id 2)
+
+    # Same parameters: the finished inputs are kept (each benchmark case and rank would otherwise redo them).
+    stamp = tmp_path / "prepared.json"
+    mtime = stamp.stat().st_mtime_ns
+    peer.prepare_inputs(str(tmp_path), docs=3, words_per_doc=20)
+    assert stamp.stat().st_mtime_ns == mtime
+    assert peer.split_argv(["--work", "w", "--", "--model.flavor", "1B", "--", "x"]) == (
+        ["--work", "w"], ["--model.flavor", "1B", "--", "x"])
+    flags = peer.input_flags({"tokenizer": "T", "data": "D"})
+    assert flags == ["--model.hf_assets_path", "T", "--training.dataset", "c4_test", "--training.dataset_path", "D"]
+
+
+def test_peer_auto_is_the_in_repo_launcher(monkeypatch):
+    launcher = ROOT / "scripts" / "bench" / "peer_torchtitan.sh"
+    assert bench.resolve_peer("auto") == str(launcher) and launcher.is_file()
+    assert bench.resolve_peer("") == "" and bench.resolve_peer("other/peer.sh") == "other/peer.sh"
+    (case,) = bench.expand_matrix({"flavor": "1B", "compile": "on"})
+    opts = Namespace(**{**vars(OPTS), "peer": bench.resolve_peer("auto")})
+    assert bench.peer_cmd(case, opts) == [
+        "bash", str(launcher), "1B", "--training.seq_len", "4096", "--training.local_batch_size", "2",
+        "--training.steps", "10", "--metrics.log_freq", "1", "--activation_checkpoint.mode", "none",
+        "--activation_checkpoint.selective_ac_option", str(case["ac_option"]), "--compile.enable"]
+
+    # main() hands the resolved path on: capture the commands instead of running them (FLOP counts are not the point)
+    ran = []
+    monkeypatch.setattr(bench, "flops_per_token", lambda model, flavor, seq, vocab: None)
+    monkeypatch.setattr(bench, "run", lambda cmd, env, log, timeout: ran.append((cmd, env.get("NPROC"))) or ("", 0, 0))
+    bench.main(["--flavor", "debugmodel", "--vocab", "256", "--steps", "3", "--peer", "auto"])
+    (ours, _), (peer_run, nproc) = ran
+    assert "scripts/train.py" in ours and peer_run[:3] == ["bash", str(launcher), "debugmodel"] and nproc == "1"
+
+
+def test_peer_shell_entry_with_stand_in_torchrun(tmp_path):
+    """The shell entry's torchrun command line (defaults first, caller's flags last) and its output filter."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\necho "[titan] INFO building the model"\n'
+                    'for s in 1 2; do echo "step:  $s  loss: 9.0  memory: 1.00GiB(1%)  tps: 1,000  mfu: 1.00%"; done\n'
+                    'for i in $(seq 60); do echo "RuntimeError: rank failed $i" >&2; done\nexit 3\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
+           "NPROC": "2", "MODEL": "qwen3"}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "peer_torchtitan.sh"), "30B-A3B_4L",
+                        "--training.seq_len", "2048"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3  # torchrun's status, not the filter's
+    args = (tmp_path / "args").read_text().split()
+    assert args[:3] == ["--standalone", "--nproc_per_node", "2"]
+    assert args[3] == str(ROOT / "scripts" / "bench" / "peer_torchtitan.py")
+    assert args[4:7] == ["--work", "/tmp/ttwork", "--"]
+    tt = " ".join(args[7:])
+    assert tt.startswith("--model.name qwen3 --model.flavor 30B-A3B_4L --training.local_batch_size 2 "
+                         "--training.seq_len 4096 --training.steps 15 --lr_scheduler.warmup_steps 2 "
+                         "--metrics.log_freq 1 --job.dump_folder /tmp/ttout") and tt.endswith("--training.seq_len 2048")
+    lines = p.stdout.splitlines()
+    assert [r["step"] for r in bench.parse_peer(p.stdout)] == [1, 2] and "building" not in p.stdout
+    assert len(lines) == 2 + 40 and lines[-1] == "RuntimeError: rank failed 40"

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 
 import pytest
 
+from models import get_spec
 from titanlike.config import DEFAULT_CONFIG, ConfigError, JobConfig, config_from_dict, config_to_dict, config_to_toml, load_config, split_flags, validate, validate_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -270,45 +270,32 @@ def test_all_errors_reported_at_once():
 
 
 def test_validate_model_heads_and_tp():
-    args_8b = types.SimpleNamespace(n_heads=32, n_kv_heads=8, dim=4096, n_layers=32, vocab_size=128256)
+    spec = get_spec("llama3")
+    args_8b = spec.flavors["8B"]
     cfg = with_changes(model={"flavor": "8B"}, parallelism={"tp": 3})
     with pytest.raises(ConfigError) as e:
-        validate_model(args_8b, cfg)
+        validate_model(spec, args_8b, cfg)
     assert str(e.value) == ("model.flavor '8B' has n_kv_heads=8 which parallelism.tp=3 does not divide; "
                             "use tp in {1,2,4,8}")
-    validate_model(args_8b, with_changes(parallelism={"tp": 8}))
-    mha = types.SimpleNamespace(n_heads=12, n_kv_heads=None, dim=768, n_layers=4, vocab_size=100)
+    validate_model(spec, args_8b, with_changes(parallelism={"tp": 8}))
+    mha = spec.args_cls(dim=768, n_layers=4, n_heads=12, vocab_size=100)
     with pytest.raises(ConfigError, match="n_heads=12 which parallelism.tp=8 does not divide; use tp in "
                                           "\\{1,2,3,4,6,12\\}"):
-        validate_model(mha, with_changes(parallelism={"tp": 8}))
+        validate_model(spec, mha, with_changes(parallelism={"tp": 8}))
     with pytest.raises(ConfigError, match="parallelism.pp=8 exceeds"):
-        validate_model(mha, with_changes(parallelism={"pp": 8}))
+        validate_model(spec, mha, with_changes(parallelism={"pp": 8}))
 
 
 # ------------------------------------------------------------------------------------------------ shipped configs
-
-def _flavors(model_name: str):
-    try:
-        from models import get_spec
-        return get_spec(model_name).flavors
-    except ImportError:
-        pass
-    try:  # before the registry exists
-        from models.llama3.args import llama3_flavors
-        return llama3_flavors if model_name == "llama3" else None
-    except ImportError:
-        return None
-
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load_and_validate(path):
     assert path.name in WORLD_SIZES, f"add {path.name} to WORLD_SIZES with the world sizes it is written for"
     for world_size in WORLD_SIZES[path.name]:
         cfg = load("--config", str(path), world_size=world_size)
-        flavors = _flavors(cfg.model.name)
-        if flavors is not None:
-            assert cfg.model.flavor in flavors
-            validate_model(flavors[cfg.model.flavor], cfg)
+        spec = get_spec(cfg.model.name)
+        assert cfg.model.flavor in spec.flavors
+        validate_model(spec, spec.flavors[cfg.model.flavor], cfg)
 
 
 # ------------------------------------------------------------------------------------------------ round trip

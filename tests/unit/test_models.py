@@ -13,13 +13,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rotary_emb, precompute_rope_cache
 from models.common.attention import causal_attention
 from models.common.ffn import ffn_hidden_dim
-from models.llama3 import ModelArgs, Transformer, count_params, flops_per_token, llama3_flavors
+from models.llama3 import ModelArgs, Transformer
+from models.llama3.flavors import llama3_flavors
 from models.llama3.hf import args_from_hf_config, from_hf, to_hf
 
 torch.set_num_threads(1)
@@ -246,26 +250,67 @@ EXPECTED_COUNTS = {
 }
 
 
+LLAMA3 = models.get_spec("llama3")
+
+
 @pytest.mark.parametrize("flavor", sorted(EXPECTED_COUNTS))
 def test_param_counts(flavor):
+    """The spec's counts against published sizes and against the parameters of the model built on meta."""
     args = llama3_flavors[flavor]
+    assert LLAMA3.flavors[flavor] is args
+    counts = LLAMA3.param_counts(args)
     with torch.device("meta"):
         model = Transformer(args)
-    n = count_params(model)
-    assert n == EXPECTED_COUNTS[flavor]
-    assert count_params(model, exclude_embedding=True) == n - args.vocab_size * args.dim
+    numel = sum(p.numel() for p in model.parameters())
+    assert counts.total == numel == EXPECTED_COUNTS[flavor]
+    assert counts.active == counts.total  # dense: every parameter is active
+    assert counts.embedding == args.vocab_size * args.dim == model.tok_embeddings.weight.numel()
 
 
-def test_flops_per_token():
-    args = llama3_flavors["8B"]
-    n = 7_504_924_672
-    assert flops_per_token(args, n, 8192) == 6 * n + 12 * 32 * 4096 * 8192
+def _debug_shaped_args(n_layers: int = 2, seq: int = 32) -> ModelArgs:
+    return dataclasses.replace(llama3_flavors["debugmodel"], n_layers=n_layers, max_seq_len=seq)
 
 
-def test_count_params_after_pipeline_split():
-    model = build(tiny_args())
-    model.tok_embeddings = None
-    assert count_params(model, exclude_embedding=True) == count_params(model)
+def test_flops_per_token_matches_flop_counter():
+    """The spec's training FLOPs per token against torch's own count of one forward + backward.
+
+    What FlopCounterMode counts: every matmul (mm/bmm/addmm), forward and backward; nothing elementwise (norms,
+    RoPE, softmax, SiLU, the loss) and nothing for the embedding lookup (a gather). SDPA runs on the math backend
+    here, which decomposes into bmm's the counter sees (the fused CPU kernel has no FLOP formula and would count 0);
+    the math path computes the full [S, S] scores under the causal mask, as the spec's formula assumes. So, per
+    token, the counter measures 6 x (every Linear weight, output projection included) + 12 x n_layers x dim x S
+    (QK^T and PV, 2 x 2 x S x dim forward, twice that backward) = the spec's formula minus 6 x the RMSNorm gains
+    (1-D parameters: no matmul). That difference is exact, and is ~0.06% of the total here (tolerance 1e-3).
+    """
+    batch, seq = 2, 32
+    args = _debug_shaped_args(seq=seq)
+    model = build(args)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    counted = counter.get_total_flops() / (batch * seq)
+    ops = {str(op) for op in counter.get_flop_counts()["Global"]}
+    assert "aten.bmm" in ops, f"the attention matmuls were not counted: {ops}"  # SDPA was decomposed
+
+    spec_flops = LLAMA3.flops_per_token(args, seq)
+    assert counted == pytest.approx(spec_flops, rel=1e-3), (counted, spec_flops)
+    norm_gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert norm_gains == (2 * args.n_layers + 1) * args.dim
+    assert counted == spec_flops - 6 * norm_gains, (counted, spec_flops, norm_gains)
+
+    # The same formula at another sequence length: only the attention term grows, by 12 x n_layers x dim per token.
+    assert LLAMA3.flops_per_token(args, 2 * seq) - spec_flops == 12 * args.n_layers * args.dim * seq
+
+
+def test_pipeline_costs_cover_the_model():
+    """pp_costs' pieces add up to the spec's FLOPs per token, but for the final norm's gain (no matmul)."""
+    args, seq = _debug_shaped_args(n_layers=4), 64
+    costs = LLAMA3.pp_costs(args, seq)
+    assert sorted(costs.layers, key=int) == [str(i) for i in range(args.n_layers)]
+    assert costs.embedding == 0
+    total = sum(costs.layers.values()) + costs.embedding + costs.output
+    assert total == LLAMA3.flops_per_token(args, seq) - 6 * args.dim
 
 
 # ------------------------------------------------------------------------------------ HF parity

@@ -59,12 +59,13 @@ def test_world_of_one_needs_no_mesh_or_process_group():
 @pytest.mark.parametrize(
     "kw, world, match",
     [
-        ({"dp_shard": 2}, 8, r"multiply to 2 but world_size is 8.*dp_shard=2.*dp_shard=-1"),
-        ({"dp_replicate": 2, "dp_shard": 2, "tp": 4}, 8, r"multiply to 16 but world_size is 8"),
-        ({"tp": 3}, 8, r"cannot resolve parallelism.dp_shard=-1: world_size 8 is not divisible by .* = 3"),
-        ({"tp": 0}, 8, r"parallelism.tp must be >= 1, got 0"),
-        ({"dp_shard": -2}, 8, r"parallelism.dp_shard must be >= 1 \(-1 = use the rest"),
-        ({"pp": 2.0}, 8, r"parallelism.pp must be an int"),
+        # The config's rules and messages (titanlike/config/validate.py:check_degrees): one copy for both.
+        ({"dp_shard": 2}, 8, r"dp_shard\*cp\*tp = 1\*1\*2\*1\*1 = 2, but world_size is 8.*dp_shard=-1"),
+        ({"dp_replicate": 2, "dp_shard": 2, "tp": 4}, 8, r"= 16, but world_size is 8"),
+        ({"tp": 3}, 8, r"parallelism.dp_shard=-1 fills the world, but world_size 8 is not divisible by .* = 3"),
+        ({"tp": 0}, 8, r"parallelism.tp=0 must be >= 1"),
+        ({"dp_shard": -2}, 8, r"parallelism.dp_shard=-2 must be >= 1, or -1 to fill"),
+        ({"pp": 2.0}, 8, r"parallelism.pp=2.0 must be an integer"),
         ({"ep": 3}, 8, r"parallelism.ep=3 must divide dp_shard\*cp\*tp"),
         ({}, 0, r"world_size must be a positive int"),
     ],

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 import models
-from parallelize.pp import (
-    estimate_weights, is_multi_stage, schedule_class, split_at, split_layers, stage_ids, stage_layout, stage_module,
-    stage_owners,
-)
+from parallelize.pp import is_multi_stage, model_layout, schedule_class, stage_module
+from parallelize.pp_split import split_at, split_layers, stage_ids, stage_owners
 from titanlike.config import ConfigError, JobConfig, validate, validate_model
 from titanlike.config.validate_pp import PP_SCHEDULES, pp_stage_count
 from titanlike.optim.lr import build_lr_scheduler
@@ -85,12 +83,13 @@ def test_stage_placement_loop_and_v():
 def test_stage_modules_keep_full_model_fqns():
     model = llama(4)
     cfg = cfg_with(pp=2, pp_schedule="Interleaved1F1B", pp_embedding_weight=0.0, pp_output_weight=0.0)
-    layout = stage_layout(model, cfg.parallelism, seq_len=16)
+    spec = models.get_spec("llama3")
+    layout = model_layout(model, spec, model.args, cfg.parallelism, seq_len=16)
     assert layout == [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "output"]]
     full = {n for n, _ in model.named_parameters()}
     seen = []
     for names in layout:
-        part = stage_module(model, names)
+        part = stage_module(model, names, (*spec.pp_input_modules, *spec.pp_output_modules))
         fqns = [n for n, _ in part.named_parameters()]
         assert set(fqns) <= full
         seen += fqns
@@ -100,9 +99,14 @@ def test_stage_modules_keep_full_model_fqns():
     assert len(list(model.layers)) == 4  # the meta model itself is untouched
 
 
-def test_estimated_weights_and_stage_counts():
-    emb, out = estimate_weights(llama(4), seq_len=16)
-    assert emb == 0.0 and 0 < out < 1  # vocab 128 x dim 64 is small next to a block
+def test_pipeline_costs_and_stage_counts():
+    model = llama(4)
+    costs = models.get_spec("llama3").pp_costs(model.args, 16)
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    assert costs.layers == {str(i): 6.0 * block + 12.0 * 64 * 16 for i in range(4)}  # FLOPs per token
+    assert costs.embedding == 0.0 and 0 < costs.output / costs.layers["0"] < 1  # vocab 128 x dim 64: small
+    # Per-layer costs move the boundaries: a layer twice as costly gets a stage to itself.
+    assert split_layers(NAMES[:4], 2, layer_costs=[2.0, 1.0, 0.5, 0.5]) == [["0"], ["1", "2", "3"]]
     par = cfg_with(pp=4).parallelism
     assert pp_stage_count(par, 32) == 4
     par.pp_schedule = "ZBVZeroBubble"
@@ -155,12 +159,12 @@ def test_per_op_sac_with_split_backward_schedule_is_refused():
 def test_more_stages_than_layers():
     args = dataclasses.replace(models.get_spec("llama3").flavors["debugmodel"], n_layers=3)
     with pytest.raises(ConfigError, match="parallelism.pp=4 exceeds"):
-        validate_model(args, cfg_with(pp=4))
+        validate_model(models.get_spec("llama3"), args, cfg_with(pp=4))
     with pytest.raises(ConfigError, match="parallelism.pp=2 with 4 stages in all .Interleaved1F1B. exceeds"):
-        validate_model(args, cfg_with(pp=2, pp_schedule="Interleaved1F1B"))
+        validate_model(models.get_spec("llama3"), args, cfg_with(pp=2, pp_schedule="Interleaved1F1B"))
     with pytest.raises(ConfigError, match="runs one stage per rank but parallelism.pp_layers_per_stage=1 gives 2"):
-        validate_model(dataclasses.replace(args, n_layers=4), cfg_with(pp=2, pp_layers_per_stage=1))
-    validate_model(args, cfg_with(pp=2, pp_schedule="1F1B"))
+        validate_model(models.get_spec("llama3"), dataclasses.replace(args, n_layers=4), cfg_with(pp=2, pp_layers_per_stage=1))
+    validate_model(models.get_spec("llama3"), args, cfg_with(pp=2, pp_schedule="1F1B"))
 
 
 def test_optimizers_container_drives_all_parts_with_one_scheduler():

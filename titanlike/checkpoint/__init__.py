@@ -4,7 +4,7 @@
     loading.py  its load half; load_model_weights (one process, e.g. evaluation)
     layout.py   folder layout, commit marker, keep-last-k, integrity checks
     states.py   non-tensor states (RNG, LR, data, trainer), model-shape checks, offline full-model reads
-    hf.py       Hugging Face Llama folders <-> titanlike checkpoints (scripts/convert_hf.py)
+    hf.py       Hugging Face folders <-> titanlike checkpoints, through each family's HF adapter (convert_hf.py)
 """
 from titanlike.checkpoint.layout import CheckpointError, StepInfo, complete_steps, scan, step_path
 from titanlike.checkpoint.loading import load_model_weights

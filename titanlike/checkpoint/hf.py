@@ -1,11 +1,12 @@
-"""Hugging Face Llama folders <-> titanlike checkpoints (the logic behind scripts/convert_hf.py).
+"""Hugging Face folders <-> titanlike checkpoints (the logic behind scripts/convert_hf.py), for every model family
+whose ModelSpec has an HF adapter (models/<name>/hf.py: FQN mapping, config.json both ways).
 
 import: config.json + safetensors (one file, or shards with model.safetensors.index.json) -> OUT/step-0 (a
     committed, model-only DCP step with meta.json, loadable by any layout via checkpoint.initial_load_path=OUT) and
-    OUT/tokenizer/ (the tokenizer files, for data.tokenizer). The model's FQN mapping and RoPE permutation of wq/wk
-    are the model's HF adapter (models/llama3/hf.py).
+    OUT/tokenizer/ (the tokenizer files, for data.tokenizer). The FQN mapping (and any weight permutation) is the
+    family's HF adapter.
 export: a titanlike step (full or model-only, any layout) -> an HF folder that
-    transformers.LlamaForCausalLM.from_pretrained loads: config.json, safetensors shards + index. Read one layer
+    transformers' AutoModelForCausalLM.from_pretrained loads: config.json, safetensors shards + index. Read one layer
     at a time, so memory stays near one shard.
 Neither overwrites anything: the output is written under a temporary name and renamed when complete.
 """
@@ -22,7 +23,6 @@ from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import META, CheckpointError
 from titanlike.checkpoint.states import MODEL, full_model_state, quiet_dcp, read_meta_json, read_metadata, tensor_shapes
 
-SUPPORTED = {"LlamaForCausalLM": "llama3"}  # HF architecture -> titanlike model name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 
@@ -34,19 +34,22 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def read_hf_config(hf_dir: str) -> tuple[dict, str]:
-    """config.json and the titanlike model name for its architecture; CheckpointError when unsupported."""
+    """config.json and the name of the titanlike model family whose HF adapter reads it; CheckpointError when
+    none does."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} not found: give the folder an HF model was saved to (save_pretrained)")
     with open(path) as f:
         config = json.load(f)
     archs = config.get("architectures") or []
-    name = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
-    if name is None and not archs and config.get("model_type") == "llama":
-        name = "llama3"
+    adapters = {name: spec.hf for name, spec in models.MODELS.items() if spec.hf is not None}
+    name = next((n for a in archs for n, hf in adapters.items() if a in hf.ARCHITECTURES), None)
+    if name is None and not archs:
+        name = next((n for n, hf in adapters.items() if config.get("model_type") in hf.MODEL_TYPES), None)
     if name is None:
+        known = sorted(a for hf in adapters.values() for a in hf.ARCHITECTURES)
         raise CheckpointError(f"{path}: unsupported architecture {archs or config.get('model_type')!r}; "
-                              f"convert_hf handles {sorted(SUPPORTED)} (model_type 'llama')")
+                              f"convert_hf handles {known}")
     return config, name
 
 
@@ -80,7 +83,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
     config, model_name = read_hf_config(hf_dir)
     spec = models.get_spec(model_name)
     try:
-        args = spec.hf_adapter.args_from_hf_config(config)
+        args = spec.hf.args_from_hf_config(config)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
     files = shard_files(hf_dir)
@@ -99,7 +102,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
                     hf_sd[key] = f.get_tensor(key)
                     bar.update(1)
     try:
-        sd = spec.hf_adapter.from_hf(hf_sd, args)
+        sd = spec.hf.from_hf(hf_sd, args)
     except KeyError as e:
         raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
     del hf_sd
@@ -129,43 +132,14 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
         os.makedirs(os.path.join(out_dir, "tokenizer"), exist_ok=True)
         for n in tok:
             shutil.copy(os.path.join(hf_dir, n), os.path.join(out_dir, "tokenizer", n))
-    flavor = next((name for name, fa in spec.flavors.items() if _same_shape(fa, args)), None)
-    return {"path": final, "model_args": args, "flavor": flavor, "tokenizer": bool(tok)}
+    flavor = spec.find_flavor(args)
+    return {"path": final, "model": model_name, "model_args": args, "flavor": flavor, "tokenizer": bool(tok)}
 
 
 def _asdict(args) -> dict:
     import dataclasses
 
     return dataclasses.asdict(args)
-
-
-def _same_shape(a, b) -> bool:
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "rope_theta",
-            "use_scaled_rope")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
-
-
-def hf_config(args, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
-    """A transformers LlamaConfig dict for these ModelArgs (legacy rope keys: read by transformers 4.x and 5.x)."""
-    from models.common.ffn import ffn_hidden_dim
-
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of,
-                                                                     args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": max_position_embeddings or args.max_seq_len, "tie_word_embeddings": False,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(dtype).replace("torch.", ""),
-        "rope_scaling": None,
-    }
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                               "low_freq_factor": args.rope_low_freq_factor,
-                               "high_freq_factor": args.rope_high_freq_factor,
-                               "original_max_position_embeddings": args.rope_original_max_position}
-    return cfg
 
 
 def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: str | None = None,
@@ -209,7 +183,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     with _progress(len(shapes), "export to HF", progress) as bar:
         for name, keys in zip(names, shards):
             part = full_model_state(info.path, keys=keys, dtype=torch_dtype)
-            hf_part = {k: v.contiguous() for k, v in spec.hf_adapter.to_hf(part, args).items()}
+            hf_part = {k: v.contiguous() for k, v in spec.hf.to_hf(part, args).items()}
             save_file(hf_part, os.path.join(tmp, name), metadata={"format": "pt"})
             for k, v in hf_part.items():
                 weight_map[k] = name
@@ -219,7 +193,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config(args, torch_dtype, max_position_embeddings), f, indent=1)
+        json.dump(spec.hf.hf_config(args, torch_dtype, max_position_embeddings), f, indent=1)
     if tokenizer:
         src = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
         for n in TOKENIZER_FILES:

@@ -31,12 +31,12 @@ class LoadMixin:
             info = self._rank0_do(layout.choose_step, self.folder, want)
             if info is not None:
                 return self._load_step(info, model_only=False)
-        initial = getattr(self.cfg, "initial_load_path", "")
+        initial = self.cfg.initial_load_path
         if initial:
             info = self._rank0_do(layout.choose_step, initial, -1)
             if info is None:
                 raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
-            return self._load_step(info, model_only=getattr(self.cfg, "initial_load_model_only", True))
+            return self._load_step(info, model_only=self.cfg.initial_load_model_only)
         if self.cfg.enable:
             logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
         return 0

@@ -42,7 +42,7 @@ from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, quiet_dcp, rng_state
 from titanlike.checkpoint.staging import KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process
-from titanlike.resilience.comm_watch import keep_own_timeout
+from titanlike.distributed.timeouts import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
 # A lone process saving asynchronously: DCP's writer thread warns it "assumes the intent" of one process. It is ours.
@@ -85,8 +85,7 @@ class CheckpointManager(LoadMixin):
         self.lr_scheduler = lr_scheduler
         self.dataloader, self.trainer, self.strict = dataloader, trainer, strict
         # Saving needs cfg.enable; a seed checkpoint or a start from initial_load_path work without it.
-        self.enabled = bool(cfg.enable or getattr(cfg, "create_seed_checkpoint", False)
-                            or getattr(cfg, "initial_load_path", ""))
+        self.enabled = bool(cfg.enable or cfg.create_seed_checkpoint or cfg.initial_load_path)
         self.meta = {"model_name": model_name,
                      "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None}
         self.config_toml = config_toml
@@ -172,7 +171,7 @@ class CheckpointManager(LoadMixin):
         return {MODEL: model_sd, OPTIM: optim_sd, EXTRA: extra}
 
     def _writer(self, path: str) -> FileSystemWriter:
-        return FileSystemWriter(path, thread_count=max(1, int(getattr(self.cfg, "io_threads", 1))))
+        return FileSystemWriter(path, thread_count=max(1, self.cfg.io_threads))
 
     def _marker(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict:
         return {"step": step, "world_size": self.world, "model_only": model_only,
@@ -184,7 +183,7 @@ class CheckpointManager(LoadMixin):
         background thread while the first steps run, so the pinned buffers (cached by the stager per tensor) exist
         before the first save. The copied values are never used; the optimizer state is created first
         (init_optimizer_state) so its buffers are the ones later saves copy."""
-        if self._stager is None or not self.cfg.enable or not getattr(self.cfg, "prestage", True):
+        if self._stager is None or not self.cfg.enable or not self.cfg.prestage:
             return
         for opt in self.optimizers:
             init_optimizer_state(opt)
@@ -202,10 +201,10 @@ class CheckpointManager(LoadMixin):
         self._finish_pending(block=False)
         if not self.cfg.enable:
             return
-        export_only = last_step and getattr(self.cfg, "last_save_model_only", False)
+        export_only = last_step and self.cfg.last_save_model_only
         if (step % self.cfg.interval == 0 or last_step) and not export_only:
             self.save(step)
-        if last_step and (export_only or getattr(self.cfg, "model_only_export", False)):
+        if last_step and (export_only or self.cfg.model_only_export):
             self.export(step)
 
     def save(self, step: int) -> None:
@@ -243,7 +242,7 @@ class CheckpointManager(LoadMixin):
     def export(self, step: int) -> None:
         """Model weights only, in cfg.export_dtype, as export-step-<step>: the release artifact (sync)."""
         self._finish_pending(block=True)
-        dtype = getattr(torch, getattr(self.cfg, "export_dtype", "float32"))
+        dtype = getattr(torch, self.cfg.export_dtype)
         t0 = time.perf_counter()
         tmp = self._rank0_do(self._prepare, step, "export-step")
         self._barrier()

@@ -19,7 +19,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
+from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig
+from titanlike.config.validate import validate
 
 # Used when no --config is given: in a source checkout `python scripts/train.py` then trains the debug model.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_model.toml"
@@ -29,10 +31,6 @@ SCRIPT_FLAGS = ("--print-config", "--debug", "--help", "-h")
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-class ConfigError(ValueError):
-    """A config problem the user can fix; the message names the key, where it was set, and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,8 +266,6 @@ def config_from_dict(values: dict[str, dict[str, Any]], where: str = "in the giv
 def load_config(argv: list[str], *, world_size: int | None = None) -> JobConfig:
     """`--config FILE` (default: configs/debug_model.toml in a source checkout), then `--section.key[=]value`
     overrides, then validate(cfg, world_size). Raises ConfigError."""
-    from titanlike.config.validate import validate  # validate.py imports ConfigError from here
-
     path, overrides = _parse_argv(list(argv))
     values: dict[str, dict[str, Any]] = {}
     if path is None and DEFAULT_CONFIG.is_file():

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models import DEFAULT_MODEL
+
 
 @dataclass
 class Job:
     dump_folder: str = "./outputs"  # run folders live under here
     run_name: str = ""  # "" = the config file's stem
-    description: str = ""
+    description: str = ""  # free text: logged at start-up with the run name, and TensorBoard text job/description
 
 
 @dataclass
 class Model:
-    name: str = "llama3"  # key into models.MODELS
+    name: str = DEFAULT_MODEL  # key into models.MODELS
     flavor: str = "debugmodel"  # key into the model's flavors
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
@@ -88,7 +90,7 @@ class Parallelism:
     cp: int = 1
     ep: int = 1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
-    # Tensor parallel (tp > 1; parallelize/tp.py, plan in parallelize/llama3.py)
+    # Tensor parallel (tp > 1; parallelize/tp.py, the model's plan in parallelize/<model.name>.py)
     enable_sequence_parallel: bool = True  # norms on sequence shards: all-gather/reduce-scatter instead of all-reduce
     enable_loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits (never gathers [tokens, vocab])
     enable_async_tp: bool = False  # CUDA + compile: matmuls micro-pipelined with the TP collectives (symmetric memory)
@@ -172,7 +174,7 @@ class Data:
     eod_token: str = ""  # document separator when packing; "" = the EOS token
     add_bos: bool = False  # stdlib/text: prepend BOS to every document
     add_eod: bool = True  # stdlib/text: append the EOD token after every document
-    builtin_vocab_size: int = 2048
+    builtin_vocab_size: int = 2048  # builtin: the BPE's vocabulary size; NullTokenizer: ids are below this
     cache_dir: str = ""  # "" = ~/.cache/titanlike
     num_workers: int = 0
     pin_memory: bool = True

@@ -6,17 +6,22 @@ user fixes a config in one round trip. Types were already checked by the loader;
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any
 
-from titanlike.config.load import ConfigError
-from titanlike.config.sections import JobConfig, Parallelism
-from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
+from float8 import RECIPES as FLOAT8_RECIPES
+from models.common.backends import ATTN_BACKENDS
+from parallelize.ac import AC_MODES
+from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
+from parallelize.fsdp import RESHARD_MODES
+from titanlike.config.errors import ConfigError
+from titanlike.config.sections import JobConfig
 from titanlike.config.validate_data import check_data
+from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
 
-# Allowed values of string "choice" fields. Extend here when a consumer learns a new value.
+# Allowed values of string "choice" fields. A value a consumer defines (attention kernels, AC modes, ...) is read
+# from that consumer, so the two can never disagree; the rest are defined here.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.attn_backend": ("auto", "sdpa", "flash", "cudnn", "efficient", "math", "fa4"),
+    "model.attn_backend": ATTN_BACKENDS,
     "training.device": ("auto", "cpu", "cuda"),
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
@@ -24,15 +29,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.name": ("AdamW",),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
-    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.fsdp_reshard_after_forward": RESHARD_MODES,
     "parallelism.pp_schedule": PP_SCHEDULES,
-    "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
-    "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "activation_checkpoint.mode": AC_MODES,
+    "float8.recipe": FLOAT8_RECIPES,
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
-COMPILE_COMPONENTS = ("model", "loss", "optimizer")
+# Degrees that pass the arithmetic but whose technique is not built yet: refused here, before anything starts.
+NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism (mixture-of-experts models)"}
 
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh axes whose product is the world size
 
@@ -42,46 +48,62 @@ def _get(cfg: JobConfig, dotted: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
-def resolve_dp_shard(par: Parallelism, world_size: int) -> int:
-    """dp_shard with -1 replaced by what the world size leaves after the other degrees; ConfigError if impossible."""
-    others = par.pp * par.dp_replicate * par.cp * par.tp
-    if par.dp_shard != -1:
-        return par.dp_shard
-    if others < 1 or world_size % others:
-        formula = "*".join(str(getattr(par, d)) for d in _DEGREES if d != "dp_shard")
-        raise ConfigError(
-            f"parallelism.dp_shard=-1 fills the world, but world_size {world_size} is not divisible by "
-            f"pp*dp_replicate*cp*tp = {formula} = {others}; choose degrees whose product divides {world_size}, "
-            f"or set parallelism.dp_shard explicitly")
-    return world_size // others
-
-
-def _check_parallelism(par: Parallelism, world_size: int | None, errors: list[str]) -> int | None:
-    """Append degree errors; return the resolved dp_shard when it is known."""
-    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
-        if getattr(par, name) < 1:
-            errors.append(f"parallelism.{name}={getattr(par, name)} must be >= 1 (1 = not used)")
-    if par.dp_shard < 1 and par.dp_shard != -1:
-        errors.append(f"parallelism.dp_shard={par.dp_shard} must be >= 1, or -1 to fill the remaining ranks")
+def resolve_dp_shard(par, world_size: int) -> int:
+    """dp_shard with -1 replaced by what the world size leaves after the other degrees; ConfigError if impossible.
+    `par` is anything with the degree attributes (the [parallelism] section, ParallelDims)."""
+    dp_shard, errors = check_degrees(par, world_size)
     if errors:
-        return None
+        raise ConfigError(errors[0])
+    return dp_shard
+
+
+def check_degrees(par, world_size: int | None) -> tuple[int | None, list[str]]:
+    """(dp_shard resolved, problems) for the parallel degrees of `par` (the [parallelism] section or ParallelDims):
+    each >= 1 (dp_shard -1 fills the world), their product the world size, ep dividing the ranks it borrows.
+    The one copy of these rules: ParallelDims calls it too."""
+    errors: list[str] = []
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        value = getattr(par, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            errors.append(f"parallelism.{name}={value!r} must be an integer")
+        elif value < 1:
+            errors.append(f"parallelism.{name}={value} must be >= 1 (1 = not used)")
+    if not isinstance(par.dp_shard, int) or (par.dp_shard < 1 and par.dp_shard != -1):
+        errors.append(f"parallelism.dp_shard={par.dp_shard!r} must be >= 1, or -1 to fill the remaining ranks")
+    if errors:
+        return None, errors
     if world_size is None:
-        return None if par.dp_shard == -1 else par.dp_shard
-    try:
-        dp_shard = resolve_dp_shard(par, world_size)
-    except ConfigError as e:
-        errors.append(str(e))
-        return None
-    product = par.pp * par.dp_replicate * dp_shard * par.cp * par.tp
+        return (None if par.dp_shard == -1 else par.dp_shard), errors
+    others = par.pp * par.dp_replicate * par.cp * par.tp
+    dp_shard = par.dp_shard
+    if dp_shard == -1:
+        if world_size % others:
+            formula = "*".join(str(getattr(par, d)) for d in _DEGREES if d != "dp_shard")
+            return None, [f"parallelism.dp_shard=-1 fills the world, but world_size {world_size} is not divisible by "
+                          f"pp*dp_replicate*cp*tp = {formula} = {others}; choose degrees whose product divides "
+                          f"{world_size}, or set parallelism.dp_shard explicitly"]
+        dp_shard = world_size // others
+    product = others * dp_shard
     if product != world_size:
         formula = "*".join(str(dp_shard if d == "dp_shard" else getattr(par, d)) for d in _DEGREES)
         errors.append(
             f"parallelism degrees pp*dp_replicate*dp_shard*cp*tp = {formula} = {product}, but world_size is "
             f"{world_size}; change the degrees so the product is {world_size}, or set parallelism.dp_shard=-1")
-    # Expert parallel borrows its ranks from the FSDP x CP ranks (the torchtitan layout), so it must divide them.
-    if par.ep > 1 and (dp_shard * par.cp) % par.ep:
-        errors.append(f"parallelism.ep={par.ep} must divide dp_shard*cp = {dp_shard}*{par.cp} (experts are "
-                      f"sharded over the FSDP x CP ranks)")
+    # Expert parallel borrows its ranks from the FSDP x CP x TP ranks, so it must divide them.
+    if par.ep > 1 and (dp_shard * par.cp * par.tp) % par.ep:
+        errors.append(f"parallelism.ep={par.ep} must divide dp_shard*cp*tp = {dp_shard}*{par.cp}*{par.tp} (experts "
+                      f"are spread over ranks borrowed from those axes)")
+    return dp_shard, errors
+
+
+def _check_parallelism(par, world_size: int | None, errors: list[str]) -> int | None:
+    """Append degree errors; return the resolved dp_shard when it is known."""
+    dp_shard, problems = check_degrees(par, world_size)
+    errors.extend(problems)
+    for name, feature in NOT_YET.items():
+        if getattr(par, name) > 1 and not problems:
+            errors.append(f"parallelism.{name}={getattr(par, name)}: {feature} is not available yet; set "
+                          f"parallelism.{name}=1")
     return dp_shard
 
 
@@ -259,25 +281,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"{len(errors)} config errors:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_model(model_args: Any, cfg: JobConfig) -> None:
-    """Rules that need the model's shapes (ModelArgs-like: n_heads, n_kv_heads, dim, n_layers, vocab_size)."""
-    errors: list[str] = []
-    flavor, tp, pp = cfg.model.flavor, cfg.parallelism.tp, cfg.parallelism.pp
-    n_heads = model_args.n_heads
-    n_kv_heads = getattr(model_args, "n_kv_heads", None) or n_heads
-    ok_tp = _divisors(math.gcd(n_heads, n_kv_heads))
-    fix = "use tp in {" + ",".join(map(str, ok_tp)) + "}"
-    # TP splits attention by heads: each TP rank needs whole query heads and whole KV heads.
-    # KV heads are the tighter limit under GQA, so name them first.
-    if n_kv_heads % tp and n_kv_heads != n_heads:
-        errors.append(f"model.flavor {flavor!r} has n_kv_heads={n_kv_heads} which parallelism.tp={tp} does not "
-                      f"divide; {fix}")
-    elif n_heads % tp:
-        errors.append(f"model.flavor {flavor!r} has n_heads={n_heads} which parallelism.tp={tp} does not divide; {fix}")
+def validate_model(spec, model_args: Any, cfg: JobConfig) -> None:
+    """Rules that need the model's shapes: the family's own checks (ModelSpec.check: heads by TP, ...) and the
+    pipeline's stages against its layers."""
+    errors = list(spec.check(model_args, cfg.parallelism, cfg.model.flavor))
     check_pipeline_model(model_args.n_layers, cfg, errors)  # stages (pp x stages per rank) <= n_layers
     if errors:
         raise ConfigError("\n".join(errors))

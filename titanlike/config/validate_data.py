@@ -1,14 +1,12 @@
-"""Data and validation-data rules of the config (called by validate.validate). Kept light: the blend/split
-parsers are imported only when the indexed dataset is chosen, so --print-config does not import torch."""
+"""Data and validation-data rules of the config (called by validate.validate). The dataset kinds and tokenizer names
+are the data package's own lists, so the config cannot accept one the loader lacks."""
 from __future__ import annotations
 
 from typing import Any
 
-DATASETS = ("stdlib", "mock", "indexed", "text")  # keep in step with titanlike.data.dataset.DATASETS
+from titanlike.data.dataset import DATASETS
+
 VALIDATION_SPLITS = ("train", "valid", "test")
-_TOKENIZER_TYPES = ("auto", "builtin", "huggingfacetokenizer", "hf", "gpt2bpetokenizer", "gpt2", "tiktokenizer",
-                    "llama3tokenizer", "tiktoken", "sentencepiecetokenizer", "gptsentencepiecetokenizer",
-                    "llama2tokenizer", "sentencepiece", "nulltokenizer", "null")
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
@@ -35,10 +33,12 @@ def check_data(cfg: Any, errors: list[str]) -> None:
         errors.append(f"data.dataset={d.dataset!r} is not one of {', '.join(DATASETS)}")
         return
     _check_paths(d.dataset, d.paths, d.split, "data.paths", errors)
-    if d.tokenizer_type.lower() not in _TOKENIZER_TYPES:
+    from titanlike.data.tokenizers import TOKENIZER_TYPES  # the tokenizer builder's own list
+
+    if d.tokenizer_type.lower() not in TOKENIZER_TYPES:
         errors.append(f"data.tokenizer_type={d.tokenizer_type!r} is not known; use auto, builtin, "
-                      "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer/Llama3Tokenizer, "
-                      "SentencePieceTokenizer/Llama2Tokenizer or NullTokenizer")
+                      "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer, SentencePieceTokenizer or "
+                      "NullTokenizer (Megatron's aliases of these are accepted too)")
     if d.tokenizer_model and d.tokenizer not in ("builtin", d.tokenizer_model):
         errors.append(f"data.tokenizer={d.tokenizer!r} and data.tokenizer_model={d.tokenizer_model!r} name "
                       "different files; set only one")

@@ -1,38 +1,11 @@
-"""Pipeline-parallel config rules (called from validate.py) and the stage-count arithmetic parallelize/pp.py shares.
-
-Torch-free on purpose: config validation must not import torch.distributed.pipelining.
-"""
+"""Pipeline-parallel config rules (called from validate.py); the stage arithmetic is parallelize/pp_split.py's."""
 from __future__ import annotations
-
-import math
 
 from titanlike.config.sections import JobConfig, Parallelism
 
-# Names as `torch.distributed.pipelining.get_schedule_class` spells them.
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # exactly one stage per rank
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, placed in a V (rank r: stages r and S-1-r)
-# Split the backward into input-grad (I) and weight-grad (W) passes by walking the autograd graph; torch's
-# pipelining does not support that through compiled graphs.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def pp_microbatches(par: Parallelism, local_batch_size: int) -> int:
-    """Micro-batches per schedule step: pp_microbatches, or one sequence each (-1)."""
-    return local_batch_size if par.pp_microbatches == -1 else par.pp_microbatches
-
-
-def pp_stage_count(par: Parallelism, n_layers: int | None = None) -> int:
-    """Total pipeline stages over all PP ranks (pp * stages per rank)."""
-    if par.pp_split_points:
-        return len(par.pp_split_points) + 1
-    if par.pp_layers_per_stage > 0:
-        if n_layers is None:
-            raise ValueError("pp_stage_count: n_layers is needed with parallelism.pp_layers_per_stage")
-        return math.ceil(n_layers / par.pp_layers_per_stage)
-    if par.pp_stages_per_rank > 0:
-        return par.pp * par.pp_stages_per_rank
-    return par.pp * (1 if par.pp_schedule in SINGLE_STAGE_SCHEDULES else 2)
+from parallelize.pp_split import (  # noqa: F401  (re-read by the checks below)
+    PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, pp_microbatches, pp_stage_count,
+)
 
 
 def _stages_per_rank_rule(par: Parallelism, stages: int, source: str, errors: list[str]) -> None:

@@ -103,7 +103,7 @@ def _build_stdlib(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: the stdlib corpus has only the splits {SPLITS}")
     path = stdlib_token_file(tokenizer, data_cfg.cache_dir, max_corpus_bytes,
-                             add_bos=getattr(data_cfg, "add_bos", False), add_eod=getattr(data_cfg, "add_eod", True))
+                             add_bos=data_cfg.add_bos, add_eod=data_cfg.add_eod)
     num_tokens = load_tokens(path).shape[0]
     start, stop = split_token_range(num_tokens, seq_len, split)
     return TokenWindowDataset(path, seq_len, start, stop)

@@ -127,9 +127,9 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
 def validation_data_config(data_cfg, val_cfg):
     """(data config, split) that validation reads: validation.dataset/paths replace data's; with its own paths the
     whole of each prefix (or file list) is scored, else validation.split of data.split."""
-    dataset = getattr(val_cfg, "dataset", "") or data_cfg.dataset
-    paths = list(getattr(val_cfg, "paths", []) or [])
-    split = getattr(val_cfg, "split", "valid") or "valid"
+    dataset = val_cfg.dataset or data_cfg.dataset
+    paths = list(val_cfg.paths)
+    split = val_cfg.split
     if not paths:
         return dataclasses.replace(data_cfg, dataset=dataset), split
     whole = {"train": "100,0,0", "valid": "0,100,0", "test": "0,0,100"}.get(split, data_cfg.split)

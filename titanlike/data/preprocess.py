@@ -33,11 +33,20 @@ _SHOWN_BAD = 20
 
 
 def tokenizer_config(args) -> SimpleNamespace:
-    """A data-config-like object for titanlike.tokenizer.build_tokenizer from the Megatron flags."""
+    """Every [data] field that build_tokenizer(data_cfg) reads, from the Megatron flags; the rest as a default
+    [data] section has them. (Not a config.sections.Data: titanlike.data must not import titanlike.config, which
+    imports titanlike.data.) A field build_tokenizer starts to read must be added here, or preprocessing fails with
+    an AttributeError (tests/unit/test_preprocess.py). --vocab-size is NullTokenizer's id range, which a [data]
+    section gives as builtin_vocab_size; for any other tokenizer it is ignored, so the builtin BPE stays the one a
+    training run with the default builtin_vocab_size uses."""
+    from titanlike.data.tokenizers import TOKENIZER_TYPES
+
+    null = TOKENIZER_TYPES.get(args.tokenizer_type.lower()) == "null"
     return SimpleNamespace(tokenizer=args.tokenizer_model or "builtin", tokenizer_type=args.tokenizer_type,
                            tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, builtin_vocab_size=2048, cache_dir=args.cache_dir,
-                           null_vocab_size=args.vocab_size, bos_token="", eos_token="", eod_token=args.eod_token)
+                           merge_file=args.merge_file, cache_dir=args.cache_dir,
+                           builtin_vocab_size=args.vocab_size if null and args.vocab_size else 2048,
+                           bos_token="", eos_token="", eod_token=args.eod_token)
 
 
 # ---------------------------------------------------------------------------------------------------- workers

@@ -18,9 +18,10 @@ so it is validated here but gets no mesh axis until EP itself lands.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titanlike.config.validate import check_degrees
 
 # Outermost first: pp crosses the slowest links (its traffic is small), tp the fastest (NVLink).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -64,37 +65,10 @@ class ParallelDims:
     def _resolve_and_validate(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
-        named = {**self._degrees(), "ep": self.ep}
-        for name, value in named.items():
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"parallelism.{name} must be an int, got {value!r}")
-            if value < 1 and not (name == "dp_shard" and value == -1):
-                hint = " (-1 = use the rest of the world size)" if name == "dp_shard" else ""
-                raise ValueError(f"parallelism.{name} must be >= 1{hint}, got {value}")
-        others = self.dp_replicate * self.cp * self.tp * self.pp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ValueError(
-                    f"cannot resolve parallelism.dp_shard=-1: world_size {self.world_size} is not divisible by "
-                    f"dp_replicate*cp*tp*pp = {self.dp_replicate}*{self.cp}*{self.tp}*{self.pp} = {others}; "
-                    f"choose degrees whose product divides {self.world_size}"
-                )
-            self.dp_shard = self.world_size // others
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise ValueError(
-                f"parallel degrees multiply to {product} but world_size is {self.world_size}: "
-                f"dp_replicate={self.dp_replicate} * dp_shard={self.dp_shard} * cp={self.cp} * tp={self.tp} * "
-                f"pp={self.pp}. Fix: make the product equal the number of processes, or set "
-                f"parallelism.dp_shard=-1 to absorb the rest"
-            )
-        if self.ep > 1:
-            borrowable = self.dp_shard * self.cp * self.tp
-            if borrowable % self.ep:
-                raise ValueError(
-                    f"parallelism.ep={self.ep} must divide dp_shard*cp*tp = {self.dp_shard}*{self.cp}*{self.tp} = "
-                    f"{borrowable} (experts are spread over ranks borrowed from those axes)"
-                )
+        dp_shard, errors = check_degrees(self, self.world_size)  # the config's rules: one copy
+        if errors:
+            raise ValueError(errors[0])
+        self.dp_shard = dp_shard
 
     # ------------------------------------------------------------------------------ properties
     @property

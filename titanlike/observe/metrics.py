@@ -114,6 +114,11 @@ class MetricsLogger:
                 self.writer.add_scalar("validation/loss", loss, step)
                 self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50)), step)
 
+    def log_text(self, tag: str, text: str) -> None:
+        """A text entry in TensorBoard (e.g. job.description, shown under the TEXT tab); "" writes nothing."""
+        if self.writer is not None and text:
+            self.writer.add_text(tag, text)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

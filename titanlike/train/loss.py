@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
@@ -136,3 +138,14 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int, compile_chunk: bool 
         new.chunk_fn = torch.compile(chunk_loss_and_grad, dynamic=False)
     model.output = new
     return new
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; the caller divides by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def plain_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: under loss parallel it is a replicated DTensor (differentiable to_local)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

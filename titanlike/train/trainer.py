@@ -12,36 +12,33 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import float8
 import models
-from parallelize import get_plan
 from models.common.backends import repeats_kv_heads, sdpa_context, wants_fa4
+from parallelize import get_plan
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
+from titanlike.data.tokenizers import build_tokenizer
 from titanlike.distributed.init import destroy_distributed, init_distributed
-from titanlike.train.loss import apply_chunked_loss, loss_targets
+from titanlike.distributed.parallel_dims import ParallelDims
+from titanlike.observe.metrics import MetricsLogger
+from titanlike.observe.profiling import StepProfiler
+from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
+from titanlike.optim.container import OptimizersContainer
+from titanlike.optim.lr import build_lr_scheduler
+from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
+from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
+from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
 from titanlike.resilience.preemption import PreemptionHandler
-from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
-from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
-from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
-from titanlike.observe.metrics import MetricsLogger
-from titanlike.optim.lr import build_lr_scheduler
-from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
-from titanlike.distributed.parallel_dims import ParallelDims
-from titanlike.optim.container import OptimizersContainer
+from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.pipeline import PipelineRunner
-from titanlike.observe.profiling import StepProfiler
-from titanlike.data.tokenizers import build_tokenizer
 
 logger = logging.getLogger("titanlike")
-IGNORE_INDEX = -100
 def pick_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,17 +47,6 @@ def pick_device(name: str, local_rank: int) -> torch.device:
             raise ValueError("training.device='cuda' but no CUDA device is visible; use training.device='cpu'")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; the caller divides by the global token count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """The loss as a plain tensor: under loss parallel it is a replicated DTensor (differentiable to_local)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
@@ -84,27 +70,24 @@ class Trainer:
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.tokenizer = build_tokenizer(cfg.data)
-        spec = models.get_spec(cfg.model.name)
-        if cfg.model.flavor not in spec.flavors:
-            raise ValueError(f"model.flavor={cfg.model.flavor!r} unknown for {spec.name}; "
-                             f"choose one of {sorted(spec.flavors)}")
+        self.spec = spec = models.get_spec(cfg.model.name)
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
-        flavor = spec.flavors[cfg.model.flavor]
+        flavor = spec.flavor_args(cfg.model.flavor)
         n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
         self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers,
                                               repeat_kv_heads=repeats_kv_heads(cfg.model.attn_backend, self.device))
-        validate_model(self.model_args, cfg)
+        validate_model(spec, self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
             from models.common.fa4 import use_fa4
 
             logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
-        n_params = models.llama3.count_params(model)
-        n_dense = models.llama3.count_params(model, exclude_embedding=True)
-        self.flops_per_token = models.llama3.flops_per_token(self.model_args, n_dense, t.seq_len)
-        logger.info(f"model {spec.name} {cfg.model.flavor}: {n_params:,} params "
-                    f"({n_dense:,} non-embedding), {self.flops_per_token / 1e9:.2f} GFLOP/token")
+        counts = spec.param_counts(self.model_args)
+        self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
+        active = f", {counts.active:,} active" if counts.active != counts.total else ""
+        logger.info(f"model {spec.name} {cfg.model.flavor}: {counts.total:,} params{active} "
+                    f"({counts.total - counts.embedding:,} non-embedding), {self.flops_per_token / 1e9:.2f} GFLOP/token")
         # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
         self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
         self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
@@ -112,7 +95,8 @@ class Trainer:
         plan = get_plan(cfg.model.name, cfg.model.plan)
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/pipeline_step.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
-            self.pp = PipelineRunner(model, self.dims, cfg, self.device, plan, lambda out, y: self.loss_fn(out, y))
+            self.pp = PipelineRunner(model, spec, self.model_args, self.dims, cfg, self.device, plan,
+                                     lambda out, y: self.loss_fn(out, y))
             self.model_parts = self.pp.model_parts
         else:
             self.model_parts = [plan(model, self.dims, cfg)]
@@ -150,7 +134,7 @@ class Trainer:
                     if self.precision == "autocast" else contextlib.nullcontext())
         self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
-        # loss_parallel(), which never gathers [tokens, vocab] (parallelize/llama3.py:llama_tp_plan).
+        # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
@@ -194,6 +178,9 @@ class Trainer:
         logger.info(f"world {self.world_size} on {self.device.type}, mesh {self.mesh}, "
                     f"global batch {global_bs} = {t.local_batch_size} local x {dp_degree} dp x "
                     f"{self.grad_accum_steps} accumulation, seq {t.seq_len}")
+        desc = cfg.job.description
+        logger.info(f"run {cfg.job.run_name or config_name} in {self.run_dir}" + (f": {desc}" if desc else ""))
+        self.metrics.log_text("job/description", desc)
 
     def _seed(self, seed: int, deterministic: bool) -> None:
         torch.manual_seed(seed)
@@ -223,7 +210,7 @@ class Trainer:
     def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
         if self.loss_head is None:
-            return _plain(self.loss_fn(self.model(inputs), labels))
+            return plain_loss(self.loss_fn(self.model(inputs), labels))
         with loss_targets(self.loss_head, labels):
             return self.model(inputs)
 

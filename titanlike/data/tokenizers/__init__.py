@@ -5,8 +5,8 @@
     is needed and cached as `<cache>/tokenizer/bpe<vocab>-<fingerprint>/tokenizer.json`; later runs just load it.
   * HuggingFaceTokenizer: an HF `tokenizer.json` (or a folder holding one).
   * GPT2BPETokenizer: GPT-2 `vocab.json` + `merges.txt` (data.vocab_file / data.merge_file), as Megatron uses.
-  * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file in the Llama 3 `tokenizer.model` format, with Llama 3's
-    256 special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
+  * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file (a `tokenizer.model` of base64 ranks) with its 256
+    special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
   * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model` (titanlike/data/tokenizers/sentencepiece_model.py).
   * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
 "auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
@@ -33,10 +33,6 @@ TOKENIZER_TYPES = {
 }
 
 
-def _opt(cfg, name: str, default=""):
-    return getattr(cfg, name, default)
-
-
 def _sniff_model_file(path: Path) -> str:
     """A `tokenizer.model` is either a tiktoken rank file (text lines "<base64> <rank>") or a sentencepiece proto."""
     with open(path, "rb") as f:
@@ -46,16 +42,16 @@ def _sniff_model_file(path: Path) -> str:
 
 def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
     """(kind, main file) from data.tokenizer_type + data.tokenizer / tokenizer_model / vocab_file."""
-    type_name = str(_opt(data_cfg, "tokenizer_type", "auto") or "auto")
+    type_name = data_cfg.tokenizer_type
     kind = TOKENIZER_TYPES.get(type_name.lower())
     if kind is None:
         raise ValueError(f"data.tokenizer_type={type_name!r} is not known; use one of auto, builtin, "
                          "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
                          "SentencePieceTokenizer (Llama2Tokenizer), NullTokenizer")
-    spec = _opt(data_cfg, "tokenizer_model") or data_cfg.tokenizer
-    if kind == "builtin" or (kind == "auto" and spec == "builtin" and not _opt(data_cfg, "vocab_file")):
+    spec = data_cfg.tokenizer_model or data_cfg.tokenizer
+    if kind == "builtin" or (kind == "auto" and spec == "builtin" and not data_cfg.vocab_file):
         return "builtin", None
-    if kind in ("gpt2", "null") or (kind == "auto" and _opt(data_cfg, "vocab_file")):
+    if kind in ("gpt2", "null") or (kind == "auto" and data_cfg.vocab_file):
         return ("null" if kind == "null" else "gpt2"), None
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -83,10 +79,9 @@ def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_M
     if kind == "builtin":
         tok = builtin_tokenizer(data_cfg.builtin_vocab_size, data_cfg.cache_dir, max_train_bytes)
     elif kind == "hf":
-        tok = HFTokenizer(path, bos_token=_opt(data_cfg, "bos_token") or None,
-                          eos_token=_opt(data_cfg, "eos_token") or None)
+        tok = HFTokenizer(path, bos_token=data_cfg.bos_token or None, eos_token=data_cfg.eos_token or None)
     elif kind == "gpt2":
-        vocab, merges = _opt(data_cfg, "vocab_file"), _opt(data_cfg, "merge_file")
+        vocab, merges = data_cfg.vocab_file, data_cfg.merge_file
         if path is not None and not vocab:  # a folder holding vocab.json + merges.txt
             vocab, merges = path / "vocab.json", path / "merges.txt"
         if not vocab or not merges:
@@ -103,14 +98,13 @@ def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_M
     else:
         from titanlike.data.tokenizers.null import NullTokenizer
 
-        tok = NullTokenizer(int(_opt(data_cfg, "null_vocab_size", 0) or data_cfg.builtin_vocab_size))
+        tok = NullTokenizer(data_cfg.builtin_vocab_size)  # ids below data.builtin_vocab_size
     return apply_special_overrides(tok, data_cfg)
 
 
 def apply_special_overrides(tok: Tokenizer, data_cfg) -> Tokenizer:
     """data.bos_token / eos_token / eod_token name tokens explicitly; an unknown name is an error, not a guess."""
-    for attr in ("bos", "eos", "eod"):
-        name = _opt(data_cfg, f"{attr}_token")
+    for attr, name in (("bos", data_cfg.bos_token), ("eos", data_cfg.eos_token), ("eod", data_cfg.eod_token)):
         if not name:
             continue
         tid = tok.token_to_id(name)

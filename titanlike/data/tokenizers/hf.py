@@ -23,7 +23,8 @@ BUILTIN_EOS = "<|end_of_text|>"
 TOKENIZER_TRAIN_MAX_BYTES = 8_000_000
 _BUILTIN_RECIPE = "bytelevel-bpe-v1"  # bump when the training recipe changes, so old caches are not reused
 
-# Names that mark the start / end of a document across common HF tokenizers (Llama 3, Llama 2/Mistral, GPT-2/Qwen...).
+# Names that mark the start / end of a document across common HF tokenizers (tiktoken- and sentencepiece-based,
+# GPT-2/Qwen...).
 _BOS_NAMES = (BUILTIN_BOS, "<s>", "<|startoftext|>", "<bos>", "[BOS]", "<|endoftext|>")
 _EOS_NAMES = (BUILTIN_EOS, "</s>", "<|endoftext|>", "<eos>", "[EOS]")
 
@@ -62,7 +63,7 @@ class HFTokenizer(Tokenizer):
         return None
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        # add_special_tokens=False: a file's own post-processor (e.g. Llama 3 prepends BOS) must not double them.
+        # add_special_tokens=False: a file's own post-processor (e.g. one that prepends BOS) must not double them.
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 

@@ -1,0 +1,72 @@
+"""The model contract: everything the rest of the repository may know about a model family, in one ModelSpec.
+
+A family lives in models/<name>/ (model, args, flavors, counts, HF adapter, checks) plus parallelize/<name>.py (its
+plans); models/__init__.py lists it in MODELS. The trainer, checkpoint tools and scripts read a model only through
+this contract, so adding a family touches nothing under titanlike/ or scripts/.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter, shared ones once
+    active: int  # those one token passes through (the total for dense models; routed experts count top-k of n)
+    embedding: int  # the input embedding table (a lookup, no matmul FLOPs)
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Training cost of each piece a pipeline stage can hold, in any one unit (FLOPs per token, say): the split
+    balances their sums. `layers` maps each `layers` key to its cost; embedding/output are the modules before and
+    after the blocks (the spec's pp_input_modules / pp_output_modules)."""
+    layers: dict[str, float]
+    embedding: float
+    output: float
+
+
+class HFAdapter(Protocol):
+    """What a family's models/<name>/hf.py provides for Hugging Face import and export."""
+
+    ARCHITECTURES: tuple[str, ...]  # config.json "architectures" entries it reads (the first is written)
+    MODEL_TYPES: tuple[str, ...]  # config.json "model_type" values it reads when "architectures" is absent
+
+    def to_hf(self, state_dict: dict, args: Any) -> dict: ...
+    def from_hf(self, hf_state_dict: dict, args: Any) -> dict: ...
+    def args_from_hf_config(self, config: dict) -> Any: ...
+    def hf_config(self, args: Any, dtype: Any, max_position_embeddings: int | None = None) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type  # model_cls(args) under torch.device("meta"); .init_weights(buffer_device) after sharding
+    args_cls: type  # a dataclass; checkpoints store dataclasses.asdict(args) and rebuild it with args_cls(**d)
+    flavors: dict[str, Any]  # flavor name -> args (read-only: derive copies with dataclasses.replace)
+    plans: str  # module under parallelize/ whose PLANS dict maps plan names to fn(model, dims, cfg) -> model
+    param_counts: Callable[[Any], ParamCounts]  # args -> exact counts
+    flops_per_token: Callable[[Any, int], int]  # (args, seq_len) -> training FLOPs per token (forward + backward)
+    pp_costs: Callable[[Any, int], PipelineCosts]  # (args, seq_len) -> costs the pipeline split balances
+    # (args, parallelism section, flavor name) -> problems, each naming the key and the fix; the parallelism section
+    # is read for its degrees (tp, cp, ep, pp), so models/ needs no config import.
+    check: Callable[[Any, Any, str], list[str]]
+    hf: HFAdapter | None = None
+    pp_input_modules: tuple[str, ...] = ("tok_embeddings",)  # top-level modules before the blocks (first stage)
+    pp_output_modules: tuple[str, ...] = ("norm", "output")  # after the blocks (last stage)
+    # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
+    run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
+
+    def flavor_args(self, flavor: str) -> Any:
+        if flavor not in self.flavors:
+            raise ValueError(f"model.flavor={flavor!r} unknown for {self.name}; choose one of {sorted(self.flavors)}")
+        return self.flavors[flavor]
+
+    def find_flavor(self, args: Any) -> str | None:
+        """The flavor with the same architecture as `args` (run fields aside), or None."""
+        def arch(a: Any) -> dict:
+            return {k: v for k, v in dataclasses.asdict(a).items() if k not in self.run_fields}
+
+        return next((name for name, fa in self.flavors.items() if arch(fa) == arch(args)), None)
