@@ -44,7 +44,9 @@ class HFAdapter(Protocol):
 class ModelSpec:
     name: str
     model_cls: type  # model_cls(args) under torch.device("meta"); .init_weights(buffer_device) after sharding
-    args_cls: type  # a dataclass; checkpoints store dataclasses.asdict(args) and rebuild it with args_cls(**d)
+    # A dataclass with (at least) vocab_size, max_seq_len and n_layers, which the trainer sets from the run
+    # (repeat_kv_heads too, where it exists); checkpoints store dataclasses.asdict(args), rebuilt by args_cls(**d).
+    args_cls: type
     flavors: dict[str, Any]  # flavor name -> args (read-only: derive copies with dataclasses.replace)
     plans: str  # module under parallelize/ whose PLANS dict maps plan names to fn(model, dims, cfg) -> model
     param_counts: Callable[[Any], ParamCounts]  # args -> exact counts

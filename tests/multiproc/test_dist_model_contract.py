@@ -20,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,19 +36,10 @@ LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 STEPS, SEQ = 10, 32  # as in the worker
 
-# Library code that still assumes Llama's args, found by this test. While it is there the training test is an
-# expected failure for exactly that reason (matched on the error text, so any other failure still fails); once the
-# library is fixed the test passes with no edit here.
-KNOWN_BLOCKERS = {
-    "unexpected keyword argument 'repeat_kv_heads'":
-        "titanlike/train/trainer.py:77-78 builds the run's args with dataclasses.replace(flavor, ..., "
-        "repeat_kv_heads=...): a Llama-only field that a family's args_cls need not have (ToyArgs does not)",
-}
 
 
-def _toy():
-    if str(TOY_DIR) not in sys.path:
-        sys.path.insert(0, str(TOY_DIR))
+def _toy(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOY_DIR))  # undone after the test, like the registry entry below
     import toy_models
 
     return toy_models
@@ -57,24 +47,18 @@ def _toy():
 
 def _launch(root: str, phase: str, nproc: int) -> dict:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), str(TOY_DIR), os.environ.get("PYTHONPATH")]))}
-    try:
-        run_torchrun(WORKER, nproc, args=[root, phase], timeout=180, env=env)
-    except AssertionError as e:
-        for signature, reason in KNOWN_BLOCKERS.items():
-            if signature in str(e):
-                pytest.xfail(f"BLOCKED by the library: {reason}")
-        raise
+    run_torchrun(WORKER, nproc, args=[root, phase], timeout=180, env=env)
     with open(os.path.join(root, f"{phase}.json")) as f:
         return json.load(f)
 
 
 @pytest.mark.dist
-def test_toy_family_trains_under_fsdp_like_one_process(tmp_path):
+def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     root = str(tmp_path)
     ref = _launch(root, "reference", 1)
     fsdp = _launch(root, "fsdp", 2)
     assert ref["world"] == 1 and fsdp["world"] == 2
-    toy = _toy()
+    toy = _toy(monkeypatch)
     spec = toy.SPEC
 
     ref_h, fsdp_h = ref["run"]["history"], fsdp["run"]["history"]
@@ -112,10 +96,10 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path):
 # ------------------------------------------------------------------------------------ the toy spec, one process
 
 
-def test_toy_spec_counts_are_exact():
+def test_toy_spec_counts_are_exact(monkeypatch):
     """param_counts against the meta-built model; flops_per_token against torch's FLOP counter (every matmul of one
     forward + backward, SDPA on the math backend so its bmm's are counted, full [S, S] scores as in the formula)."""
-    toy = _toy()
+    toy = _toy(monkeypatch)
     spec = toy.SPEC
     args = dataclasses.replace(spec.flavors["tiny"], vocab_size=512, max_seq_len=SEQ)
     with torch.device("meta"):
@@ -144,7 +128,7 @@ def test_toy_plans_found_through_the_registry(monkeypatch):
     import models
     from parallelize import get_plan
 
-    toy = _toy()
+    toy = _toy(monkeypatch)
     import toy_plans
 
     monkeypatch.setitem(models.MODELS, "toy", toy.SPEC)

@@ -74,8 +74,10 @@ class Trainer:
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
         flavor = spec.flavor_args(cfg.model.flavor)
         n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
-        self.model_args = dataclasses.replace(flavor, vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers,
-                                              repeat_kv_heads=repeats_kv_heads(cfg.model.attn_backend, self.device))
+        run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
+        if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:  # a kernel knob of GQA families
+            run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, self.device)
+        self.model_args = dataclasses.replace(flavor, **run)
         validate_model(spec, self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
