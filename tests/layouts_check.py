@@ -1,4 +1,4 @@
-"""One model, five layouts, one seed checkpoint (issue 9's runs 2 and 3, shared by the GPU and the gloo test):
+"""One model, five layouts, one seed checkpoint (shared by the GPU and the gloo test):
 
   seed  1 process   --checkpoint.create_seed_checkpoint
   A     2 ranks     FSDP 2                       all steps          the reference ("fewer devices")

@@ -26,7 +26,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.repeat_kv_heads = args.repeat_kv_heads
         # The attention kernel: SDPA by default; the trainer may point it at another with the same contract
-        # (titanlike/attention_fa4.py for model.attn_backend = "fa4").
+        # (models/common/fa4.py for model.attn_backend = "fa4").
         self.attention_fn = causal_attention
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)

@@ -2,13 +2,13 @@
 fastest on this GPU. Each row is timed with the q/k/v layout the model hands to attention ([B, S, H, D] projected
 activations, transposed to [B, H, S, D] views).
 
-    python scripts/attention_bench.py --flavor 1B --seq 4096 --batch 2 [--iters 20] [--flex]
+    python scripts/bench/attention_bench.py --flavor 1B --seq 4096 --batch 2 [--iters 20] [--flex]
 
 Rows: SDPA backends (cuDNN, flash = FlashAttention-2, memory-efficient) with the KV heads repeated first (`repeat`,
 what the memory-efficient kernel needs) or passed once with `enable_gqa=True` (`gqa`, the model's default);
-FlashAttention-4 where flash-attn-4 imports (titanlike/attention_fa4.py); with `--flex`, compiled FlexAttention with
+FlashAttention-4 where flash-attn-4 imports (models/common/fa4.py); with `--flex`, compiled FlexAttention with
 a causal block mask (Triton), default and autotuned. TFLOP/s counts the causal half of the score matrix, backward as
-2.5x forward. Figures: docs/benchmarks.md (seventh session).
+2.5x forward. Figures: docs/benchmarks.md (attention kernels).
 """
 from __future__ import annotations
 

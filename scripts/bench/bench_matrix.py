@@ -1,4 +1,4 @@
-"""The benchmark matrix of scripts/benchmark.py: axes with their defaults and parsers, expansion of command-line
+"""The benchmark matrix of scripts/bench/benchmark.py: axes with their defaults and parsers, expansion of command-line
 comma lists and TOML [defaults]/[[case]] tables into checked cases, and each case's label."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes, from a torch.profiler trace: time per kernel class and the top kernels.
 
-    python scripts/kernel_breakdown.py OUTPUTS/RUN/profile_traces/iteration_12/rank0_trace.json [--top 15]
+    python scripts/bench/kernel_breakdown.py OUTPUTS/RUN/profile_traces/iteration_12/rank0_trace.json [--top 15]
 
 The trace comes from `--profiling.enable_profiling --profiling.profile_freq=N`. The window is the span of the
 recorded ProfilerStep#N annotations (divided by their count: per step). Kernel classes (by kernel name):

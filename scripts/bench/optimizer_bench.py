@@ -2,10 +2,10 @@
 memory bandwidth it reaches, for fused / foreach / compiled AdamW, fused clipping (`grad_scale`) and the grad norm,
 and for the master-weight AdamW (bf16 weights and gradients, fp32 moments, the masters' low 16 bits: 26 B/param).
 
-    python scripts/optimizer_bench.py --flavor 1B [--vocab 128256] [--iters 10] [--compiled]
+    python scripts/bench/optimizer_bench.py --flavor 1B [--vocab 128256] [--iters 10] [--compiled]
 
 AdamW moves 28 bytes per fp32 parameter (reads param, grad, two moments; writes param and moments); a plain device
-copy is printed as the roofline. Figures: docs/benchmarks.md (fifth session).
+copy is printed as the roofline. Figures: docs/benchmarks.md (master weights and the optimizer update).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def main() -> None:
 
 
 def master_weights(spec, a) -> None:
-    """titanlike/master_weights.py's compiled update (reads bf16 grads, writes bf16 weights) and its fp32 grad norm."""
+    """titanlike/optim/master_weights.py's compiled update (reads bf16 grads, writes bf16 weights) and its fp32 grad norm."""
     from titanlike.config.sections import Optimizer
     from titanlike.optim.master_weights import build_master_weight_adamw
 

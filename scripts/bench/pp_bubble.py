@@ -1,6 +1,6 @@
 """Measured pipeline bubble from torch.profiler traces, next to the schedule's theoretical bubble.
 
-    python scripts/pp_bubble.py OUTPUTS/RUN/profile_traces/iteration_10 --pp 2 --microbatches 8 --schedule 1F1B
+    python scripts/bench/pp_bubble.py OUTPUTS/RUN/profile_traces/iteration_10 --pp 2 --microbatches 8 --schedule 1F1B
 
 Per rank trace (rank<r>_trace.json, written by `--profiling.enable_profiling`): the window is the span of the
 recorded ProfilerStep#N annotations; "busy" is the union of the GPU's compute kernels and copies inside it (NCCL

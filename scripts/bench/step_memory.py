@@ -3,7 +3,7 @@
     python scripts/bench/step_memory.py --config CONFIG.toml --model.vocab_size=128256 [--section.key=value ...]
 
 Runs 6 warm-up steps, then times 8 and prints the mean step time, peak allocated and peak reserved memory: what the
-memory rows of docs/benchmarks.md (sixth session) compare. Set PYTORCH_CUDA_ALLOC_CONF before running to compare
+memory rows of docs/benchmarks.md compare. Set PYTORCH_CUDA_ALLOC_CONF before running to compare
 allocators (scripts/train.py sets expandable segments for one process; this script does not).
 """
 from __future__ import annotations

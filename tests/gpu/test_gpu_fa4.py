@@ -1,4 +1,4 @@
-"""FlashAttention-4 as the model's attention (titanlike/attention_fa4.py, model.attn_backend = "fa4"): the custom ops
+"""FlashAttention-4 as the model's attention (models/common/fa4.py, model.attn_backend = "fa4"): the custom ops
 match cuDNN's SDPA forward and backward, eager and compiled, and a run on them learns.
 
 Marked `gpu`; skipped without CUDA or without the flash-attn-4 package (`pip install 'titanlike[fa4]'`)."""

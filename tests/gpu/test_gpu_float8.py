@@ -1,5 +1,5 @@
 """float8 and the chunked loss on CUDA (marked `gpu`, skipped on CPU): run on the GPU machine with
-`python -m pytest -q tests/test_float8_gpu.py` (1 GPU; the last test needs 2)."""
+`python -m pytest -q tests/gpu/test_gpu_float8.py` (1 GPU; the last test needs 2)."""
 import pytest
 import torch
 

@@ -1,5 +1,5 @@
 """Four GPUs: a 70B-shaped model under 2-D layouts matches the same model on fewer GPUs, and a checkpoint written
-under TP 2 x PP 2 continues under FSDP 2 and on one GPU (issue 9, runs 2 and 3; the runs: tests/layouts_check.py).
+under TP 2 x PP 2 continues under FSDP 2 and on one GPU (the runs: tests/layouts_check.py).
 
 Model: `70B_4L` (Llama 3 70B layer dimensions, 4 layers) with the builtin 2,048-token vocabulary on the stdlib
 text, so the 70B-sized blocks dominate (3.4B params) and a full training state (55 GB) saves and loads in seconds.

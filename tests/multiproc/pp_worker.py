@@ -2,7 +2,7 @@
 
 2 processes: PP 2 with every schedule (single-stage, looped, zero-bubble, V-shaped), activation checkpointing,
 gradient accumulation, uneven splits and explicit split points. 4 processes: PP 2 x FSDP 2 (1F1B and
-Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through titanlike.pipeline_step.PipelineRunner
+Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through titanlike.train.pipeline.PipelineRunner
 (the trainer's own PP path: schedule, last-stage loss normalised by the global token count, grad-norm clipping
 over all stages) and compares the loss, the grad norm and, after the steps, every parameter and a validation
 forward (schedule.eval) with the reference. Rank 0 prints "CHECK <name> ok ..." per case and "ALL CHECKS PASSED".

@@ -61,7 +61,7 @@ def test_errors():
         get_plan("llama3", ":fn")
 
 
-@pytest.mark.parametrize("degree", ["cp", "ep"])  # tp: tests/test_tp.py; pp: plans run per stage (test_dist_pp.py)
+@pytest.mark.parametrize("degree", ["cp", "ep"])  # tp: tests/unit/test_tp.py; pp: plans run per stage (test_dist_pp.py)
 @pytest.mark.parametrize("plan", ["default", "fsdp_only"])
 def test_plans_refuse_unimplemented_parallelism(degree, plan):
     dims = ParallelDims(world_size=2, **{degree: 2, "dp_shard": 2 if degree == "ep" else -1})

@@ -1,6 +1,6 @@
 """Chaos on one process (CPU, deterministic, a checkpoint every step): `kill -9` at a random step, three times,
 then a truncated newest checkpoint. Every resumed run must reproduce the uninterrupted run's loss curve exactly,
-and the last one must fall back to the previous complete step. (An injected NaN batch: tests/test_fault.py.)"""
+and the last one must fall back to the previous complete step. (An injected NaN batch: tests/unit/test_fault.py.)"""
 import os
 import random
 import re

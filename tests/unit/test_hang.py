@@ -1,4 +1,4 @@
-"""Units of titanlike/hang.py and the [comm] / [fault_tolerance] config rules (the multi-process behaviour:
+"""Units of titanlike/resilience/comm_watch.py and the [comm] / [fault_tolerance] config rules (the multi-process behaviour:
 tests/multiproc/test_dist_hang.py, test_dist_torchft.py)."""
 import json
 import logging

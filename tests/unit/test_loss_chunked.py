@@ -1,4 +1,4 @@
-"""titanlike/loss.py: the chunked LM head + cross-entropy equals the plain path (fp32: loss and gradients within
+"""titanlike/train/loss.py: the chunked LM head + cross-entropy equals the plain path (fp32: loss and gradients within
 1e-5), through the model and the Trainer; the FSDP2 case is in tests/multiproc/test_dist_float8.py."""
 from __future__ import annotations
 

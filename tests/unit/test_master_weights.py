@@ -1,4 +1,4 @@
-"""bf16 weights + fp32 master weights (titanlike/master_weights.py): the update equals torch's AdamW on fp32
+"""bf16 weights + fp32 master weights (titanlike/optim/master_weights.py): the update equals torch's AdamW on fp32
 weights fed the same gradients, skipped steps change nothing, accumulation sums in fp32, checkpoints hold the
 fp32 masters and move to and from the fp32 layouts, and the trainer's runs learn and resume exactly."""
 import types

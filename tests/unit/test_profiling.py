@@ -1,4 +1,4 @@
-"""titanlike/profiling.py: traces land on multiples of profile_freq (also after a resume), the trainer wires it, and
+"""titanlike/observe/profiling.py: traces land on multiples of profile_freq (also after a resume), the trainer wires it, and
 the config rejects a schedule longer than its period."""
 from __future__ import annotations
 

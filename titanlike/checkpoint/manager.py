@@ -99,7 +99,7 @@ class CheckpointManager(LoadMixin):
         # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
         # interleave with the training collectives, nor with the writer's own collectives.
         # Both wait for the slowest rank's write of a whole checkpoint: they keep gloo's 30 min timeout, not the
-        # training one (titanlike/hang.py).
+        # training one (titanlike/resilience/comm_watch.py).
         self._ctl = dist.new_group(backend="gloo") if self.enabled and self.world > 1 else None
         self._async_pg = None
         self._stager = None

@@ -25,7 +25,7 @@ from titanlike.checkpoint.layout import META, CheckpointError
 MODEL, OPTIM, EXTRA = "model", "optimizer", "extra"
 # Optimizer state keyed per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the state of several
 # model parts (pipeline stages) merges into one dict, and loads back into any other split of the model. Also what a
-# torchft replica group sends a recovering one (titanlike/ft.py).
+# torchft replica group sends a recovering one (titanlike/resilience/ft.py).
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 

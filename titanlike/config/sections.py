@@ -43,7 +43,7 @@ class Training:
     mixed_precision_reduce: str = "float32"
     # One device only (FSDP casts sharded weights itself): auto (master_weights when compile.components has
     # "optimizer", else autocast) | autocast (fp32 weights, bf16 matmuls) | master_weights (bf16 weights, fp32
-    # master weights and moments in the optimizer, as Megatron's --bf16; titanlike/master_weights.py)
+    # master weights and moments in the optimizer, as Megatron's --bf16; titanlike/optim/master_weights.py)
     mixed_precision_impl: str = "auto"
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
     skip_nonfinite_steps: bool = True  # a NaN/Inf gradient norm skips that update (counted, logged)
@@ -54,7 +54,7 @@ class Training:
     signal_check_freq: int = 10  # multi-process runs agree on a SIGTERM/SIGUSR1 every N steps (one all-reduce)
     loss_spike_zscore: float = 6.0  # warn when a logged loss is this many std above the recent ones; 0 = off
     # >0: output projection + cross-entropy in chunks of this many tokens, so the [tokens, vocab] logits are never
-    # materialised in full (titanlike/loss.py); 0 = plain logits then cross-entropy
+    # materialised in full (titanlike/train/loss.py); 0 = plain logits then cross-entropy
     loss_chunk_tokens: int = 0
 
 
@@ -199,7 +199,7 @@ class Validation:
 
 @dataclass
 class Comm:
-    """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/hang.py, docs/faults.md)."""
+    """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/resilience/comm_watch.py, docs/faults.md)."""
     init_timeout_seconds: int = 300  # process-group creation, checkpoint load and the first step
     train_timeout_seconds: int = 100  # every collective after the first step: a hung peer raises after this long
     trace_buf_size: int = 20000  # flight recorder: last N collectives per rank (TORCH_FR_BUFFER_SIZE); 0 = off
@@ -210,7 +210,7 @@ class Comm:
 
 @dataclass
 class FaultTolerance:
-    """torchft replica groups (titanlike/ft.py): each group is its own job running the data-parallel replicate
+    """torchft replica groups (titanlike/resilience/ft.py): each group is its own job running the data-parallel replicate
     dimension; a failed group drops out of the quorum and rejoins by copying a live group's state."""
     enable: bool = False
     replica_id: int = 0  # this group's index in [0, group_size)

@@ -227,7 +227,7 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
 
 
 def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[str]) -> None:
-    """training.mixed_precision_impl="master_weights" (titanlike/master_weights.py): one device, bf16 weights."""
+    """training.mixed_precision_impl="master_weights" (titanlike/optim/master_weights.py): one device, bf16 weights."""
     t = cfg.training
     if t.mixed_precision_impl != "master_weights":
         return

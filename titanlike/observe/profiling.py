@@ -103,7 +103,7 @@ class StepProfiler:
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by (start, end) intervals, overlaps counted once: GPU busy time from kernels that run
-    on several streams at once (scripts/pp_bubble.py, scripts/kernel_breakdown.py)."""
+    on several streams at once (scripts/bench/pp_bubble.py, scripts/bench/kernel_breakdown.py)."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b > end:

@@ -143,10 +143,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW over the model's bf16 parameters whose arithmetic happens on fp32 master weights (`master(p)`: the
     parameter's bits joined with `self.low_bits[p]`).
 
-    Like fused AdamW it reads `grad_scale` (clipping folded into the update, titanlike/optim.py) and `found_inf`
-    (titanlike/fault.py's guard) as device tensors, so a step never waits for the host."""
+    Like fused AdamW it reads `grad_scale` (clipping folded into the update, titanlike/optim/adamw.py) and `found_inf`
+    (titanlike/resilience/nonfinite.py's guard) as device tensors, so a step never waits for the host."""
 
-    skips_on_device = True  # reads found_inf (titanlike/fault.py)
+    skips_on_device = True  # reads found_inf (titanlike/resilience/nonfinite.py)
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
                  compile: bool = False, accumulate_fp32: bool = False, overlap: bool = False,

@@ -32,7 +32,7 @@ class NonFiniteGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
         self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
-        # fused AdamW, or an optimizer that declares it reads found_inf (titanlike/master_weights.py)
+        # fused AdamW, or an optimizer that declares it reads found_inf (titanlike/optim/master_weights.py)
         self.on_device = all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
                              for o in self.optimizers)
         self.max_consecutive = max_consecutive

@@ -66,7 +66,7 @@ class Trainer:
 
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
-        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/hang.py)
+        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.tokenizer = build_tokenizer(cfg.data)
@@ -95,7 +95,7 @@ class Trainer:
         self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
                                              "loss" in cfg.compile.components) if t.loss_chunk_tokens > 0 else None)
         plan = get_plan(cfg.model.name, cfg.model.plan)
-        self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/pipeline_step.py)
+        self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
             self.pp = PipelineRunner(model, spec, self.model_args, self.dims, cfg, self.device, plan,
                                      lambda out, y: self.loss_fn(out, y))
@@ -123,7 +123,7 @@ class Trainer:
             optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
             self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        # Fused AdamW clips inside its kernel (titanlike/optim.py): one pass over the fp32 gradients less.
+        # Fused AdamW clips inside its kernel (titanlike/optim/adamw.py): one pass over the fp32 gradients less.
         self.fused_clip = fused_clip_optimizers(self.optimizer)
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
@@ -171,7 +171,7 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
             strict=self.pp is None)  # a pipeline rank holds only its stages' keys
-        self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/ft.py)
+        self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/resilience/ft.py)
         if cfg.fault_tolerance.enable:
             self.ft = FaultTolerance(cfg.fault_tolerance, cfg.comm, self.device, model_parts=self.model_parts,
                                      optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -251,7 +251,7 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Runs to training.steps; returns the logged metrics (one dict per log step). A collective that times
-        out or loses its peer raises CommError naming the timeout key and the stalled rank (titanlike/hang.py)."""
+        out or loses its peer raises CommError naming the timeout key and the stalled rank (titanlike/resilience/comm_watch.py)."""
         try:
             return self._train_loop()
         except RuntimeError as e:
