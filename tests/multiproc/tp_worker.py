@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-import models.common
+import models.common.attention
 from par_helpers import exit_without_teardown, global_batch, meta_model, reference_model
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
@@ -53,18 +53,18 @@ class SdpaSpy:
 
     def __init__(self):
         self.types: set[str] = set()
-        self._orig = models.common.F.scaled_dot_product_attention
+        self._orig = models.common.attention.F.scaled_dot_product_attention
 
     def __enter__(self):
         def spy(q, k, v, **kw):
             self.types.update(type(t).__name__ for t in (q, k, v))
             return self._orig(q, k, v, **kw)
 
-        models.common.F.scaled_dot_product_attention = spy
+        models.common.attention.F.scaled_dot_product_attention = spy
         return self
 
     def __exit__(self, *exc):
-        models.common.F.scaled_dot_product_attention = self._orig
+        models.common.attention.F.scaled_dot_product_attention = self._orig
 
 
 class AsyncTPSpy:
