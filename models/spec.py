@@ -22,7 +22,7 @@ class ParamCounts:
 class PipelineCosts:
     """Training cost of each piece a pipeline stage can hold, in any one unit (FLOPs per token, say): the split
     balances their sums. `layers` maps each `layers` key to its cost; embedding/output are the modules before and
-    after the blocks (the spec's pp_input_modules / pp_output_modules)."""
+    after the blocks (the spec's input_modules / output_modules)."""
     layers: dict[str, float]
     embedding: float
     output: float
@@ -55,9 +55,12 @@ class ModelSpec:
     # (args, parallelism section, flavor name) -> problems, each naming the key and the fix; the parallelism section
     # is read for its degrees (tp, cp, ep, pp), so models/ needs no config import.
     check: Callable[[Any, Any, str], list[str]]
+    # Top-level modules before the blocks (the first pipeline stage holds them; FSDP groups each on its own) and after
+    # them (the last stage; one FSDP group; the last is the output projection, which the chunked loss replaces).
+    # Every other parameter lives in `layers`.
+    input_modules: tuple[str, ...]
+    output_modules: tuple[str, ...]
     hf: HFAdapter | None = None
-    pp_input_modules: tuple[str, ...] = ("tok_embeddings",)  # top-level modules before the blocks (first stage)
-    pp_output_modules: tuple[str, ...] = ("norm", "output")  # after the blocks (last stage)
     # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
     run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
 

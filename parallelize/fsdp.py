@@ -1,7 +1,8 @@
-"""FSDP2 (`fully_shard`) for decoder models with `tok_embeddings`, `layers` (ModuleDict), `norm`, `output`.
+"""FSDP2 (`fully_shard`) for decoder models: `layers` (a ModuleDict of blocks) between the top-level modules that run
+before them (the embeddings) and after them (final norm, output projection), whose names the model's plan passes.
 
 Parameter groups (one all-gather / reduce-scatter each):
-  tok_embeddings | layers[i] for each block | [norm, output] | the root (whatever is left)
+  each input module | layers[i] for each block | [output modules] | the root (whatever is left)
 A 2-D mesh (dp_replicate, dp_shard) gives HSDP: shard within a row, all-reduce gradients across rows.
 """
 
@@ -36,6 +37,8 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pp_enabled: bool = False,
+    input_modules: tuple[str, ...] = (),
+    output_modules: tuple[str, ...] = (),
 ) -> nn.Module:
     """Shard `model` in place over `dp_mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP); returns it.
 
@@ -51,8 +54,9 @@ def apply_fsdp(
 
     # Embeddings in their own group: with a large vocabulary they are big, and in the root group they
     # would stay unsharded for the whole step.
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    for name in input_modules:
+        if getattr(model, name, None) is not None:  # None: a pipeline stage without it
+            fully_shard(getattr(model, name), **config, reshard_after_forward=reshard)
 
     blocks = [b for b in model.layers.values() if b is not None]
     for i, block in enumerate(blocks):
@@ -61,8 +65,8 @@ def apply_fsdp(
         last = i == len(blocks) - 1
         fully_shard(block, **config, reshard_after_forward=reshard and not (last and reshard_after_forward == "default"))
 
-    # norm + output: one group, never resharded after forward (their backward comes first).
-    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    # Final norm + output projection: one group, never resharded after forward (their backward comes first).
+    tail = [getattr(model, name) for name in output_modules if getattr(model, name, None) is not None]
     if tail:
         fully_shard(tail, **config, reshard_after_forward=False)
 
@@ -71,7 +75,7 @@ def apply_fsdp(
     return model
 
 
-def _fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
+def fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
     """bf16/fp32 (from config) on CUDA; fp32/fp32 on CPU, where parity tests need exact float32."""
     if dims.world_mesh is None or dims.world_mesh.device_type == "cpu":
         return torch.float32, torch.float32
@@ -85,15 +89,18 @@ def _fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
     return dtype(training_cfg.mixed_precision_param), dtype(training_cfg.mixed_precision_reduce)
 
 
-def maybe_fsdp(model: nn.Module, dims, cfg) -> None:
-    """FSDP2/HSDP over the ParallelDims' FSDP mesh with the config's dtypes and reshard mode; nothing without FSDP."""
+def maybe_fsdp(model: nn.Module, dims, cfg, input_modules: tuple[str, ...] = (),
+               output_modules: tuple[str, ...] = ()) -> None:
+    """FSDP2/HSDP over the ParallelDims' FSDP mesh with the config's dtypes and reshard mode; nothing without FSDP.
+    input_modules / output_modules: the model's top-level modules before / after `layers` (see apply_fsdp)."""
     if not dims.fsdp_enabled:
         return
     mesh = dims.fsdp_mesh
     if mesh is None:
         raise RuntimeError("parallelize: FSDP is enabled but ParallelDims.build_mesh() was not called")
-    param_dtype, reduce_dtype = _fsdp_dtypes(dims, cfg.training)
+    param_dtype, reduce_dtype = fsdp_dtypes(dims, cfg.training)
     apply_fsdp(
         model, mesh, param_dtype, reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
+        input_modules=input_modules, output_modules=output_modules,
     )

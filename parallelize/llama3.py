@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
 )
 
+from models.llama3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
 from parallelize.fsdp import maybe_fsdp
@@ -80,7 +81,7 @@ def parallelize_llama(model: nn.Module, dims, cfg) -> nn.Module:
     _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
     apply_ac(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
-    maybe_fsdp(model, dims, cfg)
+    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model
 
 
@@ -90,7 +91,7 @@ def parallelize_llama_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
         raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                          f"model.plan='default' (TP -> AC -> compile -> FSDP) or set parallelism.tp=1")
     _refuse_unimplemented(dims, allow=("pp",))  # pp: applied per stage, as in parallelize_llama
-    maybe_fsdp(model, dims, cfg)
+    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model
 
 

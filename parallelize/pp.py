@@ -1,7 +1,7 @@
 """Pipeline parallelism: split a decoder into stages, place them on the PP ranks, build a torch pipelining schedule.
 
 Model contract (models/spec.py): `layers` (an nn.ModuleDict with string keys), the top-level modules the ModelSpec
-names as running before (pp_input_modules) and after (pp_output_modules) the blocks, and a forward that skips a
+names as running before (input_modules) and after (output_modules) the blocks, and a forward that skips a
 module set to None (hidden states in, hidden states out). A stage is a deep
 copy of the meta model that keeps its own `layers` entries (the others are deleted, never renumbered) and sets the
 modules it does not own to None, so every parameter keeps the full model's FQN and checkpoints reshard between PP
@@ -79,15 +79,15 @@ class Pipeline:
 
 def model_layout(model: nn.Module, spec, args, par, seq_len: int) -> list[list[str]]:
     """Module FQNs of every stage of meta `model` (a `spec` family model built from `args`)."""
-    known = {"layers", *spec.pp_input_modules, *spec.pp_output_modules}
+    known = {"layers", *spec.input_modules, *spec.output_modules}
     unknown = [name for name, _ in model.named_children() if name not in known]
     if unknown:
         raise ValueError(f"pipeline split: top-level modules {unknown} of {type(model).__name__} have no stage; "
-                         f"add them to the ModelSpec's pp_input_modules or pp_output_modules ({spec.name})")
-    present = [m for m in (*spec.pp_input_modules, *spec.pp_output_modules) if getattr(model, m, None) is not None]
+                         f"add them to the ModelSpec's input_modules or output_modules ({spec.name})")
+    present = [m for m in (*spec.input_modules, *spec.output_modules) if getattr(model, m, None) is not None]
     return stage_layout(list(model.layers.keys()), par, spec.pp_costs(args, seq_len),
-                        [m for m in spec.pp_input_modules if m in present],
-                        [m for m in spec.pp_output_modules if m in present])
+                        [m for m in spec.input_modules if m in present],
+                        [m for m in spec.output_modules if m in present])
 
 
 def build_pipeline(model: nn.Module, spec, args, dims, cfg, device: torch.device, loss_fn: Callable,
@@ -110,7 +110,7 @@ def build_pipeline(model: nn.Module, spec, args, dims, cfg, device: torch.device
     owners = stage_owners(dims.pp, num_stages, par.pp_schedule in V_SCHEDULES)
     stages, parts = [], []
     for sid in (s for s, owner in enumerate(owners) if owner == pp_rank):
-        top_level = (*spec.pp_input_modules, *spec.pp_output_modules)
+        top_level = (*spec.input_modules, *spec.output_modules)
         part = stage_plan(stage_module(model, layout[sid], top_level), dims, cfg)
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=group))

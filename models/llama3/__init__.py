@@ -24,6 +24,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
     check=check,
+    input_modules=("tok_embeddings",),
+    output_modules=("norm", "output"),
     hf=hf,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
 )

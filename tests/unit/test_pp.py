@@ -89,7 +89,7 @@ def test_stage_modules_keep_full_model_fqns():
     full = {n for n, _ in model.named_parameters()}
     seen = []
     for names in layout:
-        part = stage_module(model, names, (*spec.pp_input_modules, *spec.pp_output_modules))
+        part = stage_module(model, names, (*spec.input_modules, *spec.output_modules))
         fqns = [n for n, _ in part.named_parameters()]
         assert set(fqns) <= full
         seen += fqns

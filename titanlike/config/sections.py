@@ -101,8 +101,8 @@ class Parallelism:
     pp_stages_per_rank: int = -1  # virtual stages per PP rank; -1 = 1 for GPipe/1F1B, 2 for the multi-stage schedules
     pp_layers_per_stage: int = -1  # > 0: instead of pp_stages_per_rank, stages = ceil(n_layers / this)
     pp_split_points: list[str] = field(default_factory=list)  # e.g. ["layers.8", "layers.16"]: first layer of stages 1..
-    # Cost of tok_embeddings / norm+output in transformer-layer equivalents for the even split; -1 = estimate from
-    # FLOPs (embedding 0, output projection 6*dim*vocab against one block's FLOPs at this seq_len)
+    # Cost of the modules before / after the blocks (the embeddings / final norm + output projection) in block
+    # equivalents for the even split; -1 = the model's own FLOP estimate (ModelSpec.pp_costs at this seq_len)
     pp_embedding_weight: float = -1.0
     pp_output_weight: float = -1.0
 

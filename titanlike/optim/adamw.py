@@ -13,14 +13,15 @@ from titanlike.config.sections import Optimizer
 def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
     """Split parameters into decay / no-decay groups.
 
-    1-D parameters (norm weights, biases) and the token embedding are not decayed by default, as in GPT/Megatron:
-    decaying a norm gain towards 0 or shrinking rarely-seen token rows only hurts.
+    1-D parameters (norm weights, biases) and embedding tables (nn.Embedding) are not decayed by default, as in
+    GPT/Megatron: decaying a norm gain towards 0 or shrinking rarely-seen token rows only hurts.
     """
     decay, no_decay = [], []
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_embedding = "tok_embeddings" in name
+        is_embedding = id(p) in embeddings
         is_1d = p.ndim < 2
         if (is_1d and not cfg.decay_norms_and_biases) or (is_embedding and not cfg.decay_embeddings):
             no_decay.append(p)

@@ -102,7 +102,7 @@ def adamw_update(params, grads, low_bits, exp_avgs, exp_avg_sqs, steps, group_lr
 
 def _bucket_key(name: str) -> str:
     """The module whose forward first reads parameter `name`: `layers.N` for a block (every block has the same
-    shapes, so one compiled update serves them all), else the top-level module (`tok_embeddings`, `output`)."""
+    shapes, so one compiled update serves them all), else the top-level module (the embeddings, the output projection)."""
     parts = name.split(".")
     if len(parts) > 2 and parts[1].isdigit():
         return ".".join(parts[:2])

@@ -117,15 +117,17 @@ def loss_targets(head: ChunkedLossLinear, labels: torch.Tensor):
         head._labels = None
 
 
-def apply_chunked_loss(model: nn.Module, chunk_tokens: int, compile_chunk: bool = False) -> ChunkedLossLinear:
-    """Swap `model.output` for a ChunkedLossLinear sharing its parameters (in place, meta or not); returns it.
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int, compile_chunk: bool = False,
+                       head_name: str = "output") -> ChunkedLossLinear:
+    """Swap the output projection `model.<head_name>` for a ChunkedLossLinear sharing its parameters (in place, meta
+    or not); returns it. The trainer passes the last of the ModelSpec's output_modules.
 
     compile_chunk: torch.compile the per-chunk softmax/gradient math (fuses ~6 passes over the chunk's logits into
     ~2; worth it on GPUs, and done when compile.components has "loss")."""
-    old = getattr(model, "output", None)
+    old = getattr(model, head_name, None)
     if type(old) is not nn.Linear:
-        raise ValueError(f"training.loss_chunk_tokens={chunk_tokens}: model.output must be a plain nn.Linear, got "
-                         f"{type(old).__name__} (a float8 output layer: keep 'output' in float8.filter_fqns)")
+        raise ValueError(f"training.loss_chunk_tokens={chunk_tokens}: model.{head_name} must be a plain nn.Linear, "
+                         f"got {type(old).__name__} (a float8 output layer: keep '{head_name}' in float8.filter_fqns)")
     if chunk_tokens < 1:
         raise ValueError(f"training.loss_chunk_tokens={chunk_tokens} must be >= 1 here")
     with torch.device(old.weight.device):
@@ -136,7 +138,7 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int, compile_chunk: bool 
     new.chunk_tokens = chunk_tokens
     if compile_chunk:
         new.chunk_fn = torch.compile(chunk_loss_and_grad, dynamic=False)
-    model.output = new
+    setattr(model, head_name, new)
     return new
 
 

@@ -93,7 +93,8 @@ class Trainer:
         # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
         self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
         self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
-                                             "loss" in cfg.compile.components) if t.loss_chunk_tokens > 0 else None)
+                                             "loss" in cfg.compile.components, head_name=spec.output_modules[-1])
+                          if t.loss_chunk_tokens > 0 else None)
         plan = get_plan(cfg.model.name, cfg.model.plan)
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages

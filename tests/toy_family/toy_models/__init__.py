@@ -160,8 +160,8 @@ SPEC = ModelSpec(
     pp_costs=pp_costs,
     check=check,
     hf=None,
-    pp_input_modules=("wte", "wpe"),
-    pp_output_modules=("ln_f", "lm_head"),
+    input_modules=("wte", "wpe"),
+    output_modules=("ln_f", "lm_head"),
 )
 
 __all__ = ["SPEC", "ToyArgs", "ToyBlock", "ToyDecoder", "toy_flavors"]
