@@ -67,6 +67,9 @@ def _maybe_tp(model: nn.Module, dims, cfg) -> None:
     if not dims.tp_enabled:
         return
     par = cfg.parallelism
+    problems = SPEC.check(model.args, dims, cfg.model.flavor)  # config validation ran it too; a hand-built dims
+    if problems:
+        raise ValueError(problems[0])
     tp_mesh = dims.get_mesh("tp")
     plan = llama_tp_plan(sequence_parallel=par.enable_sequence_parallel, loss_parallel=par.enable_loss_parallel)
     apply_tp(model, tp_mesh, plan)

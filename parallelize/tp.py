@@ -96,37 +96,14 @@ def _style_repr(style: ParallelStyle) -> str:
     return f"{type(style).__name__}({', '.join(fields)})"
 
 
-def check_tp_divisibility(model: nn.Module, tp: int) -> None:
-    """Raise ValueError naming the shape and the fix when `tp` cannot split the model evenly."""
-    args = getattr(model, "args", None)
-    if args is None or tp == 1:
-        return
-    n_heads, n_kv = args.n_heads, args.n_kv_heads or args.n_heads
-    problems = []
-    if n_heads % tp:
-        problems.append(f"n_heads={n_heads}")
-    if n_kv % tp:
-        problems.append(f"n_kv_heads={n_kv}")
-    block = next((b for b in model.layers.values() if b is not None), None)
-    if block is not None and block.feed_forward.w1.out_features % tp:
-        problems.append(f"the FFN hidden size {block.feed_forward.w1.out_features}")
-    if problems:
-        ok = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and n_kv % d == 0]
-        raise ValueError(
-            f"parallelism.tp={tp} does not divide {' and '.join(problems)} of this model: tensor parallelism gives "
-            f"every TP rank whole attention heads (and an equal FFN slice); use parallelism.tp in {ok}"
-        )
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
     """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` per `plan` in place; returns it.
 
-    Top-level plan entries whose module is None (pipeline stages without tok_embeddings/norm/output) are skipped;
+    Top-level plan entries whose module is None (pipeline stages without the embeddings or the output) are skipped;
     `*` entries match whatever blocks the stage holds.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp: tp_mesh must be 1-D, got {tp_mesh.ndim}-D {tp_mesh}")
-    check_tp_divisibility(model, tp_mesh.size())
     present = {k: v for k, v in plan.items() if "*" in k or _resolve(model, k)}
     # No extra hooks beside the styles' own: a second forward pre-hook on a block's attention (an earlier version
     # cast activations to bf16 before the all-gather) made torch 2.11's dynamo fail to build its guards

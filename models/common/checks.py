@@ -21,6 +21,14 @@ def attention_head_checks(n_heads: int, n_kv_heads: int, par, flavor: str) -> li
     return []
 
 
+def ffn_checks(hidden: int, par, flavor: str) -> list[str]:
+    """TP splits the FFN's hidden units evenly over its ranks."""
+    if hidden % par.tp:
+        return [f"model.flavor {flavor!r} has the FFN hidden size {hidden}, which parallelism.tp={par.tp} does not "
+                f"divide; use a tp that divides it"]
+    return []
+
+
 def dense_checks(par, model_name: str) -> list[str]:
     """A model without experts has nothing to shard over an expert-parallel axis."""
     if par.ep > 1:

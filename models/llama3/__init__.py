@@ -1,7 +1,8 @@
 """Llama 3 family: the model, its flavors, counts, config checks and Hugging Face adapter, as one ModelSpec."""
 from __future__ import annotations
 
-from models.common.checks import attention_head_checks, dense_checks
+from models.common.checks import attention_head_checks, dense_checks, ffn_checks
+from models.common.ffn import ffn_hidden_dim
 from models.llama3 import hf
 from models.llama3.args import ModelArgs
 from models.llama3.counts import flops_per_token, param_counts, pp_costs
@@ -11,7 +12,10 @@ from models.spec import ModelSpec
 
 
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
-    return attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor) + dense_checks(par, "llama3")
+    """What the parallel degrees of `par` (the config's parallelism section, or ParallelDims) require of `args`."""
+    hidden = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    return (attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor) or ffn_checks(hidden, par, flavor)) \
+        + dense_checks(par, "llama3")
 
 
 SPEC = ModelSpec(

@@ -15,7 +15,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 import models
 from parallelize import get_plan
 from parallelize.llama3 import llama_tp_plan
-from parallelize.tp import ReplicateParallel, check_tp_divisibility, describe_plan, maybe_enable_async_tp
+from parallelize.tp import ReplicateParallel, describe_plan, maybe_enable_async_tp
+from models.llama3 import SPEC
 from titanlike.config import ConfigError, JobConfig, config_from_dict, validate
 from titanlike.distributed.parallel_dims import ParallelDims
 
@@ -56,19 +57,21 @@ def test_llama_plan_is_the_megatron_layout():
     assert "layers.*.attention.wq" in describe_plan(plain)
 
 
-@pytest.mark.parametrize("kw,tp,message", [
-    ({"n_heads": 4, "n_kv_heads": 1}, 2, r"parallelism.tp=2 does not divide n_kv_heads=1 .* use parallelism.tp in \[1\]"),
-    ({"dim": 48, "n_heads": 6, "n_kv_heads": 6}, 4, r"n_heads=6 and n_kv_heads=6 .*tp in \[1, 2, 3, 6\]"),
+@pytest.mark.parametrize("kw,tp,message", [  # the spec's checks, as the TP plan runs them on a hand-built ParallelDims
+    ({"n_heads": 4, "n_kv_heads": 1}, 2, r"n_kv_heads=1 which parallelism.tp=2 does not divide; use tp in \{1\}"),
+    ({"dim": 48, "n_heads": 6, "n_kv_heads": 6}, 4, r"n_heads=6 which parallelism.tp=4 does not divide; use tp in "
+                                                    r"\{1,2,3,6\}"),
     ({"multiple_of": 7}, 2, r"FFN hidden size 175"),
 ])
 def test_divisibility_errors(kw, tp, message):
+    dims = ParallelDims(tp=tp, world_size=tp)
     with pytest.raises(ValueError, match=message):
-        check_tp_divisibility(meta_llama(**kw), tp)
+        get_plan("llama3", "default")(meta_llama(**kw), dims, JobConfig())
 
 
 def test_gqa_with_tp_equal_to_kv_heads_is_fine():
-    check_tp_divisibility(meta_llama(n_heads=8, n_kv_heads=2), 2)
-    check_tp_divisibility(meta_llama(n_heads=4, n_kv_heads=4), 4)
+    assert SPEC.check(meta_llama(n_heads=8, n_kv_heads=2).args, ParallelDims(tp=2, world_size=2), "x") == []
+    assert SPEC.check(meta_llama(n_heads=4, n_kv_heads=4).args, ParallelDims(tp=4, world_size=4), "x") == []
 
 
 def test_fsdp_only_plan_refuses_tp():
