@@ -63,17 +63,30 @@ def _check_device() -> None:
                              f"{major}.{minor}: set float8.enable=false")
 
 
+def config_problems(cfg) -> list[str]:
+    """What is wrong with the Float8 config section `cfg` (config validation reports these at load time)."""
+    problems = []
+    # torchao casts FSDP all-gathers to float8 only with one scale per tensor.
+    if cfg.enable_fsdp_float8_all_gather and cfg.recipe != "tensorwise":
+        problems.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
+                        f"{cfg.recipe!r}); turn the all-gather off or use the tensorwise recipe")
+    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
+        problems.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
+                        "float8.enable_fsdp_float8_all_gather=true")
+    return problems
+
+
 def build_linear_config(cfg, fsdp_enabled: bool):
     """torchao `Float8LinearConfig` for the Float8 config section `cfg`."""
     from torchao.float8 import Float8LinearConfig
 
     if cfg.recipe not in RECIPES:
         raise ValueError(f"float8.recipe={cfg.recipe!r} is not one of {', '.join(RECIPES)}")
+    problems = config_problems(cfg)
+    if problems:
+        raise ValueError(problems[0])
     config = Float8LinearConfig.from_recipe_name(cfg.recipe)
     if cfg.enable_fsdp_float8_all_gather:
-        if cfg.recipe != "tensorwise":
-            raise ValueError(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
-                             f"{cfg.recipe!r}); turn the all-gather off or use the tensorwise recipe")
         if fsdp_enabled:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         else:
@@ -140,5 +153,5 @@ def tp_styles(converter: Float8Converter):
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-__all__ = ["RECIPES", "Float8Converter", "build_linear_config", "convert", "tp_styles", "build_filter",
-           "fqn_matches"]
+__all__ = ["RECIPES", "Float8Converter", "build_filter", "build_linear_config", "config_problems", "convert",
+           "fqn_matches", "tp_styles"]

@@ -9,6 +9,7 @@ import difflib
 from typing import Any
 
 from float8 import RECIPES as FLOAT8_RECIPES
+from float8 import config_problems as float8_config_problems
 from models.common.backends import ATTN_BACKENDS
 from parallelize.ac import AC_MODES
 from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
@@ -168,13 +169,7 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
 
 def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     f8, par, ft = cfg.float8, cfg.parallelism, cfg.fault_tolerance
-    # torchao casts FSDP all-gathers to float8 only with one scale per tensor.
-    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
-        errors.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
-                      f"{f8.recipe!r}); turn the all-gather off or use the tensorwise recipe")
-    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
-        errors.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
-                      "float8.enable_fsdp_float8_all_gather=true")
+    errors.extend(float8_config_problems(f8))
     prof = cfg.profiling
     if prof.enable_profiling and prof.profile_warmup + prof.profile_active > prof.profile_freq:
         errors.append(f"profiling.profile_warmup + profile_active = {prof.profile_warmup} + {prof.profile_active} "
