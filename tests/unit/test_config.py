@@ -197,6 +197,14 @@ def test_dp_shard_fill():
         validate(cfg, world_size=6)
 
 
+@pytest.mark.parametrize("key, feature", [("cp", "context parallelism"), ("ep", "expert parallelism")])
+def test_unbuilt_degrees_are_refused_at_load_time(key, feature):
+    # The arithmetic is fine (cp/ep 2 on 4 ranks); the technique is not built yet, so the config says so up front.
+    with pytest.raises(ConfigError, match=rf"parallelism.{key}=2: {feature}.* is not available yet; set "
+                                          rf"parallelism.{key}=1"):
+        validate(with_changes(parallelism={key: 2}, training={"seq_len": 128}), world_size=4)
+
+
 @pytest.mark.parametrize("key, value", [
     ("dp_shard", 0), ("dp_shard", -2), ("tp", 0), ("pp", -1), ("cp", 0), ("dp_replicate", 0), ("ep", 0),
 ])
