@@ -39,6 +39,7 @@ def apply_fsdp(
     pp_enabled: bool = False,
     input_modules: tuple[str, ...] = (),
     output_modules: tuple[str, ...] = (),
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `dp_mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP); returns it.
 
@@ -51,6 +52,8 @@ def apply_fsdp(
     config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:  # expert-parallel experts without replicas: nothing to shard or reduce (parallelize/ep.py)
+        config["ignored_params"] = ignored_params
 
     # Embeddings in their own group: with a large vocabulary they are big, and in the root group they
     # would stay unsharded for the whole step.
@@ -99,8 +102,15 @@ def maybe_fsdp(model: nn.Module, dims, cfg, input_modules: tuple[str, ...] = (),
     if mesh is None:
         raise RuntimeError("parallelize: FSDP is enabled but ParallelDims.build_mesh() was not called")
     param_dtype, reduce_dtype = fsdp_dtypes(dims, cfg.training)
+    ignored = None
+    if dims.ep > 1:  # the routed experts first: FSDP over the ranks holding the same experts
+        from parallelize.ep import fsdp_experts
+
+        reshard = resolve_reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
+        ignored = fsdp_experts(model, dims, {"reshard_after_forward": reshard, "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype)})
     apply_fsdp(
         model, mesh, param_dtype, reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
-        input_modules=input_modules, output_modules=output_modules,
+        input_modules=input_modules, output_modules=output_modules, ignored_params=ignored,
     )

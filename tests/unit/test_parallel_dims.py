@@ -66,7 +66,8 @@ def test_world_of_one_needs_no_mesh_or_process_group():
         ({"tp": 0}, 8, r"parallelism.tp=0 must be >= 1"),
         ({"dp_shard": -2}, 8, r"parallelism.dp_shard=-2 must be >= 1, or -1 to fill"),
         ({"pp": 2.0}, 8, r"parallelism.pp=2.0 must be an integer"),
-        ({"ep": 3}, 8, r"parallelism.ep=3 must divide dp_shard\*cp\*tp"),
+        ({"ep": 3}, 8, r"parallelism.ep=3 must divide parallelism.dp_shard=8"),
+        ({"ep": 2, "tp": 2}, 8, r"parallelism.ep=2 with parallelism.tp=2: expert parallelism does not compose"),
         ({}, 0, r"world_size must be a positive int"),
     ],
 )
@@ -75,11 +76,9 @@ def test_validation_errors(kw, world, match):
         ParallelDims(**kw, world_size=world)
 
 
-def test_ep_borrows_ranks_but_has_no_mesh_yet():
-    dims = ParallelDims(ep=4, world_size=8)  # ep does not multiply the world size
-    assert dims.dp_shard == 8 and dims.ep_enabled
-    with pytest.raises(ValueError, match="expert-parallel mesh axes land with EP"):
-        dims.build_mesh("cpu")
+def test_ep_borrows_ranks_from_dp_shard():
+    dims = ParallelDims(ep=4, world_size=8)  # ep does not multiply the world size (its mesh: tests/multiproc/ep_*)
+    assert dims.dp_shard == 8 and dims.ep_enabled and dims.dp_degree == 8
 
 
 def test_from_config():

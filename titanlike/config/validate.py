@@ -39,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
 # Degrees that pass the arithmetic but whose technique is not built yet: refused here, before anything starts.
-NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism (mixture-of-experts models)"}
+NOT_YET = {"cp": "context parallelism"}
 
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh axes whose product is the world size
 
@@ -90,10 +90,14 @@ def check_degrees(par, world_size: int | None) -> tuple[int | None, list[str]]:
         errors.append(
             f"parallelism degrees pp*dp_replicate*dp_shard*cp*tp = {formula} = {product}, but world_size is "
             f"{world_size}; change the degrees so the product is {world_size}, or set parallelism.dp_shard=-1")
-    # Expert parallel borrows its ranks from the FSDP x CP x TP ranks, so it must divide them.
-    if par.ep > 1 and (dp_shard * par.cp * par.tp) % par.ep:
-        errors.append(f"parallelism.ep={par.ep} must divide dp_shard*cp*tp = {dp_shard}*{par.cp}*{par.tp} (experts "
-                      f"are spread over ranks borrowed from those axes)")
+    # Expert parallel borrows its ranks from the FSDP ranks (titanlike/distributed/parallel_dims.py), so it must
+    # divide them.
+    if par.ep > 1 and dp_shard % par.ep:
+        errors.append(f"parallelism.ep={par.ep} must divide parallelism.dp_shard={dp_shard} (the experts are spread "
+                      f"over ranks borrowed from the FSDP axis); choose an ep that divides it")
+    if par.ep > 1 and par.tp > 1:
+        errors.append(f"parallelism.ep={par.ep} with parallelism.tp={par.tp}: expert parallelism does not compose "
+                      f"with tensor parallelism yet; use tp=1 (FSDP + EP) or ep=1")
     return dp_shard, errors
 
 

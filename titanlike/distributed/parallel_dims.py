@@ -11,8 +11,10 @@ Use `dims.get_mesh(name)` rather than `world_mesh[name]`: the flattened meshes a
 (slicing a flattened name out of the root mesh is deprecated from torch 2.11 on), and a name whose
 axes are all trivial returns None instead of raising.
 
-Expert parallelism (ep) does not multiply the world size: it borrows ranks from dp_shard x cp x tp,
-so it is validated here but gets no mesh axis until EP itself lands.
+Expert parallelism (ep) does not multiply the world size: it borrows its ranks from dp_shard. With ep > 1 the
+dp_shard axis is built as two, "efsdp" (dp_shard / ep, outer) x "ep" (inner: neighbouring ranks, whose links are the
+fastest, exchange tokens), and "dp_shard" becomes their flattened view, so every flattened mesh above keeps its
+meaning. Routed experts are sharded over "ep" and FSDP-sharded over "efsdp"; everything else as without EP.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from titanlike.config.validate import check_degrees
 
 # Outermost first: pp crosses the slowest links (its traffic is small), tp the fastest (NVLink).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_AXES = ("efsdp", "ep")  # dp_shard split in two when ep > 1 (module doc)
 # Flattened sub-meshes and the axes they span.
 FLAT_MESHES = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -132,15 +135,22 @@ class ParallelDims:
         if self.world_size == 1:
             self.world_mesh = None
             return None
-        if self.ep > 1:
-            raise ValueError(
-                "parallelism.ep > 1: the expert-parallel mesh axes land with EP; set parallelism.ep=1 for now"
-            )
         degrees = self._degrees()
-        names = tuple(a for a in MESH_AXES if degrees[a] > 1)
+        axes = list(MESH_AXES)
+        flat = dict(FLAT_MESHES)
+        if self.ep > 1:  # dp_shard -> efsdp x ep, and dp_shard a flattened view of the two
+            i = axes.index("dp_shard")
+            axes[i:i + 1] = EP_AXES
+            degrees.update(efsdp=self.dp_shard // self.ep, ep=self.ep)
+            flat = {name: sum((EP_AXES if a == "dp_shard" else (a,) for a in spans), ()) for name, spans in flat.items()}
+            # dp_shard is the two together; edp the ranks holding the same experts (their FSDP mesh)
+            flat = {"dp_shard": EP_AXES, **flat, "edp": ("dp_replicate", "efsdp")}
+        names = tuple(a for a in axes if degrees[a] > 1)
         mesh = init_device_mesh(device_type, tuple(degrees[a] for a in names), mesh_dim_names=names)
-        for flat_name, axes in FLAT_MESHES.items():
+        for flat_name, axes in flat.items():
             present = tuple(a for a in axes if a in names)
+            if len(present) == 1 and present[0] == flat_name:
+                continue
             if present:  # every axis trivial -> no sub-mesh (get_mesh returns None)
                 self._meshes[flat_name] = mesh[present]._flatten(flat_name)
         self.world_mesh = mesh
@@ -148,8 +158,9 @@ class ParallelDims:
 
     def get_mesh(self, name: str) -> DeviceMesh | None:
         """A 1-D (sub-)mesh by axis or flattened name; None when its degree is 1 or there is no mesh."""
-        if name not in MESH_AXES and name not in FLAT_MESHES:
-            raise KeyError(f"unknown mesh name {name!r}; known: {list(MESH_AXES) + list(FLAT_MESHES)}")
+        known = (*MESH_AXES, *EP_AXES, *FLAT_MESHES, "edp")
+        if name not in known:
+            raise KeyError(f"unknown mesh name {name!r}; known: {list(known)}")
         if self.world_mesh is None:
             return None
         if name in self._meshes:

@@ -99,6 +99,10 @@ class MetricsLogger:
         parts.append(f"tok/s {m['throughput/tokens_per_sec_per_device']:>9,.0f}")
         if "throughput/mfu_pct" in m:
             parts.append(f"mfu {m['throughput/mfu_pct']:5.1f}%")
+        if "moe/aux_loss" in m:  # mixture-of-experts models: auxiliary loss, worst layer's busiest expert / mean
+            parts.append(f"aux {m['moe/aux_loss']:.4f} load {m['moe/load_max_over_mean']:.2f}")
+            if m.get("moe/dropped_pct"):
+                parts.append(f"dropped {m['moe/dropped_pct']:.1f}%")
         if "memory/peak_reserved_gib" in m:
             parts.append(f"mem {m['memory/peak_reserved_gib']:.1f}GiB ({m['memory/peak_reserved_pct']:.0f}%)")
         elif "memory/max_rss_gib" in m:

@@ -36,6 +36,7 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
 from titanlike.resilience.preemption import PreemptionHandler
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
+from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 
 logger = logging.getLogger("titanlike")
@@ -158,6 +159,9 @@ class Trainer:
         # Built now so bad validation data (paths, split, vocabulary) fails at start-up, not at the first interval.
         self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer, **loader_kw)
                            if cfg.validation.enable else None)
+        microbatches = self.grad_accum_steps * (self.pp.pipeline.n_microbatches if self.pp is not None else 1)
+        self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
+        self.log_now, self.moe_metrics = False, {}
         # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
         # the backward loss is scaled by that mesh size to turn FSDP's mean back into the exact sum.
         self.grad_divide_factor = self.dims.dp_cp_degree
@@ -248,6 +252,7 @@ class Trainer:
         if commit:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.moe_metrics = self.moe.after_step(log=self.log_now)  # expert-bias balancing; load stats on log steps
         return loss_sum, global_tokens, grad_norm
 
     def train(self) -> list[dict]:
@@ -280,17 +285,19 @@ class Trainer:
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
+            self.log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
             loss_sum, tokens, grad_norm = self.train_step(self.next_batches(data_iter))
             if self.ft is not None and not self.ft.committed:  # no update anywhere: redo the step (new quorum)
                 self.step -= 1
                 continue
             self.metrics.add_tokens(self.tokens_per_step_device)
             self.tokens_seen += self.tokens_per_step_local * self.dp_degree
-            if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+            if self.log_now:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
-                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr})
+                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                                                 **self.moe_metrics})
                 if self.guard is not None:
                     try:
                         m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row

@@ -1,0 +1,292 @@
+"""Mixture-of-experts feed-forward: router, sort-based dispatch, grouped SwiGLU experts, shared experts, balancing.
+
+Public API (the model families, parallelize/ep.py and the trainer code against it): MoEArgs, moe_problems, MoE,
+GroupedExperts, update_expert_bias. The router and the balance losses live in models/common/router.py.
+
+One forward, for x [B, S, dim] (T = B*S tokens, k = top_k, N = T*k assignments):
+  1. the router picks k experts per token (fp32), with weights;
+  2. the N assignments are sorted by expert (a stable argsort: no host sync) and the tokens gathered in that order;
+  3. GroupedExperts runs each expert on its contiguous rows: torch._grouped_mm on CUDA capability >= 9.0 in bf16,
+     else a per-expert loop;
+  4. the rows are put back in token order and summed with the routing weights; shared experts are added;
+  5. the auxiliary losses, when enabled, enter the gradient through AuxLossGrad (the output's value is unchanged).
+
+Capacity (capacity_factor > 0, Megatron's --moe-expert-capacity-factor): each expert keeps at most
+ceil(cf * T * k / E) assignments per forward, the ones with its highest router scores (ties: the earlier token);
+the rest contribute nothing and are counted in `last_dropped`. T is the tokens of this forward on this rank. The
+experts then receive all N rows, the kept ones grouped by expert first and the dropped ones after them (padding:
+sum(num_tokens_per_expert) < N), so that no shape depends on the data.
+
+Buffers stay fp32 (expert_bias, tokens_per_expert): cast parameters, not the module (Module.to(bf16) would round the
+counts above 256).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.ffn import FeedForward
+from models.common.router import (SCORE_FUNCS, AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
+                                  routing_probs, seq_balance_loss)
+
+__all__ = ["MoEArgs", "MoE", "GroupedExperts", "Router", "moe_problems", "update_expert_bias"]
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 0            # each routed expert's SwiGLU hidden size
+    num_shared_experts: int = 0    # shared experts: one SwiGLU FeedForward of hidden shared_hidden_dim
+    shared_hidden_dim: int = 0     # 0 = num_shared_experts * hidden_dim
+    score_func: str = "softmax"    # "softmax" | "sigmoid"
+    route_norm: bool = False       # renormalise the k selected weights to sum to 1
+    route_scale: float = 1.0       # multiply the selected weights
+    n_groups: int = 1              # group-limited routing: experts split into n_groups groups ...
+    topk_groups: int = 1           # ... each token may use experts of its topk_groups best groups
+    aux_loss_coeff: float = 0.0    # Switch/GShard load-balancing loss (Megatron --moe-aux-loss-coeff)
+    seq_aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
+    z_loss_coeff: float = 0.0      # router z-loss
+    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (expert bias, selection only)
+    capacity_factor: float = 0.0   # 0 = dropless; > 0: per-expert capacity ceil(cf * tokens * top_k / E), rest dropped
+
+
+def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
+    """Everything wrong with `args` (and the expert-parallel degree ep), one line each naming the key and the fix."""
+    p, e, k = prefix, args.num_experts, args.top_k
+    out = []
+    if args.score_func not in SCORE_FUNCS:
+        out.append(f"{p}.score_func={args.score_func!r} is unknown; use one of {list(SCORE_FUNCS)}")
+    if e < 1:
+        out.append(f"{p}.num_experts={e} must be at least 1")
+    top_k_ok = 1 <= k <= e
+    if not top_k_ok:
+        out.append(f"{p}.top_k={k} must lie in 1..{p}.num_experts={e}; lower top_k or add experts")
+    if e >= 1 and ep >= 1 and e % ep:
+        divs = [d for d in range(1, e + 1) if e % d == 0]
+        out.append(f"parallelism.ep={ep} does not divide {p}.num_experts={e}; use ep in {{{','.join(map(str, divs))}}}")
+    g, tg = args.n_groups, args.topk_groups
+    if g < 1 or (e >= 1 and e % g):
+        out.append(f"{p}.n_groups={g} does not divide {p}.num_experts={e}; use a divisor of num_experts (1 = no groups)")
+    elif not 1 <= tg <= g:
+        out.append(f"{p}.topk_groups={tg} must lie in 1..{p}.n_groups={g}; lower topk_groups")
+    elif top_k_ok and k > tg * (e // g):
+        out.append(f"{p}.top_k={k} exceeds the {tg * (e // g)} experts that {p}.topk_groups={tg} groups of "
+                   f"{e // g} hold; raise topk_groups or lower top_k")
+    if args.capacity_factor < 0:
+        out.append(f"{p}.capacity_factor={args.capacity_factor} is negative; use 0 (dropless) or a positive factor")
+    return out
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # Under expert parallelism the weights are DTensors sharded on dim 0; models/ may not import DTensor.
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _use_grouped_mm(x: torch.Tensor, dim: int, hidden: int) -> bool:
+    """torch._grouped_mm's fast (CUTLASS, no host sync) kernel: bf16 on CUDA capability >= 9.0. Its TMA loads need
+    16-byte aligned row strides, hence dim and hidden multiples of 8; the per-expert row counts need no padding in
+    bf16 (the weight-gradient GEMM reads the token dimension strided, not as the contiguous one)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and dim % 8 == 0 and hidden % 8 == 0
+            and torch.cuda.get_device_properties(x.device).major >= 9)
+
+
+def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert):
+    """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm; offsets are the cumulative row counts
+    (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified."""
+    offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+        x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
+    """The fallback: each expert's SwiGLU on its own rows (padding rows come back 0).
+
+    Eager: slices by the row counts, which are read on the host (.tolist(), a sync on CUDA). Under torch.compile
+    (fullgraph, as parallelize/compile.py uses it) data-dependent slicing would break the graph, so there each expert
+    runs on every row and a mask keeps its own: E times the FLOPs, no sync; meant for CPU tests, not speed."""
+    n, e = x.shape[0], w1.shape[0]
+    if torch.compiler.is_compiling():
+        ends = torch.cumsum(num_tokens_per_expert, dim=0)
+        row_expert = torch.searchsorted(ends, torch.arange(n, device=x.device), right=True)  # E for padding rows
+        out = x.new_zeros(n, w2.shape[1])
+        for i in range(e):
+            y = F.linear(F.silu(F.linear(x, w1[i])) * F.linear(x, w3[i]), w2[i])
+            out = out + torch.where((row_expert == i).unsqueeze(-1), y, 0)
+        return out
+    sizes = num_tokens_per_expert.tolist()
+    outs, start = [], 0
+    for i, size in enumerate(sizes):
+        xi = x[start:start + size]
+        outs.append(F.linear(F.silu(F.linear(xi, w1[i])) * F.linear(xi, w3[i]), w2[i]))
+        start += size
+    if start < n:
+        outs.append(x.new_zeros(n - start, w2.shape[1]))
+    return torch.cat(outs)
+
+
+class GroupedExperts(nn.Module):
+    """num_experts SwiGLU experts stored as 3-D weights, run as grouped GEMMs on rows sorted by expert.
+
+    w1, w3: [E, hidden, dim]; w2: [E, dim, hidden] (each expert's slice is an nn.Linear weight, so HF adapters can
+    stack/unstack them). forward(x [N, dim], num_tokens_per_expert [E_local] int) -> [N, dim]: the first
+    num_tokens_per_expert[0] rows go through local expert 0, and so on. Rows past the total are padding (capacity
+    mode puts its dropped assignments there): callers discard their outputs and must not rely on their gradients.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
+        x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if _use_grouped_mm(x, w1.shape[2], w1.shape[1]):
+            if x.shape[0] == 0:
+                # Nothing routed here (possible under EP): the weight-gradient grouped GEMM would have a zero-length
+                # contraction, which it rejects; keep the weights in the graph (zero gradients) for the collectives.
+                return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+            return swiglu_grouped_mm(x.contiguous(), w1, w2, w3, num_tokens_per_expert)
+        return swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert)
+
+    def init_weights(self, init_std: float) -> None:
+        # As models/common/ffn.py: w1/w3 read the residual stream; w2 writes into it and gets the depth-scaled std.
+        for w in (self.w1, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+
+
+class MoE(nn.Module):
+    """Routed experts (top_k of num_experts per token) plus optional shared experts; see the module docstring."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(args.num_experts, dim, args.hidden_dim)
+        shared_hidden = args.shared_hidden_dim or args.num_shared_experts * args.hidden_dim
+        self.shared_experts = FeedForward(dim, shared_hidden) if args.num_shared_experts > 0 else None
+        # Persistent: the bias is model state (it changes which experts serve a token), so checkpoints carry it.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        # Assignments per expert since the last bias update (training-mode forwards only, so validation passes do not
+        # steer the bias). Under activation checkpointing a recomputed forward counts again: every expert's count
+        # doubles alike, which leaves update_expert_bias's sign(mean - count) unchanged.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
+        self.aux_grad_scale = 1.0  # set by the trainer: weight of this micro-batch's aux loss in the gradient
+        self.last_aux_loss = torch.zeros(())
+        self.last_dropped = torch.zeros((), dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        xf = x.reshape(-1, dim)
+        t, k = xf.shape[0], self.top_k
+        indices, weights, scores, logits = self.router(xf, self.expert_bias)
+        counts = expert_counts(indices, self.num_experts)  # the router's demand, before any capacity drop
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+
+        flat_expert = indices.reshape(-1)
+        keep = None
+        if self.args.capacity_factor > 0:
+            score = scores.detach().gather(-1, indices).reshape(-1)
+            order, keep, kept_counts, dropped = self._capacity_order(flat_expert, score, counts, t)
+        else:
+            order = torch.argsort(flat_expert, stable=True)
+            kept_counts, dropped = counts.to(torch.int64), torch.zeros((), dtype=torch.int64, device=x.device)
+        routed = xf.index_select(0, order // k)
+        if keep is not None:
+            routed = torch.where(keep.unsqueeze(-1), routed, 0)  # zero gradient for the dropped rows
+        out = self.experts(routed, kept_counts)
+        if keep is not None:
+            out = torch.where(keep.unsqueeze(-1), out, 0)  # dropped rows are padding: unspecified values
+        # Back to (token, choice) order, then the weighted sum over the k choices as one batched matmul.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = out.index_select(0, inverse).view(t, k, -1)
+        y = torch.bmm(weights.to(out.dtype).unsqueeze(1), out).squeeze(1)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        y = y.view(b, s, -1)
+
+        aux = self._aux_loss(indices.view(b, s, k), scores, logits)
+        self.last_dropped = dropped
+        self.last_aux_loss = aux.detach() if aux is not None else torch.zeros((), device=x.device)
+        if aux is not None and aux.requires_grad:
+            y = AuxLossGrad.apply(y, aux, self.aux_grad_scale)
+        return y
+
+    def _capacity_order(self, flat_expert, score, counts, t):
+        """Sort order with each expert's kept assignments first, grouped by expert; the dropped ones at the end.
+
+        Within an expert the assignments are ranked by the router's unbiased score, highest first (the expert bias is
+        constant per expert, so biased scores rank alike; the routing weights would not, once renormalised per
+        token); ties keep the earlier token. No host sync: capacity depends only on shapes, and the drop decision is
+        made on the device."""
+        e, k = self.num_experts, self.top_k
+        capacity = math.ceil(self.args.capacity_factor * t * k / e)
+        by_score = torch.argsort(score, descending=True, stable=True)
+        order = by_score[torch.argsort(flat_expert[by_score], stable=True)]  # by expert, then score, then position
+        counts = counts.to(torch.int64)
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_expert = flat_expert[order]
+        position = torch.arange(order.numel(), device=order.device) - starts[sorted_expert]
+        keep = position < capacity
+        # Dropped rows go last: sort key E puts them after every expert's group; stable keeps the rest in place.
+        tail = torch.argsort(torch.where(keep, sorted_expert, e), stable=True)
+        kept_counts = counts.clamp(max=capacity)
+        return order[tail], keep[tail], kept_counts, counts.sum() - kept_counts.sum()
+
+    def _aux_loss(self, indices: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        """coeff-weighted sum of the enabled balance losses (None when all coefficients are 0)."""
+        a = self.args
+        if a.aux_loss_coeff <= 0 and a.seq_aux_loss_coeff <= 0 and a.z_loss_coeff <= 0:
+            return None
+        b, s, k = indices.shape
+        total = logits.new_zeros(())
+        probs = routing_probs(scores, a.score_func)
+        if a.aux_loss_coeff > 0:
+            total = total + a.aux_loss_coeff * load_balance_loss(probs, indices.view(b * s, k), self.num_experts)
+        if a.seq_aux_loss_coeff > 0:
+            total = total + a.seq_aux_loss_coeff * seq_balance_loss(probs.view(b, s, -1), indices, self.num_experts)
+        if a.z_loss_coeff > 0:
+            total = total + a.z_loss_coeff * router_z_loss(logits)
+        return total
+
+    def init_weights(self, init_std: float) -> None:
+        """Every parameter and buffer (also after to_empty from the meta device)."""
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+        # Plain attributes that to_empty does not move: on the buffers' device, so metrics can read them before the
+        # first forward.
+        self.last_aux_loss = torch.zeros((), device=self.expert_bias.device)
+        self.last_dropped = torch.zeros((), dtype=torch.int64, device=self.expert_bias.device)
+
+
+@torch.no_grad()
+def update_expert_bias(moe: MoE, global_tokens_per_expert: torch.Tensor) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), once per optimizer step: bias += rate * sign(mean - count), so
+    overloaded experts become less likely to be chosen and idle ones more. The caller all-reduces the counts over the
+    data/expert-parallel ranks first and zeroes moe.tokens_per_expert after."""
+    rate = moe.args.bias_update_rate
+    if rate <= 0:
+        return
+    counts = global_tokens_per_expert.to(device=moe.expert_bias.device, dtype=torch.float32)
+    moe.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=rate)
