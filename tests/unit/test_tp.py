@@ -82,12 +82,14 @@ def test_fsdp_only_plan_refuses_tp():
 
 def test_config_rules():
     def cfg(**par):
-        return config_from_dict({"parallelism": {"dp_shard": 1, **par}, "training": {"seq_len": 100}})
+        return config_from_dict({"parallelism": {"dp_shard": 1, **par}, "training": {"seq_len": 102}})
 
-    with pytest.raises(ConfigError, match="seq_len=100 must be divisible by parallelism.tp=8 .*"
+    with pytest.raises(ConfigError, match="seq_len=102 must be divisible by parallelism.tp=4 .*"
                                           "enable_sequence_parallel=false"):
-        validate(cfg(tp=8), world_size=8)
-    validate(cfg(tp=8, enable_sequence_parallel=False), world_size=8)  # without SP any length works
+        validate(cfg(tp=4), world_size=4)
+    validate(cfg(tp=4, enable_sequence_parallel=False), world_size=4)  # without SP any length works
+    with pytest.raises(ConfigError, match="n_kv_heads=4 which parallelism.tp=8 does not divide"):  # at load time
+        validate(cfg(tp=8, enable_sequence_parallel=False), world_size=8)
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp needs compile.enable=true"):
         validate(cfg(tp=4, enable_async_tp=True, enable_sequence_parallel=False), world_size=4)
     ok = config_from_dict({"parallelism": {"tp": 4, "dp_shard": 1, "enable_async_tp": True},

@@ -274,10 +274,33 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
     check_pipeline(cfg, errors)
+    if not errors:
+        _check_model(cfg, errors)
     if errors:
         if len(errors) == 1:
             raise ConfigError(errors[0])
         raise ConfigError(f"{len(errors)} config errors:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _check_model(cfg: JobConfig, errors: list[str]) -> None:
+    """The model's own rules on its flavor's shapes (heads by tp, experts by ep, ...), at load time: before any
+    process group exists. The trainer checks again with the run's exact args (validate_model)."""
+    import dataclasses
+
+    import models
+
+    if cfg.model.name not in models.MODELS:
+        errors.append(f"model.name={cfg.model.name!r} is not a known model; choose one of {sorted(models.MODELS)}")
+        return
+    spec = models.MODELS[cfg.model.name]
+    if cfg.model.flavor not in spec.flavors:
+        errors.append(f"model.flavor={cfg.model.flavor!r} is not a {spec.name} flavor; choose one of "
+                      f"{sorted(spec.flavors)}")
+        return
+    args = spec.flavors[cfg.model.flavor]
+    if cfg.model.n_layers > 0:
+        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
 
 
 def validate_model(spec, model_args: Any, cfg: JobConfig) -> None:
