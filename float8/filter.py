@@ -4,10 +4,13 @@ Rules, in order (the first that applies decides; `explain` names it, for the con
   1. not an nn.Linear                          -> keep
   2. FQN matched by `filter_fqns`              -> keep ("output" by default: the LM head's logits feed the loss
                                                   directly and are the most sensitive to float8 rounding)
-  3. in or out features not a multiple of 16   -> keep (float8 tensor-core GEMMs need 16-aligned dims)
-  4. `filter_small` and too small to gain      -> keep (torchao's H100 thresholds per recipe: below them the
+  3. an MoE router's gate (`router.gate`)      -> keep (routing decisions are discrete: rounding flips them; the
+                                                  router computes its logits in fp32 from the weight anyway)
+  4. in or out features not a multiple of 16   -> keep (float8 tensor-core GEMMs need 16-aligned dims)
+  5. `filter_small` and too small to gain      -> keep (torchao's H100 thresholds per recipe: below them the
                                                   casts cost more than the faster GEMM saves)
   otherwise                                    -> convert
+Routed experts (models/common/moe.py GroupedExperts) hold 3-D weights, not nn.Linear: they stay in bf16.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ def explain(module: nn.Module, fqn: str, filter_fqns: list[str], small: Filter |
     hit = next((p for p in filter_fqns if fqn_matches(fqn, p)), None)
     if hit is not None:
         return f"float8.filter_fqns has {hit!r}"
+    if fqn_matches(fqn, "router.gate"):
+        return "an MoE router's gate (routing stays in high precision)"
     if module.in_features % 16 or module.out_features % 16:
         return f"dims {module.in_features}x{module.out_features} not multiples of 16"
     if small is not None and not small(module, fqn):
