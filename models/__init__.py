@@ -2,7 +2,8 @@
 adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
-from models import llama3
+from models import deepseek_v3, llama3
+from models import mixtral, qwen3
 from models.spec import ModelSpec
 
 # The family that the default config and the tools' defaults use (configs/debug_model.toml names it too).
@@ -10,6 +11,9 @@ DEFAULT_MODEL = "llama3"
 
 MODELS: dict[str, ModelSpec] = {
     llama3.SPEC.name: llama3.SPEC,
+    deepseek_v3.SPEC.name: deepseek_v3.SPEC,
+    qwen3.SPEC.name: qwen3.SPEC,
+    mixtral.SPEC.name: mixtral.SPEC,
 }
 
 

@@ -8,6 +8,7 @@ Apply after activation checkpointing (the checkpoint becomes part of the compile
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 # compile.components (config validation reads this); "optimizer" is the one-device master-weight update
 # (titanlike/optim/master_weights.py).
+logger = logging.getLogger("titanlike")
 COMPONENTS = ("model", "loss", "optimizer")
 
 
@@ -28,13 +30,25 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True) -> nn.M
     """Compile each block of `model.layers` in place when compile.enable and "model" in compile.components.
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
+    Blocks whose MoE experts are expert-parallel stay eager (logged): the dispatch reads its all-to-all split sizes
+    on the host (parallelize/ep.py), which a full graph cannot hold.
     """
+    from parallelize.ep import ep_experts
+
     _check_components(compile_cfg)
     if not compile_cfg.enable or "model" not in compile_cfg.components:
         return model
+    eager = 0
     for block in model.layers.values():
-        if block is not None:
-            block.compile(fullgraph=fullgraph)
+        if block is None:
+            continue
+        if ep_experts(block):
+            eager += 1
+            continue
+        block.compile(fullgraph=fullgraph)
+    if eager:
+        logger.warning(f"compile: {eager} expert-parallel MoE blocks left eager (the all-to-all split sizes are read "
+                       f"on the host); the other blocks are compiled")
     return model
 
 

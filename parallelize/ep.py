@@ -65,13 +65,6 @@ class _ExpertParallel:
         return out if routed == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - routed, x.shape[1])])
 
 
-def _divide_grad(factor: int):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return grad / factor
-
-    return hook
-
-
 def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
     """Shard every MoE layer's routed experts of `model` over dims' "ep" axis, in place (the plan's TP/EP step,
     before AC, compile and FSDP); returns the experts modules. parallelize/fsdp.py then gives them FSDP over their
@@ -93,8 +86,7 @@ def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
         mod.ep_mesh = ep_mesh
         mod.ep_replicas = dims.dp_replicate * dims.dp_shard // ep  # ranks holding the same experts
         if mod.ep_replicas == 1:  # nothing will reduce the expert gradients (module doc): divide them here
-            for param in mod.parameters():
-                param.register_hook(_divide_grad(ep))
+            mod.grad_scale = 1.0 / ep
     if experts:
         logger.info(f"expert parallel {ep}: {len(experts)} MoE layers, {experts[0].w1.shape[0] // ep} experts per "
                     f"rank, FSDP over {experts[0].ep_replicas} replica rank(s)")

@@ -85,7 +85,8 @@ def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     # Under expert parallelism the weights are DTensors sharded on dim 0; models/ may not import DTensor.
-    return w.to_local() if hasattr(w, "to_local") else w
+    # type(w), not w: dynamo answers hasattr(w, ...) False for a DTensor parameter while tracing.
+    return w.to_local() if hasattr(type(w), "to_local") else w
 
 
 def _use_grouped_mm(x: torch.Tensor, dim: int, hidden: int) -> bool:
@@ -131,6 +132,19 @@ def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
     return torch.cat(outs)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU experts stored as 3-D weights, run as grouped GEMMs on rows sorted by expert.
 
@@ -146,9 +160,14 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Multiplies the weights' gradient: expert parallelism sets it where no FSDP reduction divides the expert
+        # gradients (parallelize/ep.py). An attribute, not a tensor hook, so it survives to_empty/materialisation.
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))

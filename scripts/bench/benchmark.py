@@ -43,6 +43,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
 from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -51,7 +52,7 @@ OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?
 PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
-PEER_FLAVORS = ("debugmodel", "1B", "8B", "8B_4L", "70B", "405B")
+
 def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
     config for the debug flavor, else configs/base_gpu.toml with --model.flavor."""
@@ -113,7 +114,7 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
 
 def peer_cmd(case: dict, opts) -> list[str] | None:
     """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it."""
-    if case["flavor"] not in PEER_FLAVORS or case["loss_chunk"]:
+    if case["flavor"] not in PEER_FLAVORS.get(case["model"], ()) or case["loss_chunk"]:
         return None
     args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
@@ -320,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
         res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
         cmd = peer_cmd(case, a) if a.peer else None
         if cmd:
-            text, rc, wall = run(cmd, {**env, "NPROC": str(case["nproc"])}, log and log + ".peer.log", a.timeout)
+            text, rc, wall = run(cmd, {**env, "NPROC": str(case["nproc"]), "MODEL": case["model"]},
+                                 log and log + ".peer.log", a.timeout)
             res["peer"] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
             if res["titanlike"].get("tps") and res["peer"].get("tps"):
                 res["ratio"] = res["titanlike"]["tps"] / res["peer"]["tps"]

@@ -32,6 +32,9 @@ import sys
 
 BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
 N_WORDS = 8000
+# What this launcher runs, per torchtitan model (MODEL): the flavors the benchmark may ask the peer for.
+PEER_FLAVORS = {"llama3": ("debugmodel", "1B", "8B", "8B_4L", "70B", "405B"), "qwen3": ("30B-A3B_4L", "30B-A3B"),
+                "deepseek_v3": ("16B_4L", "16B")}
 
 
 def _write_atomic(path: str, text: str) -> None:

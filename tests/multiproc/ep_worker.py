@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE, MoEArgs
@@ -113,10 +113,16 @@ def run(layout: str, world: int):
     """Train the model distributed over `layout` ("ep=2:dp_replicate=2", ParallelDims keywords); its history."""
     dims = ParallelDims(world_size=world, **{k: int(v) for k, v in (item.split("=") for item in layout.split(":"))})
     dims.build_mesh("cpu")
-    net = model()
+    with torch.device("meta"):  # as the trainer does: parallelize on meta, then materialise and load the weights
+        net = TinyMoE()
     if dims.ep > 1:
         apply_ep(net, dims)
     maybe_fsdp(net, dims, JobConfig(), ("tok_embeddings",), ("norm", "output"))
+    net.to_empty(device="cpu")
+    for layer in net.layers.values():  # buffers (expert bias, counters): their init, as init_weights would
+        layer.moe.expert_bias.zero_()
+        layer.moe.tokens_per_expert.zero_()
+    set_model_state_dict(net, model().state_dict(), options=StateDictOptions(full_state_dict=True))
     rows = ROWS // dims.dp_degree
     dp_rank = dims.dp_rank()
     run.net, run.dims = net, dims  # the last layout's model saves the checkpoint

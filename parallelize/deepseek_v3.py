@@ -1,0 +1,172 @@
+"""The DeepSeek-V3 parallelization plans. Order, kept visible: TP -> EP -> AC -> compile -> FSDP (as
+parallelize/llama3.py, with the expert-parallel hook after TP: both change parameter placements, which AC, compile
+and FSDP then see).
+
+Tensor parallel, per block (S = sequence, seq = Shard(1) with sequence parallel, else Replicate):
+  attention_norm        SequenceParallel
+  attention             PrepareModuleInput: all-gather the sequence once for every projection
+    wq | wq_b           ColwiseParallel: this rank's heads (q_lora_rank 0 | > 0)
+    wq_a, q_norm        ReplicateParallel: the q latent, whole on every rank
+    wkv_a, kv_norm      ReplicateParallel: the KV latent and the shared positional key, whole on every rank
+    wkv_b               ColwiseParallel: this rank's heads' keys and values from the latent
+    k_rope_share        SumGradOverTP: the positional key feeds every head, so each rank's heads hold part of its
+                        gradient; the backward sums them (identity forward)
+    wo                  RowwiseParallel -> seq
+  feed_forward (dense)  w1, w3 colwise; w2 rowwise (as Llama)
+  moe                   the sequence gathered, the router and routed experts replicated (every TP rank routes and
+                        runs the same tokens), the shared experts colwise/rowwise; this rank's sequence shard out.
+                        The routed-expert FLOPs repeat tp times: MoE flavors are meant for FSDP + EP, TP is for the
+                        attention and dense blocks.
+The latent projections' gradients come out whole on each rank (their outputs' gradients are summed where heads
+split: in wq_b's / wkv_b's input backward and in k_rope_share), so every parameter is a DTensor on the TP mesh and
+none needs a reduction of its own.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+)
+
+from models.deepseek_v3 import SPEC
+from parallelize.ac import apply_ac
+from parallelize.compile import apply_compile
+from parallelize.fsdp import maybe_fsdp
+# The MoE-under-TP styles Qwen3's plan defined first (routed experts and router replicated over TP).
+from parallelize.qwen3 import ReplicateParams, ReplicateRouter
+from parallelize.tp import (
+    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
+)
+
+class SumGradOverTP(ParallelStyle):
+    """Identity in forward on the module's first input; in backward its gradient is summed over the TP ranks
+    (Megatron's "f"). For a replicated tensor consumed by TP-sharded heads."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._input_fn)
+
+    @staticmethod
+    def _input_fn(module, inputs, device_mesh):
+        x, *rest = inputs
+        # Declared Partial for the backward: from_local's backward then all-reduces it into Replicate.
+        x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return (x, *rest)
+
+
+def _block_keys(model: nn.Module, moe: bool) -> list[str]:
+    """Plan keys for this model's (or stage's) dense or MoE blocks: "layers.*" when all blocks are of that kind,
+    else one key per block (a "*" key warns on every block it does not resolve in)."""
+    blocks = {k: b for k, b in model.layers.items() if b is not None}
+    keys = [k for k, b in blocks.items() if b.moe_enabled == moe]
+    return ["layers.*"] if keys and len(keys) == len(blocks) else [f"layers.{k}" for k in keys]
+
+
+def deepseek_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+                     ep_enabled: bool = False) -> dict[str, ParallelStyle]:
+    """Module path -> DTensor style (module docstring). ep_enabled: the routed experts are left to parallelize/ep.py."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    attn = "layers.*.attention"
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.attention_norm": SequenceParallel(),
+        attn: PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+    }
+    if model.args.q_lora_rank == 0:
+        plan[f"{attn}.wq"] = ColwiseParallel()
+    else:
+        plan.update({f"{attn}.wq_a": ReplicateParallel(), f"{attn}.q_norm": ReplicateParallel(),
+                     f"{attn}.wq_b": ColwiseParallel()})
+    plan.update({
+        f"{attn}.wkv_a": ReplicateParallel(),
+        f"{attn}.kv_norm": ReplicateParallel(),
+        f"{attn}.wkv_b": ColwiseParallel(),
+        f"{attn}.k_rope_share": SumGradOverTP(),
+        f"{attn}.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn_norm": SequenceParallel(),
+    })
+    for key in _block_keys(model, moe=False):
+        plan[f"{key}.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan[f"{key}.feed_forward.w1"] = ColwiseParallel()
+        plan[f"{key}.feed_forward.w3"] = ColwiseParallel()
+        plan[f"{key}.feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+    for key in _block_keys(model, moe=True):
+        # The whole sequence in (one all-gather), the same routing on every TP rank, this rank's shard out (a slice).
+        plan[f"{key}.moe"] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+        plan[f"{key}.moe.router"] = ReplicateRouter()
+        if not ep_enabled:
+            plan[f"{key}.moe.experts"] = ReplicateParams()
+        if model.args.moe.num_shared_experts:
+            # Plain tokens in (taken as Replicate, their gradient summed over the ranks), whole output back.
+            plan[f"{key}.moe.shared_experts.w1"] = ColwiseParallel()
+            plan[f"{key}.moe.shared_experts.w3"] = ColwiseParallel()
+            plan[f"{key}.moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+    plan["norm"] = SequenceParallel()
+    # Loss parallel keeps the logits vocabulary-sharded (a DTensor, so loss_parallel() sees the sharding).
+    plan["output"] = SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else
+                                               Replicate(), use_local_output=not loss_parallel)
+    if not sequence_parallel:  # the norms then see the whole sequence on every rank: replicated parameters
+        plan = {k: ReplicateParallel() if isinstance(v, SequenceParallel) else v for k, v in plan.items()}
+    return plan
+
+
+def _check(model: nn.Module, dims, cfg) -> None:
+    # Config validation ran it too; checking here keeps a hand-built ParallelDims honest.
+    if dims.cp > 1:
+        raise ValueError(f"parallelism.cp={dims.cp}: context parallelism is not implemented for multi-head latent "
+                         f"attention yet; set parallelism.cp=1")
+    problems = SPEC.check(model.args, dims, cfg.model.flavor)
+    if problems:
+        raise ValueError(problems[0])
+
+
+def _maybe_tp(model: nn.Module, dims, cfg) -> None:
+    if not dims.tp_enabled:
+        return
+    par = cfg.parallelism
+    tp_mesh = dims.get_mesh("tp")
+    plan = deepseek_tp_plan(model, sequence_parallel=par.enable_sequence_parallel,
+                            loss_parallel=par.enable_loss_parallel, ep_enabled=dims.ep > 1)
+    apply_tp(model, tp_mesh, plan)
+    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
+                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
+
+
+def _maybe_ep(model: nn.Module, dims, cfg) -> None:
+    # The expert-parallel hook (parallelize/ep.py); imported only when used.
+    if dims.ep > 1:
+        from parallelize.ep import apply_ep
+
+        apply_ep(model, dims, cfg)
+
+
+def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
+    """Default plan: TP -> EP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model.
+    pp: parallelize/pp.py splits the model first and calls this on each stage (modules it lacks are None)."""
+    _check(model, dims, cfg)
+    _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that EP/AC/compile/FSDP then see
+    _maybe_ep(model, dims, cfg)
+    apply_ac(model, cfg.activation_checkpoint)
+    # MoE blocks compile with fullgraph=True too (checked on CPU, torch 2.13: eager vs compiled within 2e-6, and TP 2
+    # against one process with TITANLIKE_TEST_TP_COMPILE=1 in tests/unit/test_deepseek_v3.py; the grouped-GEMM path
+    # of models/common/moe.py was not compiled on a GPU here). Expert-parallel blocks stay eager (compile.py says why).
+    apply_compile(model, cfg.compile)
+    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
+    return model
+
+
+def parallelize_deepseek_v3_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
+    """FSDP2/HSDP only (EP too where set); ignores the AC and compile sections (a baseline for debugging)."""
+    if dims.tp_enabled:
+        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
+                         f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
+    _check(model, dims, cfg)
+    _maybe_ep(model, dims, cfg)
+    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
+    return model
+
+
+# Plan name (model.plan) -> plan; models/deepseek_v3's ModelSpec points here.
+PLANS = {"default": parallelize_deepseek_v3, "fsdp_only": parallelize_deepseek_v3_fsdp_only}

@@ -1,0 +1,444 @@
+"""Qwen3 (dense and MoE): HF parity and round trip, published shapes, counts, checks, plans, compile, a training run.
+
+CPU, float32, tiny shapes; transformers builds the references from its config classes (no downloads).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import models
+from models.qwen3 import SPEC, Qwen3Args, Transformer
+from models.qwen3.hf import args_from_hf_config, from_hf, hf_config, to_hf
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6)
+# head_dim 32 with 4 heads: n_heads * head_dim = 128 != hidden 64, as in the real Qwen3 shapes.
+TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (norm gains too, so the q/k norm permutation is exercised; the router's logits spread
+    enough that top-k choices are far from ties)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_((0.5 if "gate.weight" in name else 0.08) * torch.randn(p.shape, generator=g))
+    return model
+
+
+def hf_model(moe: bool, seed: int = 0, **kw):
+    if moe:
+        cfg = transformers.Qwen3MoeConfig(**{**TINY_MOE, **kw})
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**{**TINY, **kw})
+        model = transformers.Qwen3ForCausalLM(cfg)
+    return randomize(model, seed).eval()
+
+
+def build(args: Qwen3Args, state_dict: dict | None = None, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    if state_dict is not None:
+        model.load_state_dict(state_dict)  # strict: every tensor named, nothing left over
+    return model.eval()
+
+
+def from_hf_model(hf, hf_sd: dict | None = None) -> tuple[Transformer, dict]:
+    args = args_from_hf_config(hf.config.to_dict())
+    sd = from_hf(hf.state_dict() if hf_sd is None else hf_sd, args)
+    return build(args, sd), sd
+
+
+def saved_state(hf, tmp_path) -> dict:
+    """The tensors as a checkpoint on disk holds them (save_pretrained: per-expert names, lm_head dropped if tied)."""
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(tmp_path)
+    return load_file(os.path.join(tmp_path, "model.safetensors"))
+
+
+def assert_logits_match(hf, ours, seq: int = 24) -> None:
+    tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, out = hf(tokens).logits, ours(tokens)
+    assert (ref - out).abs().max().item() <= 1e-4, (ref - out).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------ HF parity
+
+
+def test_registry():
+    assert models.get_spec("qwen3") is SPEC
+    assert {"debugmodel", "debugmodel_moe", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B", "30B-A3B_4L",
+            "235B-A22B"} == set(SPEC.flavors)
+
+
+def test_dense_logits_match_hf_and_round_trip(tmp_path):
+    hf = hf_model(moe=False)
+    ours, sd = from_hf_model(hf)
+    assert ours.layers["0"].attention.wq.weight.shape == (4 * 32, 64)  # head_dim independent of dim / n_heads
+    assert_logits_match(hf, ours)
+    hf_sd = hf.state_dict()
+    back = to_hf(ours.state_dict(), ours.args)
+    assert back.keys() == hf_sd.keys()
+    for k in hf_sd:
+        assert torch.equal(back[k], hf_sd[k]), k
+    # The checkpoint on disk (same names for the dense model) reads the same.
+    disk = saved_state(hf, tmp_path)
+    assert all(torch.equal(from_hf(disk, ours.args)[k], v) for k, v in sd.items())
+
+
+def test_tied_hf_checkpoint_imports_untied(tmp_path):
+    """Qwen3-0.6B/1.7B/4B tie lm_head to the embedding; their checkpoints lack lm_head. Import copies the embedding
+    into titanlike's (never tied) output; export writes it back, untied."""
+    hf = hf_model(moe=False, tie_word_embeddings=True)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    disk = saved_state(hf, tmp_path)
+    assert "lm_head.weight" not in disk
+    ours, sd = from_hf_model(hf, disk)
+    assert torch.equal(sd["output.weight"], sd["tok_embeddings.weight"])
+    assert sd["output.weight"].data_ptr() != sd["tok_embeddings.weight"].data_ptr()  # a copy: trained apart
+    assert_logits_match(hf, ours)
+    assert to_hf(ours.state_dict(), ours.args)["lm_head.weight"].equal(disk["model.embed_tokens.weight"])
+    assert hf_config(ours.args, torch.float32)["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize("kw", [
+    dict(norm_topk_prob=True),  # as the published Qwen3-MoE configs
+    dict(norm_topk_prob=False, mlp_only_layers=[0]),  # transformers' default routing; a dense first layer
+    dict(norm_topk_prob=True, decoder_sparse_step=2, num_hidden_layers=3),  # every second layer sparse
+], ids=["norm_topk", "no_norm_mlp_only", "sparse_step_2"])
+def test_moe_logits_match_hf_and_round_trip(tmp_path, kw):
+    hf = hf_model(moe=True, **kw)
+    disk = saved_state(hf, tmp_path)  # published per-expert names
+    ours, sd = from_hf_model(hf, disk)
+    args = ours.args
+    assert args.moe.route_norm == kw["norm_topk_prob"]
+    kinds = ["moe" if b.moe_enabled else "dense" for b in ours.layers.values()]
+    assert kinds == ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in hf.model.layers]
+    assert_logits_match(hf, ours)
+    # from_hf then to_hf gives the checkpoint back, tensor for tensor.
+    back = to_hf(ours.state_dict(), args)
+    assert back.keys() == disk.keys()
+    for k in disk:
+        assert torch.equal(back[k], disk[k]), k
+    # A transformers 5.x model's own state_dict (fused gate_up_proj / down_proj) imports to the same tensors.
+    fused = from_hf(hf.state_dict(), args)
+    assert fused.keys() == sd.keys() and all(torch.equal(fused[k], sd[k]) for k in sd)
+
+
+def test_export_loads_in_transformers(tmp_path):
+    """to_hf + hf_config written as a folder: AutoModelForCausalLM reads it and computes our logits."""
+    from safetensors.torch import save_file
+
+    hf = hf_model(moe=True, mlp_only_layers=[1])
+    ours, _ = from_hf_model(hf)
+    out = tmp_path / "export"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in to_hf(ours.state_dict(), ours.args).items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(ours.args, torch.float32)))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
+    assert_logits_match(loaded, ours)
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense_tied"])
+def test_convert_hf_import_then_export(tmp_path, moe):
+    """scripts/convert_hf.py's path (titanlike/checkpoint/hf.py): an HF folder -> a titanlike step -> an HF folder
+    that transformers loads with the original's logits (the MoE's expert_bias buffer made up on import, dropped on
+    export; a tied checkpoint untied)."""
+    from titanlike.checkpoint.hf import export_hf, import_hf
+
+    hf = hf_model(moe=moe, **({} if moe else {"tie_word_embeddings": True}))
+    hf.save_pretrained(tmp_path / "src")
+    info = import_hf(str(tmp_path / "src"), str(tmp_path / "ckpt"), progress=False)
+    assert info["model"] == "qwen3" and (info["model_args"].moe is not None) == moe
+    out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"), dtype="float32", progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
+def test_expert_bias_export_refuses_nonzero():
+    hf = hf_model(moe=True)
+    ours, _ = from_hf_model(hf)
+    sd = ours.state_dict()
+    assert torch.count_nonzero(sd["layers.0.moe.expert_bias"]) == 0 and "layers.0.moe.expert_bias" in sd
+    sd["layers.0.moe.expert_bias"] = torch.ones(8)
+    with pytest.raises(ValueError, match="expert_bias"):
+        to_hf(sd, ours.args)
+
+
+# The published config.json files (the fields titanlike reads), as on the Hub.
+PUBLISHED = {
+    "0.6B": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 tie_word_embeddings=True),
+    "8B": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=False),
+    "30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_published_configs_find_their_flavor(flavor):
+    config = dict(PUBLISHED[flavor], vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                  max_position_embeddings=40960, hidden_act="silu", attention_bias=False, use_sliding_window=False)
+    args = args_from_hf_config(config)
+    assert SPEC.find_flavor(args) == flavor
+    again = args_from_hf_config(hf_config(args, torch.bfloat16))
+    assert dataclasses.asdict(again) == dataclasses.asdict(args)
+
+
+def test_args_survive_a_json_checkpoint_round_trip():
+    """Checkpoints store dataclasses.asdict(args) in JSON and rebuild Qwen3Args(**d): the nested MoEArgs too."""
+    args = dataclasses.replace(SPEC.flavors["30B-A3B"], mlp_only_layers=(0, 3))
+    again = Qwen3Args(**json.loads(json.dumps(dataclasses.asdict(args))))
+    assert again == args and again.mlp_only_layers == (0, 3)
+    assert SPEC.find_flavor(dataclasses.replace(SPEC.flavors["30B-A3B"], vocab_size=1000)) == "30B-A3B"
+
+
+def test_unsupported_hf_configs_are_refused():
+    config = dict(PUBLISHED["8B"], vocab_size=151936)
+    with pytest.raises(ValueError, match="sliding"):
+        args_from_hf_config(dict(config, use_sliding_window=True))
+    with pytest.raises(ValueError, match="rope_type"):
+        args_from_hf_config(dict(config, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+# ------------------------------------------------------------------------------------------------ counts
+
+
+def hand_counts(a: Qwen3Args) -> tuple[int, int]:
+    """(total, active) from the shapes: embedding + output (untied), per layer attention (q/o: dim x heads*head_dim,
+    k/v: dim x kv_heads*head_dim, q/k norms) + 2 norms + the FFN (dense SwiGLU, or router + E experts of which top_k
+    are active), final norm."""
+    attn = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 2 * a.head_dim
+    total = active = 2 * a.vocab_size * a.dim + a.dim
+    for i in range(a.n_layers):
+        base = attn + 2 * a.dim
+        if a.is_moe_layer(i):
+            expert = 3 * a.dim * a.moe.hidden_dim
+            total += base + a.dim * a.moe.num_experts + a.moe.num_experts * expert
+            active += base + a.dim * a.moe.num_experts + a.moe.top_k * expert
+        else:
+            total += base + 3 * a.dim * a.hidden_dim
+            active += base + 3 * a.dim * a.hidden_dim
+    return total, active
+
+
+@pytest.mark.parametrize("flavor", sorted(SPEC.flavors))
+def test_param_counts(flavor):
+    args = SPEC.flavors[flavor]
+    counts = SPEC.param_counts(args)
+    assert (counts.total, counts.active) == hand_counts(args)
+    assert counts.embedding == args.vocab_size * args.dim
+    if args.moe is None:
+        assert counts.active == counts.total
+    if flavor.startswith("debug"):  # small enough to count a materialised model's own parameters
+        assert counts.total == sum(p.numel() for p in build(dataclasses.replace(args, max_seq_len=16)).parameters())
+
+
+def test_published_sizes():
+    """The headline sizes (upstream counts tie 0.6B's embedding; titanlike's untied output adds vocab x dim)."""
+    def billions(flavor):
+        c = SPEC.param_counts(SPEC.flavors[flavor])
+        return round(c.total / 1e9, 1), round(c.active / 1e9, 1)
+
+    assert billions("30B-A3B") == (30.5, 3.4) and billions("235B-A22B") == (235.1, 22.2)
+    assert billions("8B") == (8.2, 8.2) and billions("32B") == (32.8, 32.8)
+    a = SPEC.flavors["0.6B"]
+    assert round((SPEC.param_counts(a).total - a.vocab_size * a.dim) / 1e9, 2) == 0.6
+
+
+def _counted_flops(model, vocab: int, batch: int = 2, seq: int = 32) -> float:
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    model.train()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return counter.get_total_flops() / (batch * seq)
+
+
+def test_flops_per_token_matches_flop_counter():
+    """Dense: torch's count of one forward + backward (every matmul; SDPA's math path decomposed into bmm's) is the
+    spec's formula minus 6 x the norm gains (1-D: no matmul), exactly; the attention term uses n_heads * head_dim,
+    not dim. MoE: the counter sees the top_k experts each token went through and the router, plus the k-way weighted
+    sum (a small bmm the formula leaves out): within 1%."""
+    seq = 32
+    dense = dataclasses.replace(SPEC.flavors["debugmodel"], vocab_size=256, max_seq_len=seq, n_layers=2)
+    model = build(dense)
+    gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert _counted_flops(model, 256, seq=seq) == SPEC.flops_per_token(dense, seq) - 6 * gains
+    assert SPEC.flops_per_token(dense, 2 * seq) - SPEC.flops_per_token(dense, seq) == \
+        12 * dense.n_layers * dense.n_heads * dense.head_dim * seq
+    moe = dataclasses.replace(SPEC.flavors["debugmodel_moe"], vocab_size=256, max_seq_len=seq, n_layers=2)
+    assert _counted_flops(build(moe), 256, seq=seq) == pytest.approx(SPEC.flops_per_token(moe, seq), rel=1e-2)
+
+
+def test_pp_costs_differ_between_dense_and_moe_layers():
+    seq = 128
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
+    costs = SPEC.pp_costs(args, seq)
+    assert costs.layers["0"] != costs.layers["1"] and costs.layers["1"] == costs.layers["3"]
+    # The pieces add up to the training FLOPs, less the final norm's gain (in no piece; 6 x dim).
+    total = sum(costs.layers.values()) + costs.embedding + costs.output
+    assert total + 6 * args.dim == SPEC.flops_per_token(args, seq)
+
+
+# ------------------------------------------------------------------------------------------------ checks, plans
+
+
+def _par(tp=1, ep=1, pp=1, cp=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tp=tp, ep=ep, pp=pp, cp=cp)
+
+
+def test_checks():
+    dense, moe = SPEC.flavors["8B"], SPEC.flavors["30B-A3B"]
+    assert SPEC.check(dense, _par(tp=8), "8B") == [] and SPEC.check(moe, _par(tp=4, ep=8), "30B-A3B") == []
+    assert "n_kv_heads=8" in SPEC.check(dense, _par(tp=16), "8B")[0]
+    assert "n_kv_heads=4" in SPEC.check(moe, _par(tp=8), "30B-A3B")[0]
+    assert "no experts" in SPEC.check(dense, _par(ep=2), "8B")[0]
+    assert "parallelism.ep=3" in SPEC.check(moe, _par(ep=3), "30B-A3B")[0]
+
+
+def test_tp_plan_layout():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
+
+    from parallelize.qwen3 import PLANS, ReplicateParams, ReplicateRouter, decoder_tp_plan
+
+    assert set(PLANS) == {"default", "fsdp_only"}
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(1,))
+    with torch.device("meta"):
+        model = Transformer(args)
+    plan = decoder_tp_plan(model)
+    assert isinstance(plan["layers.1.feed_forward.w1"], ColwiseParallel) and "layers.*.feed_forward" not in plan
+    assert isinstance(plan["layers.0.moe"], PrepareModuleInputOutput)
+    assert isinstance(plan["layers.0.moe.router"], ReplicateRouter)
+    assert isinstance(plan["layers.0.moe.experts"], ReplicateParams)
+    assert "layers.0.moe.experts" not in decoder_tp_plan(model, ep_enabled=True)  # parallelize/ep.py's
+    q_norm = plan["layers.*.attention.q_norm"]
+    assert isinstance(q_norm, SequenceParallel) and q_norm.sequence_sharding[0].dim == 2  # the heads dim
+    without_sp = decoder_tp_plan(model, sequence_parallel=False)
+    assert isinstance(without_sp["layers.*.attention.q_norm"], SequenceParallel)  # still sharded heads
+    with torch.device("meta"):
+        dense = Transformer(SPEC.flavors["debugmodel"])
+    assert not any(".moe" in k for k in decoder_tp_plan(dense)) and "layers.*.feed_forward.w2" in decoder_tp_plan(dense)
+
+
+def test_plans_refuse_what_they_lack():
+    from parallelize.qwen3 import PLANS
+    from titanlike.config import config_from_dict
+    from titanlike.distributed.parallel_dims import ParallelDims
+
+    cfg = config_from_dict({"model": {"name": "qwen3", "flavor": "debugmodel"}})
+    with torch.device("meta"):
+        model = Transformer(SPEC.flavors["debugmodel"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, world_size=2)
+    with pytest.raises(ValueError, match="parallelism.cp=2"):
+        PLANS["default"](model, dims, cfg)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
+    with pytest.raises(ValueError, match="no experts"):
+        PLANS["fsdp_only"](model, dims, cfg)
+
+
+def test_compile_leaves_expert_parallel_blocks_eager(caplog):
+    from types import SimpleNamespace
+
+    from parallelize.compile import apply_compile
+    from parallelize.ep import _ExpertParallel, expert_modules
+
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
+    cfg = SimpleNamespace(enable=True, components=["model", "loss"])
+    with torch.device("meta"):
+        model = Transformer(args)
+    for mod in expert_modules(model):  # what apply_ep does to the class (no mesh needed to compile lazily)
+        mod.__class__ = type("ExpertParallelGroupedExperts", (_ExpertParallel, type(mod)), {})
+    apply_compile(model, cfg)  # lazy: nothing traces until a forward
+    assert [b._compiled_call_impl is not None for b in model.layers.values()] == [True, False, False, False]
+    assert "3 expert-parallel MoE blocks left eager" in caplog.text
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_blocks_compile_fullgraph(flavor):
+    """Per-block compile as parallelize/compile.py does it (fullgraph=True: a graph break fails), forward and backward
+    equal to eager. aot_eager traces what inductor would get, without its slow CPU code generation."""
+    args = dataclasses.replace(SPEC.flavors[flavor], vocab_size=256, max_seq_len=16, n_layers=1)
+    eager = build(args).train()
+    compiled = build(args).train()
+    for block in compiled.layers.values():
+        block.compile(fullgraph=True, backend="aot_eager")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in (eager, compiled):
+        model(tokens).square().mean().backward()
+    torch.testing.assert_close(compiled(tokens), eager(tokens), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+@pytest.mark.slow
+def test_debug_moe_config_trains(tmp_path):
+    """configs/qwen3_debug_moe.toml through the trainer, shortened: the loss is finite and falls."""
+    from titanlike.config.load import load_config
+    from titanlike.train.trainer import Trainer
+
+    cfg = load_config(["--config", "configs/qwen3_debug_moe.toml", f"--job.dump_folder={tmp_path}",
+                       "--training.steps=8", "--training.seq_len=64", "--training.device=cpu",
+                       "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--optimizer.lr=3e-3",
+                       "--lr_scheduler.warmup_steps=2"])
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    losses = [h["loss"] for h in history]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_tp2_moe_learns(tmp_path):
+    """scripts/train.py with tensor parallel 2 on gloo: the MoE blocks run replicated over TP (router and experts as
+    replicated DTensors, q/k norms on sharded heads) and the model learns."""
+    from tests.launch import REPO_ROOT, run_torchrun
+
+    out = run_torchrun(str(REPO_ROOT / "scripts/train.py"), 2, timeout=240, args=[
+        "--config", "configs/qwen3_debug_moe.toml", "--parallelism.tp", "2", f"--job.dump_folder={tmp_path}",
+        "--training.device=cpu", "--training.steps=6", "--training.seq_len=64", "--training.local_batch_size=4",
+        "--model.n_layers=2", "--metrics.log_freq=1", "--optimizer.lr=3e-3", "--lr_scheduler.warmup_steps=2",
+        "--metrics.enable_tensorboard=false"]).stdout
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in out.splitlines() if " loss " in line]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, out
+    assert "layers.*.moe.router" in out and "layers.*.attention.q_norm" in out, out
