@@ -17,8 +17,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from models.common.moe import MoE
 from parallelize.pp import Pipeline, build_pipeline
 from titanlike.optim.adamw import clip_with_norm_, grad_norm
 
@@ -26,8 +28,9 @@ from titanlike.optim.adamw import clip_with_norm_, grad_norm
 class PipelineRunner:
     def __init__(self, model: nn.Module, spec, args, dims, cfg, device: torch.device, stage_plan: Callable,
                  loss_fn: Callable):
-        """Split meta `model` (ModelSpec `spec`, built from `args`) and build the schedule (see parallelize.pp.build_pipeline). `loss_fn(logits, labels)`
-        returns the summed token cross-entropy of one micro-batch."""
+        """Split meta `model` (ModelSpec `spec`, built from `args`) and build the schedule (see
+        parallelize.pp.build_pipeline). `loss_fn(logits, labels)` returns the summed token cross-entropy of one
+        micro-batch."""
         self.loss_fn = loss_fn
         self.device = device
         self.pp_group = dims.get_mesh("pp").get_group()
@@ -38,6 +41,9 @@ class PipelineRunner:
         self.model_parts: list[nn.Module] = self.pipeline.model_parts
         self.has_first = self.pipeline.has_first_stage
         self.has_last = self.pipeline.has_last_stage
+        if hasattr(PipelineStage, "_forward_metadata_inference"):
+            for part in self.model_parts:
+                _forget_metadata_pass(part)
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -137,3 +143,20 @@ class PipelineRunner:
         total = sq.sqrt()
         clip_with_norm_(params, max_norm, total, fused_into)
         return total
+
+
+def _forget_metadata_pass(part: nn.Module) -> None:
+    """Torch's pipeline stages (those with _forward_metadata_inference) run one extra forward of each stage module
+    at the first schedule step, to learn the shapes they send, on the real first batch or on empty tensors. MoE
+    layers count their routed tokens in every training forward (the expert-bias balancing reads the counts), so
+    that pass would add tokens that were never trained on: zero the counters right after it."""
+    layers = [m for m in part.modules() if isinstance(m, MoE)]
+    if not layers:
+        return
+
+    def after_first_forward(module, inputs, output):
+        for m in layers:
+            m.tokens_per_expert.zero_()
+        handle.remove()
+
+    handle = part.register_forward_hook(after_first_forward)

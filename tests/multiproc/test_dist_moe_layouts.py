@@ -1,0 +1,69 @@
+"""A mixture-of-experts model through scripts/train.py under expert parallelism, on gloo, from one seed checkpoint:
+
+  one      1 process                            the reference
+  ep2      2 ranks   FSDP 2 with EP 2           all steps
+  pp2ep2   4 ranks   PP 2 (1F1B, 2 micro-batches) x FSDP 2 x EP 2   all steps, full checkpoint half-way
+  resume   2 ranks   FSDP 2 without EP, from pp2ep2's checkpoint   second half
+
+The DeepSeek-V3 debug flavor: MLA, a dense first layer, shared experts, sigmoid group-limited routing, the
+auxiliary-loss-free expert bias (updated every step from the global counts) and the sequence-wise balance loss, which
+is a mean over sequences, so every split of the batch gives the same gradient: all layouts must log the same losses
+as one process (to the 4 printed decimals, within 2e-4), and the expert-parallel checkpoint resumes without EP.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO_ROOT, run_torchrun
+
+LOSS = re.compile(r"step\s+(\d+)\s+loss\s+([\d.]+)")
+STEPS, HALF = 6, 3
+
+
+def _losses(out: str) -> dict[int, float]:
+    losses = {int(m[1]): float(m[2]) for m in LOSS.finditer(out)}
+    assert losses, out[-4000:]
+    return losses
+
+
+@pytest.mark.dist
+def test_moe_layouts_match_one_process_and_reshard(tmp_path):
+    common = ["--config", "configs/deepseek_v3_debug.toml", f"--training.steps={STEPS}", "--training.seq_len=64",
+              "--training.global_batch_size=8", "--training.device=cpu", "--metrics.log_freq=1",
+              "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path}",
+              "--lr_scheduler.warmup_steps=1"]
+
+    def train(name: str, nproc: int, *extra) -> str:
+        return run_torchrun(REPO_ROOT / "scripts/train.py", nproc, timeout=300,
+                            args=[*common, f"--job.run_name={name}", *extra]).stdout
+
+    seed = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *common, "--job.run_name=seed",
+                           "--checkpoint.create_seed_checkpoint"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert seed.returncode == 0, seed.stdout[-3000:] + seed.stderr[-3000:]
+    from_seed = f"--checkpoint.initial_load_path={tmp_path / 'seed' / 'checkpoint'}"
+
+    one = _losses(train("one", 1, "--training.local_batch_size=8", from_seed))
+    ep2_out = train("ep2", 2, "--parallelism.dp_shard=2", "--parallelism.ep=2", "--training.local_batch_size=4",
+                    from_seed)
+    assert re.search(r"aux [\d.]+ load [\d.]+", ep2_out), ep2_out[-3000:]  # the MoE metrics on the log line
+    ep2 = _losses(ep2_out)
+    pp2ep2 = _losses(train("pp2ep2", 4, "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
+                           "--training.local_batch_size=4", "--parallelism.pp_microbatches=2", from_seed,
+                           "--checkpoint.enable=true", f"--checkpoint.interval={HALF}"))
+    step_half = tmp_path / "pp2ep2" / "checkpoint" / f"step-{HALF}"
+    resume = _losses(train("resume", 2, "--parallelism.dp_shard=2", "--training.local_batch_size=4",
+                           f"--checkpoint.initial_load_path={step_half}", "--checkpoint.initial_load_model_only=false"))
+
+    full, tail = range(1, STEPS + 1), range(HALF + 1, STEPS + 1)
+    assert sorted(resume) == list(tail), sorted(resume)
+    for name, got, span in (("ep2", ep2, full), ("pp2ep2", pp2ep2, full), ("resume", resume, tail)):
+        worst = max(abs(got[s] - one[s]) for s in span)
+        assert worst <= 2e-4, (name, worst, got, one)
+    assert one[STEPS] < one[1], one  # and it learns
+    assert os.path.isdir(step_half)
