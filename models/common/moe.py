@@ -204,6 +204,8 @@ class MoE(nn.Module):
         # steer the bias). Under activation checkpointing a recomputed forward counts again: every expert's count
         # doubles alike, which leaves update_expert_bias's sign(mean - count) unchanged.
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
+        # Assignments dropped by the capacity factor over the same forwards (for the dropped share in the metrics).
+        self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_grad_scale = 1.0  # set by the trainer: weight of this micro-batch's aux loss in the gradient
         self.last_aux_loss = torch.zeros(())
         self.last_dropped = torch.zeros((), dtype=torch.int64)
@@ -242,6 +244,9 @@ class MoE(nn.Module):
 
         aux = self._aux_loss(indices.view(b, s, k), scores, logits)
         self.last_dropped = dropped
+        if self.training:
+            with torch.no_grad():
+                self.dropped_assignments.add_(dropped)
         self.last_aux_loss = aux.detach() if aux is not None else torch.zeros((), device=x.device)
         if aux is not None and aux.requires_grad:
             y = AuxLossGrad.apply(y, aux, self.aux_grad_scale)
@@ -293,6 +298,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
+            self.dropped_assignments.zero_()
         # Plain attributes that to_empty does not move: on the buffers' device, so metrics can read them before the
         # first forward.
         self.last_aux_loss = torch.zeros((), device=self.expert_bias.device)

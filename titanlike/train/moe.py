@@ -53,13 +53,16 @@ class MoEBookkeeping:
         out = self._metrics(counts) if log else {}
         for _, m in self.layers:
             m.tokens_per_expert.zero_()
+            m.dropped_assignments.zero_()
         return out
 
     def _metrics(self, counts: torch.Tensor) -> dict[str, float]:
         load = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)  # per layer: busiest / mean
         aux = torch.stack([m.last_aux_loss.float() for _, m in self.layers]).sum()
-        dropped = torch.stack([m.last_dropped.float() for _, m in self.layers]).sum()
-        assigned = counts.sum() + dropped
+        dropped = torch.stack([m.dropped_assignments for _, m in self.layers]).sum()
+        if self.group is not None:
+            dist.all_reduce(dropped, group=self.group)
+        assigned = counts.sum()  # the routers' demand: kept and dropped
         bias = torch.stack([m.expert_bias.float() for _, m in self.layers])
         values = torch.stack([aux, load.max(), load.mean(), 100 * dropped / assigned.clamp_min(1), bias.std(dim=1).mean(),
                               *load]).tolist()

@@ -157,6 +157,7 @@ def _forget_metadata_pass(part: nn.Module) -> None:
     def after_first_forward(module, inputs, output):
         for m in layers:
             m.tokens_per_expert.zero_()
+            m.dropped_assignments.zero_()
         handle.remove()
 
     handle = part.register_forward_hook(after_first_forward)
