@@ -2,6 +2,7 @@
 
   one      1 process                            the reference
   ep2      2 ranks   FSDP 2 with EP 2           all steps
+  tp2ep2   4 ranks   TP 2 x FSDP 2 x EP 2 (experts sharded over ep, replicated over tp)   all steps
   pp2ep2   4 ranks   PP 2 (1F1B, 2 micro-batches) x FSDP 2 x EP 2   all steps, full checkpoint half-way
   resume   2 ranks   FSDP 2 without EP, from pp2ep2's checkpoint   second half
 
@@ -53,6 +54,8 @@ def test_moe_layouts_match_one_process_and_reshard(tmp_path):
                     from_seed)
     assert re.search(r"aux [\d.]+ load [\d.]+", ep2_out), ep2_out[-3000:]  # the MoE metrics on the log line
     ep2 = _losses(ep2_out)
+    tp2ep2 = _losses(train("tp2ep2", 4, "--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
+                           "--training.local_batch_size=4", from_seed))
     pp2ep2 = _losses(train("pp2ep2", 4, "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
                            "--training.local_batch_size=4", "--parallelism.pp_microbatches=2", from_seed,
                            "--checkpoint.enable=true", f"--checkpoint.interval={HALF}"))
@@ -62,7 +65,8 @@ def test_moe_layouts_match_one_process_and_reshard(tmp_path):
 
     full, tail = range(1, STEPS + 1), range(HALF + 1, STEPS + 1)
     assert sorted(resume) == list(tail), sorted(resume)
-    for name, got, span in (("ep2", ep2, full), ("pp2ep2", pp2ep2, full), ("resume", resume, tail)):
+    for name, got, span in (("ep2", ep2, full), ("tp2ep2", tp2ep2, full), ("pp2ep2", pp2ep2, full),
+                            ("resume", resume, tail)):
         worst = max(abs(got[s] - one[s]) for s in span)
         assert worst <= 2e-4, (name, worst, got, one)
     assert one[STEPS] < one[1], one  # and it learns

@@ -67,7 +67,6 @@ def test_world_of_one_needs_no_mesh_or_process_group():
         ({"dp_shard": -2}, 8, r"parallelism.dp_shard=-2 must be >= 1, or -1 to fill"),
         ({"pp": 2.0}, 8, r"parallelism.pp=2.0 must be an integer"),
         ({"ep": 3}, 8, r"parallelism.ep=3 must divide parallelism.dp_shard=8"),
-        ({"ep": 2, "tp": 2}, 8, r"parallelism.ep=2 with parallelism.tp=2: expert parallelism does not compose"),
         ({}, 0, r"world_size must be a positive int"),
     ],
 )

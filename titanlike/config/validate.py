@@ -95,9 +95,6 @@ def check_degrees(par, world_size: int | None) -> tuple[int | None, list[str]]:
     if par.ep > 1 and dp_shard % par.ep:
         errors.append(f"parallelism.ep={par.ep} must divide parallelism.dp_shard={dp_shard} (the experts are spread "
                       f"over ranks borrowed from the FSDP axis); choose an ep that divides it")
-    if par.ep > 1 and par.tp > 1:
-        errors.append(f"parallelism.ep={par.ep} with parallelism.tp={par.tp}: expert parallelism does not compose "
-                      f"with tensor parallelism yet; use tp=1 (FSDP + EP) or ep=1")
     return dp_shard, errors
 
 
