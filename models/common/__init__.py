@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder models: norms, RoPE, attention (core, kernel choice, FA4 ops), SwiGLU.
+"""Building blocks shared by the decoder models: the decoder skeleton (decoder.py), norms, RoPE, attention (core, kernel
+choice, FA4 ops), SwiGLU, mixture of experts, and what the Hugging Face adapters share (hf_utils.py).
 
 Nothing under models/ imports the distributed package or titanlike: parallelism is applied from outside (parallelize/).
 """

@@ -4,6 +4,7 @@ ModelSpec."""
 from __future__ import annotations
 
 from models.common.checks import dense_checks, ffn_checks
+from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import ModelArgs
@@ -48,8 +49,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
     check=check,
-    input_modules=("tok_embeddings",),
-    output_modules=("norm", "output"),
+    input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
+    output_modules=OUTPUT_MODULES,
     hf=hf,
 )
 

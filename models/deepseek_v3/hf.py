@@ -13,10 +13,10 @@ same interleaved pairs as titanlike (mla.py). Configs with rope_interleave=False
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from models.common.hf_utils import (MLP_EXPERTS, hf_layer_items, hf_rope, read_mlp_experts, stack_experts,
+                                    titanlike_layer_items, unstack_experts)
 from models.common.moe import MoEArgs
 from models.deepseek_v3.args import ModelArgs
 
@@ -44,36 +44,17 @@ _LAYER_MAP = {
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
-_EXPERT_MAP = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
-_TOP_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
-_EXPERT_MAP_INV = {v: k for k, v in _EXPERT_MAP.items()}
-_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
-_TL_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """titanlike FQNs -> HF FQNs (hub layout: one tensor per routed expert). Works on partial state dicts (one
     layer, one pipeline stage). Tensors must be full (not sharded DTensors): gather first."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            out[_TOP_MAP[key]] = value
-            continue
-        m = _TL_LAYER_RE.match(key)
-        if m is None:
-            raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-        layer, suffix = m.groups()
+    for key, layer, suffix, value in titanlike_layer_items(state_dict, out):
         prefix = f"model.layers.{layer}."
-        if suffix in _EXPERT_MAP:
-            for e in range(value.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.{_EXPERT_MAP[suffix]}.weight"] = value[e]
+        if suffix in MLP_EXPERTS:
+            out.update(unstack_experts(value, f"{prefix}mlp.experts.", f".{MLP_EXPERTS[suffix]}.weight"))
         elif suffix in _LAYER_MAP:
             out[prefix + _LAYER_MAP[suffix]] = value
         else:
@@ -84,42 +65,22 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF FQNs -> titanlike FQNs. Layers at or past args.n_layers (the multi-token-prediction modules of DeepSeek-V3
     checkpoints, which HF skips too) are dropped."""
+    fp8_scale = next((k for k in hf_state_dict if k.endswith("_scale_inv")), None)
+    if fp8_scale is not None:
+        raise KeyError(f"from_hf: {fp8_scale!r} is a block-quantized FP8 scale: dequantize the checkpoint to bf16 "
+                       f"first (DeepSeek's fp8_cast_bf16.py), then import it")
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):  # old HF checkpoints saved this derived buffer
-            continue
-        if key.endswith("_scale_inv"):
-            raise KeyError(f"from_hf: {key!r} is a block-quantized FP8 scale: dequantize the checkpoint to bf16 "
-                           f"first (DeepSeek's fp8_cast_bf16.py), then import it")
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = value
-            continue
-        m = _HF_LAYER_RE.match(key)
-        if m is None:
-            raise KeyError(f"from_hf: unexpected HF key {key!r}")
-        layer, suffix = m.groups()
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # titanlike FQN -> expert -> weight
+    for key, layer, suffix, value in hf_layer_items(hf_state_dict, out):
         if int(layer) >= args.n_layers:
             continue
         prefix = f"layers.{layer}."
-        em = _HF_EXPERT_RE.match(suffix)
-        if em is not None:
-            experts.setdefault((layer, _EXPERT_MAP_INV[em.group(2)]), {})[int(em.group(1))] = value
-        elif suffix == "mlp.experts.gate_up_proj":
-            w1, w3 = value.chunk(2, dim=1)
-            out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = w1.contiguous(), w3.contiguous()
-        elif suffix == "mlp.experts.down_proj":
-            out[prefix + "moe.experts.w2"] = value
-        elif suffix in _LAYER_MAP_INV:
-            out[prefix + _LAYER_MAP_INV[suffix]] = value
-        else:
+        if read_mlp_experts(suffix, value, prefix, out, experts):
+            continue
+        if suffix not in _LAYER_MAP_INV:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
-    for (layer, name), by_index in experts.items():
-        missing = sorted(set(range(args.moe.num_experts)) - set(by_index))
-        if missing:
-            raise KeyError(f"from_hf: layer {layer} lacks routed experts {missing[:8]} of {name} "
-                           f"(config.json says {args.moe.num_experts})")
-        out[f"layers.{layer}.{name}"] = torch.stack([by_index[e] for e in range(args.moe.num_experts)])
+        out[prefix + _LAYER_MAP_INV[suffix]] = value
+    out.update(stack_experts(experts, args.moe.num_experts))
     return out
 
 
@@ -142,9 +103,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
                          "and DeepSeek's checkpoints rotate interleaved pairs)")
     if config.get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings=True: titanlike DeepSeek-V3 keeps a separate output matrix")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope, rope_type, rope_theta = hf_rope(config, default_theta=10000.0)
     if rope_type not in ("default", "yarn"):
         raise ValueError(f"unsupported rope_type {rope_type!r} (only default and yarn)")
     if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
@@ -174,7 +133,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         max_seq_len=config.get("max_position_embeddings", 4096), norm_eps=config.get("rms_norm_eps", 1e-6),
         q_lora_rank=config.get("q_lora_rank") or 0, kv_lora_rank=config["kv_lora_rank"],
         qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"], rope_theta=float(rope_theta),
+        v_head_dim=config["v_head_dim"], rope_theta=rope_theta,
         n_dense_layers=min(config.get("first_k_dense_replace") or 0, n_layers),
         dense_hidden_dim=config["intermediate_size"], moe=moe, **kw,
     )

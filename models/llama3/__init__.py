@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
+from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.ffn import ffn_hidden_dim
 from models.llama3 import hf
 from models.llama3.args import ModelArgs
@@ -28,8 +29,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
     check=check,
-    input_modules=("tok_embeddings",),
-    output_modules=("norm", "output"),
+    input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
+    output_modules=OUTPUT_MODULES,
     hf=hf,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
 )

@@ -9,11 +9,11 @@ same attention: titanlike row (pair i, member j) <-> HF row (j * head_dim/2 + i)
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from models.common.ffn import ffn_hidden_dim
+from models.common.hf_utils import (half_to_interleaved, hf_layer_items, hf_rope, interleaved_to_half,
+                                    titanlike_layer_items, untie_output)
 from models.llama3.args import ModelArgs
 
 ARCHITECTURES = ("LlamaForCausalLM",)  # what config.json names; export writes the first
@@ -31,44 +31,19 @@ _LAYER_MAP = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
-_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
-_TL_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows [h, pair, 2] -> [h, 2, pair]: Meta interleaved layout to HF rotate_half layout."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+_ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads"}  # rows permuted per head
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """titanlike FQNs -> HF FQNs. Works on partial state dicts (e.g. one pipeline stage).
     Tensors must be full (not sharded DTensors): gather first."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            out[_TOP_MAP[key]] = value
-            continue
-        m = _TL_LAYER_RE.match(key)
-        if m is None or m.group(2) not in _LAYER_MAP:
+    for key, layer, suffix, value in titanlike_layer_items(state_dict, out):
+        if suffix not in _LAYER_MAP:
             raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-        layer, suffix = m.groups()
-        if suffix == "attention.wq.weight":
-            value = _interleaved_to_half(value, args.n_heads)
-        elif suffix == "attention.wk.weight":
-            value = _interleaved_to_half(value, args.n_kv_heads)
+        if suffix in _ROTATED:
+            value = interleaved_to_half(value, getattr(args, _ROTATED[suffix]))
         out[f"model.layers.{layer}.{_LAYER_MAP[suffix]}"] = value
     return out
 
@@ -77,31 +52,19 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     """HF FQNs -> titanlike FQNs. A missing lm_head (tied-embedding checkpoints such as Llama 3.2)
     becomes a copy of the embedding, since titanlike never ties."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):  # old HF checkpoints saved this derived buffer
-            continue
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = value
-            continue
-        m = _HF_LAYER_RE.match(key)
-        if m is None or m.group(2) not in _LAYER_MAP_INV:
+    for key, layer, suffix, value in hf_layer_items(hf_state_dict, out):
+        if suffix not in _LAYER_MAP_INV:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
-        layer, suffix = m.groups()
         tl_suffix = _LAYER_MAP_INV[suffix]
-        if tl_suffix == "attention.wq.weight":
-            value = _half_to_interleaved(value, args.n_heads)
-        elif tl_suffix == "attention.wk.weight":
-            value = _half_to_interleaved(value, args.n_kv_heads)
+        if tl_suffix in _ROTATED:
+            value = half_to_interleaved(value, getattr(args, _ROTATED[tl_suffix]))
         out[f"layers.{layer}.{tl_suffix}"] = value
-    if "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"].clone()
+    untie_output(out)
     return out
 
 
 def _ffn_sizing(dim: int, intermediate_size: int) -> tuple[int, float | None]:
     """Find (multiple_of, ffn_dim_multiplier) reproducing HF's intermediate_size under Llama sizing."""
-    from models.common.ffn import ffn_hidden_dim
-
     for multiple_of in (4096, 1024, 256):
         for mult in (None, 1.0, 1.2, 1.3, 1.5):
             if ffn_hidden_dim(dim, multiple_of, mult) == intermediate_size:
@@ -122,9 +85,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ValueError(f"HF config has {flag}=True; titanlike Llama has no biases")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope, rope_type, rope_theta = hf_rope(config, default_theta=10000.0)
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope_type {rope_type!r} (only default and llama3)")
     multiple_of, ffn_mult = _ffn_sizing(dim, config["intermediate_size"])
@@ -145,7 +106,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         multiple_of=multiple_of,
         ffn_dim_multiplier=ffn_mult,
         norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         use_scaled_rope=rope_type == "llama3",
         max_seq_len=config.get("max_position_embeddings", 8192),
         **kw,
@@ -154,8 +115,6 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
     """A transformers LlamaConfig dict for these ModelArgs (legacy rope keys: read by transformers 4.x and 5.x)."""
-    from models.common.ffn import ffn_hidden_dim
-
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of,

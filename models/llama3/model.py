@@ -1,5 +1,12 @@
 """Llama 3 decoder as a plain nn.Module with Meta's FQNs (they are public API: parallel plans,
-checkpoints and the HF adapter key on them).
+checkpoints and the HF adapter key on them):
+
+    tok_embeddings, layers.<i>.{attention_norm, attention.{wq, wk, wv, wo}, ffn_norm,
+    feed_forward.{w1, w2, w3}}, norm, output
+
+The skeleton (embedding, blocks, final norm, output, RoPE buffer, pipeline-stage forward, init order) is
+models/common/decoder.py; this file holds what is Llama's: grouped-query attention and the RoPE table
+with Llama 3.1 frequency scaling.
 
 Built on the meta device, parallelized from outside, then materialised with
 `model.to_empty(device=...)` + `model.init_weights()`. Every parameter and buffer is (re)set by
@@ -8,15 +15,13 @@ Built on the meta device, parallelized from outside, then materialised with
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from models.common.ffn import FeedForward, ffn_hidden_dim
-from models.common.norms import RMSNorm
-from models.common.rope import apply_rotary_emb, precompute_rope_cache
 from models.common.attention import causal_attention
+from models.common.decoder import Decoder, DecoderBlock
+from models.common.ffn import FeedForward, ffn_hidden_dim
+from models.common.rope import apply_rotary_emb, precompute_rope_cache
 from models.llama3.args import ModelArgs
 
 
@@ -51,80 +56,22 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
+    """attention_norm -> Attention -> residual; ffn_norm -> SwiGLU feed_forward -> residual (models/common/decoder.py)."""
+
     def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        # Kept on the block so pipeline stages (which delete other layers) still init with the right depth.
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
-        self.weight_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        # Attention before the FFN: built on a real device, their constructors draw from the RNG in this order.
+        attention = Attention(args)
+        ffn = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        super().__init__(layer_id, args.dim, args.norm_eps, attention, ffn, moe=False)
 
 
-class Transformer(nn.Module):
+class Transformer(Decoder):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.vocab_size = args.vocab_size
-        self.n_layers = args.n_layers
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # ModuleDict with string indices: pipeline splitting deletes entries without renumbering, so
-        # FQNs (and checkpoints) stay identical across layouts.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
-        self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+        super().__init__(args, TransformerBlock)
 
     def _rope_cache(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
         return precompute_rope_cache(
             a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, a.rope_scaling, device=device
         )
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialise every parameter and the RoPE buffer. Safe on DTensor params (uses nn.init).
-
-        buffer_device: where to build rope_cache (e.g. the GPU when params were materialised on CPU);
-        defaults to the current device of the buffer.
-        """
-        buffer_device = buffer_device if buffer_device is not None else self.rope_cache.device
-        self.rope_cache = self._rope_cache(device=buffer_device)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] int64 -> logits [B, S, V] in the parameters' dtype.
-
-        Pipeline stages: without tok_embeddings the input is hidden states [B, S, dim]; without
-        output the return value is hidden states.
-        """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h

@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from models.common.hf_utils import (add_zero_expert_biases, hf_rope, refuse_trained_expert_bias, split_gate_up,
+                                    stack_experts, unstack_experts)
 from models.common.moe import MoEArgs
 from models.llama3 import hf as llama_hf
 from models.mixtral.args import MixtralArgs
@@ -37,17 +39,11 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: MixtralArgs) -> dict[str, t
         layer, suffix = m.groups()
         prefix = f"model.layers.{layer}.block_sparse_moe."
         if suffix == "expert_bias":
-            # Aux-loss-free balancing's selection bias: HF's router has no place for it, and dropping a non-zero one
-            # would change which experts the exported model picks.
-            if torch.count_nonzero(value):
-                raise ValueError(f"to_hf: {key} is non-zero (moe.bias_update_rate > 0 trained a routing bias) and "
-                                 f"HF's Mixtral router cannot hold it; export a model trained without it")
+            refuse_trained_expert_bias(key, value, "Mixtral")
         elif suffix == "router.gate.weight":
             out[prefix + "gate.weight"] = value
         elif suffix in ("experts.w1", "experts.w2", "experts.w3"):
-            w = suffix.rsplit(".", 1)[1]
-            for e in range(value.shape[0]):  # clone: safetensors refuses tensors that share storage
-                out[f"{prefix}experts.{e}.{w}.weight"] = value[e].clone()
+            out.update(unstack_experts(value, f"{prefix}experts.", f".{suffix.rsplit('.', 1)[1]}.weight"))
         else:
             raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
     return {**llama_hf.to_hf(rest, args), **out}
@@ -58,7 +54,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: MixtralArgs) -> dict[s
     expert_bias per layer (the MoE buffer checkpoints carry)."""
     out: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> expert -> weight
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # titanlike FQN -> expert -> weight
     for key, value in hf_state_dict.items():
         m = _HF_MOE_RE.match(key)
         if m is None:
@@ -68,25 +64,17 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: MixtralArgs) -> dict[s
         prefix = f"layers.{layer}.moe."
         em = _HF_EXPERT_RE.match(suffix)
         if em is not None:
-            experts.setdefault((layer, em.group(2)), {})[int(em.group(1))] = value
+            experts.setdefault(f"{prefix}experts.{em.group(2)}", {})[int(em.group(1))] = value
         elif suffix == "gate.weight":
             out[prefix + "router.gate.weight"] = value
-        elif suffix == "experts.gate_up_proj":  # transformers 5.x in-memory layout: [gate (w1); up (w3)]
-            hidden = value.shape[1] // 2
-            out[prefix + "experts.w1"] = value[:, :hidden].clone()
-            out[prefix + "experts.w3"] = value[:, hidden:].clone()
+        elif suffix == "experts.gate_up_proj":  # transformers 5.x in-memory layout
+            out[prefix + "experts.w1"], out[prefix + "experts.w3"] = split_gate_up(value)
         elif suffix == "experts.down_proj":
             out[prefix + "experts.w2"] = value
         else:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
-    for (layer, w), per_expert in experts.items():
-        missing = sorted(set(range(args.moe.num_experts)) - set(per_expert))
-        if missing:
-            raise KeyError(f"from_hf: layer {layer} lacks the {w} weights of experts {missing[:5]} "
-                           f"(config.json says num_local_experts={args.moe.num_experts})")
-        out[f"layers.{layer}.moe.experts.{w}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
-    for layer in sorted({k.split(".")[1] for k in out}, key=int):
-        out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(args.moe.num_experts)
+    out.update(stack_experts(experts, args.moe.num_experts))
+    add_zero_expert_biases(out, args.moe.num_experts)
     return {**llama_hf.from_hf(rest, args), **out}
 
 
@@ -100,17 +88,16 @@ def args_from_hf_config(config: dict) -> MixtralArgs:
                          f"the whole sequence")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"HF config has hidden_act={config['hidden_act']!r}; titanlike Mixtral uses SwiGLU (silu)")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"unsupported rope_type {rope.get('rope_type', rope.get('type'))!r} (only default)")
+    _, rope_type, rope_theta = hf_rope(config, default_theta=1_000_000.0)
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (only default)")
     moe = MoEArgs(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
                   hidden_dim=config["intermediate_size"], score_func="softmax", route_norm=True,
                   aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)))
     return MixtralArgs(
         dim=dim, n_layers=config["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads, vocab_size=config["vocab_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
+        norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=rope_theta,
         max_seq_len=config.get("max_position_embeddings", 4096), moe=moe,
     )
 

@@ -3,6 +3,7 @@ counts, config checks and Hugging Face adapter, as one ModelSpec."""
 from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
+from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.qwen3 import hf
 from models.qwen3.args import Qwen3Args
@@ -34,8 +35,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
     check=check,
-    input_modules=("tok_embeddings",),
-    output_modules=("norm", "output"),
+    input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
+    output_modules=OUTPUT_MODULES,
     hf=hf,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
 )

@@ -13,10 +13,11 @@ Tied embeddings: a checkpoint without lm_head gets a copy of the embedding (tita
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from models.common.hf_utils import (MLP_EXPERTS, add_zero_expert_biases, half_to_interleaved, hf_layer_items, hf_rope,
+                                    interleaved_to_half, read_mlp_experts, refuse_trained_expert_bias, stack_experts,
+                                    titanlike_layer_items, unstack_experts, untie_output)
 from models.common.moe import MoEArgs
 from models.qwen3.args import Qwen3Args
 
@@ -37,26 +38,9 @@ _LAYER_MAP = {  # titanlike per-layer suffix -> HF per-layer suffix (experts are
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "moe.router.gate.weight": "mlp.gate.weight",
 }
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}
-_EXPERT_MAP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # titanlike experts.<w> <-> HF <name>
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
-_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
-_EXPERT_MAP_INV = {v: k for k, v in _EXPERT_MAP.items()}
-_TL_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads",
             "attention.q_norm.weight": None, "attention.k_norm.weight": None}  # None: one head (a norm weight)
-
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Per head, channels [pair, 2] -> [2, pair] along dim 0 (a weight's rows, or a 1-D per-head vector)."""
-    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return w.reshape(n_heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _heads(suffix: str, args) -> int:
@@ -68,32 +52,18 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, tor
     """titanlike FQNs -> HF FQNs (the published checkpoints' names). Works on partial state dicts (one layer, one
     pipeline stage); tensors must be full, not sharded DTensors."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            out[_TOP_MAP[key]] = value
-            continue
-        m = _TL_LAYER_RE.match(key)
-        if m is None:
-            raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-        layer, suffix = m.groups()
+    for key, layer, suffix, value in titanlike_layer_items(state_dict, out):
         prefix = f"model.layers.{layer}."
         if suffix == "moe.expert_bias":
-            # Aux-loss-free balancing's selection bias: HF's router has no place for it, and dropping a non-zero one
-            # would change which experts the exported model picks.
-            if torch.count_nonzero(value):
-                raise ValueError(f"to_hf: {key} is non-zero (moe.bias_update_rate > 0 trained a routing bias) and "
-                                 f"HF's Qwen3-MoE router cannot hold it; export a model trained without it")
-            continue
-        if suffix.startswith("moe.experts.") and suffix.endswith(tuple(_EXPERT_MAP)):
-            name = _EXPERT_MAP[suffix.rsplit(".", 1)[1]]
-            for e in range(value.shape[0]):  # clone: safetensors refuses tensors that share storage
-                out[f"{prefix}mlp.experts.{e}.{name}.weight"] = value[e].clone()
-            continue
-        if suffix not in _LAYER_MAP:
+            refuse_trained_expert_bias(key, value, "Qwen3-MoE")
+        elif suffix in MLP_EXPERTS:
+            out.update(unstack_experts(value, f"{prefix}mlp.experts.", f".{MLP_EXPERTS[suffix]}.weight"))
+        elif suffix in _LAYER_MAP:
+            if suffix in _ROTATED:
+                value = interleaved_to_half(value, _heads(suffix, args))
+            out[prefix + _LAYER_MAP[suffix]] = value
+        else:
             raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-        if suffix in _ROTATED:
-            value = interleaved_to_half(value, _heads(suffix, args))
-        out[prefix + _LAYER_MAP[suffix]] = value
     return out
 
 
@@ -101,53 +71,30 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str
     """HF FQNs -> titanlike FQNs: per-expert or fused expert tensors in, stacked [E, ...] experts out; a zero
     expert_bias for each MoE layer (the MoE buffer checkpoints carry); lm_head from the embedding when tied."""
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> expert -> weight
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):  # derived buffer some checkpoints saved
-            continue
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = value
-            continue
-        m = _HF_LAYER_RE.match(key)
-        if m is None:
-            raise KeyError(f"from_hf: unexpected HF key {key!r}")
-        layer, suffix = m.groups()
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # titanlike FQN -> expert -> weight
+    for key, layer, suffix, value in hf_layer_items(hf_state_dict, out):
         prefix = f"layers.{layer}."
-        em = _HF_EXPERT_RE.match(suffix)
-        if em is not None:
-            experts.setdefault((layer, _EXPERT_MAP_INV[em.group(2)]), {})[int(em.group(1))] = value
-        elif suffix == "mlp.experts.gate_up_proj":  # transformers 5.x in-memory layout: [gate; up] per expert
-            hidden = value.shape[1] // 2
-            out[prefix + "moe.experts.w1"] = value[:, :hidden].clone()
-            out[prefix + "moe.experts.w3"] = value[:, hidden:].clone()
-        elif suffix == "mlp.experts.down_proj":
-            out[prefix + "moe.experts.w2"] = value
-        elif suffix in _LAYER_MAP_INV:
-            tl_suffix = _LAYER_MAP_INV[suffix]
-            if tl_suffix in _ROTATED:
-                value = half_to_interleaved(value, _heads(tl_suffix, args))
-            out[prefix + tl_suffix] = value
-        else:
+        if read_mlp_experts(suffix, value, prefix, out, experts):
+            continue
+        if suffix not in _LAYER_MAP_INV:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
-    for (layer, w), per_expert in experts.items():
-        missing = sorted(set(range(args.moe.num_experts if args.moe else 0)) - set(per_expert))
-        if missing or args.moe is None:
-            raise KeyError(f"from_hf: layer {layer} lacks the {_EXPERT_MAP[w]} weights of experts {missing[:5]} "
-                           f"(config.json says num_experts={args.moe.num_experts if args.moe else 0})")
-        out[f"layers.{layer}.moe.experts.{w}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
-    for layer in sorted({k.split(".")[1] for k in out if k.startswith("layers.") and ".moe." in k}, key=int):
-        out.setdefault(f"layers.{layer}.moe.expert_bias", torch.zeros(args.moe.num_experts))
-    if "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"].clone()
+        tl_suffix = _LAYER_MAP_INV[suffix]
+        if tl_suffix in _ROTATED:
+            value = half_to_interleaved(value, _heads(tl_suffix, args))
+        out[prefix + tl_suffix] = value
+    # A dense config (args.moe None) reads 0 experts, so expert weights in its checkpoint are refused here.
+    num_experts = args.moe.num_experts if args.moe else 0
+    out.update(stack_experts(experts, num_experts))
+    add_zero_expert_biases(out, num_experts)
+    untie_output(out)
     return out
 
 
 def _rope_theta(config: dict) -> float:
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _, rope_type, rope_theta = hf_rope(config, default_theta=1_000_000.0)
     if rope_type != "default":
         raise ValueError(f"unsupported rope_type {rope_type!r}: titanlike Qwen3 has plain RoPE (no YaRN scaling)")
-    return float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)))
+    return rope_theta
 
 
 def args_from_hf_config(config: dict) -> Qwen3Args:

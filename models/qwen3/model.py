@@ -9,16 +9,17 @@ k are RMS-normalised per head before RoPE, and a block's FFN may be a mixture of
 RoPE rotates interleaved pairs as everywhere in titanlike (models/common/rope.py); the HF adapter permutes wq/wk
 rows and the q/k norm weights into HF's half-split layout.
 
-Built on the meta device, parallelized from outside, materialised with `to_empty` + `init_weights()`.
+The skeleton (embedding, blocks, final norm, output, RoPE buffer, pipeline-stage forward, init order) is
+models/common/decoder.py. Built on the meta device, parallelized from outside, materialised with `to_empty` +
+`init_weights()`.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from models.common.attention import causal_attention
+from models.common.decoder import Decoder, DecoderBlock
 from models.common.ffn import FeedForward
 from models.common.moe import MoE
 from models.common.norms import RMSNorm
@@ -62,77 +63,22 @@ class Attention(nn.Module):
         self.k_norm.reset_parameters()
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block; its FFN is `feed_forward` (dense SwiGLU) or `moe`, never both (only one attribute exists,
-    so plans and state dicts see the block's real modules)."""
+class TransformerBlock(DecoderBlock):
+    """Pre-norm block (models/common/decoder.py); its FFN is `moe` on the layers args.is_moe_layer picks, the dense
+    SwiGLU `feed_forward` elsewhere."""
 
     def __init__(self, layer_id: int, args: Qwen3Args):
-        super().__init__()
-        self.layer_id = layer_id  # kept on the block: pipeline stages init with the right depth
-        self.moe_enabled = args.is_moe_layer(layer_id)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        if self.moe_enabled:
-            self.moe = MoE(args.dim, args.moe)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.weight_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.weight_init_std)
+        moe = args.is_moe_layer(layer_id)
+        # Attention before the FFN: built on a real device, their constructors draw from the RNG in this order.
+        attention = Attention(args)
+        ffn = MoE(args.dim, args.moe) if moe else FeedForward(args.dim, args.hidden_dim)
+        super().__init__(layer_id, args.dim, args.norm_eps, attention, ffn, moe)
 
 
-class Transformer(nn.Module):
+class Transformer(Decoder):
+    # The output projection is never tied to tok_embeddings, whatever the upstream flavor does (see flavors.py).
     def __init__(self, args: Qwen3Args):
-        super().__init__()
-        self.args = args
-        self.vocab_size = args.vocab_size
-        self.n_layers = args.n_layers
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # String keys: pipeline splitting deletes entries without renumbering, so FQNs stay the same in every layout.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        # Never tied to tok_embeddings, whatever the upstream flavor does (see flavors.py for why).
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
-        self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+        super().__init__(args, TransformerBlock)
 
     def _rope_cache(self, device: torch.device | str | None) -> torch.Tensor:
         return precompute_rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialise every parameter and buffer (nn.init: safe on DTensors). buffer_device: where to build the
-        RoPE table (default: where the buffer is)."""
-        buffer_device = buffer_device if buffer_device is not None else self.rope_cache.device
-        self.rope_cache = self._rope_cache(device=buffer_device)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            _trunc_normal(self.output.weight, self.args.dim ** -0.5)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, V]. A pipeline stage without tok_embeddings takes hidden states, one
-        without output returns them."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
