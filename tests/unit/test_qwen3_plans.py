@@ -1,0 +1,228 @@
+"""Qwen3 (dense and MoE): counts against hand counts and FlopCounterMode, pipeline costs, config checks, the TP
+plan, plans' refusals, compile, a training run (HF parity and published shapes: test_qwen3.py).
+
+CPU, float32, tiny shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from models.qwen3 import SPEC, Qwen3Args, Transformer
+from tests.unit.test_qwen3 import build
+
+torch.set_num_threads(1)
+
+
+def hand_counts(a: Qwen3Args) -> tuple[int, int]:
+    """(total, active) from the shapes: embedding + output (untied), per layer attention (q/o: dim x heads*head_dim,
+    k/v: dim x kv_heads*head_dim, q/k norms) + 2 norms + the FFN (dense SwiGLU, or router + E experts of which top_k
+    are active), final norm."""
+    attn = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 2 * a.head_dim
+    total = active = 2 * a.vocab_size * a.dim + a.dim
+    for i in range(a.n_layers):
+        base = attn + 2 * a.dim
+        if a.is_moe_layer(i):
+            expert = 3 * a.dim * a.moe.hidden_dim
+            total += base + a.dim * a.moe.num_experts + a.moe.num_experts * expert
+            active += base + a.dim * a.moe.num_experts + a.moe.top_k * expert
+        else:
+            total += base + 3 * a.dim * a.hidden_dim
+            active += base + 3 * a.dim * a.hidden_dim
+    return total, active
+
+
+@pytest.mark.parametrize("flavor", sorted(SPEC.flavors))
+def test_param_counts(flavor):
+    args = SPEC.flavors[flavor]
+    counts = SPEC.param_counts(args)
+    assert (counts.total, counts.active) == hand_counts(args)
+    assert counts.embedding == args.vocab_size * args.dim
+    if args.moe is None:
+        assert counts.active == counts.total
+    if flavor.startswith("debug"):  # small enough to count a materialised model's own parameters
+        assert counts.total == sum(p.numel() for p in build(dataclasses.replace(args, max_seq_len=16)).parameters())
+
+
+def test_published_sizes():
+    """The headline sizes (upstream counts tie 0.6B's embedding; titanlike's untied output adds vocab x dim)."""
+    def billions(flavor):
+        c = SPEC.param_counts(SPEC.flavors[flavor])
+        return round(c.total / 1e9, 1), round(c.active / 1e9, 1)
+
+    assert billions("30B-A3B") == (30.5, 3.4) and billions("235B-A22B") == (235.1, 22.2)
+    assert billions("8B") == (8.2, 8.2) and billions("32B") == (32.8, 32.8)
+    a = SPEC.flavors["0.6B"]
+    assert round((SPEC.param_counts(a).total - a.vocab_size * a.dim) / 1e9, 2) == 0.6
+
+
+def _counted_flops(model, vocab: int, batch: int = 2, seq: int = 32) -> float:
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    model.train()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return counter.get_total_flops() / (batch * seq)
+
+
+def test_flops_per_token_matches_flop_counter():
+    """Dense: torch's count of one forward + backward (every matmul; SDPA's math path decomposed into bmm's) is the
+    spec's formula minus 6 x the norm gains (1-D: no matmul), exactly; the attention term uses n_heads * head_dim,
+    not dim. MoE: the counter sees the top_k experts each token went through and the router, plus the k-way weighted
+    sum (a small bmm the formula leaves out): within 1%."""
+    seq = 32
+    dense = dataclasses.replace(SPEC.flavors["debugmodel"], vocab_size=256, max_seq_len=seq, n_layers=2)
+    model = build(dense)
+    gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert _counted_flops(model, 256, seq=seq) == SPEC.flops_per_token(dense, seq) - 6 * gains
+    assert SPEC.flops_per_token(dense, 2 * seq) - SPEC.flops_per_token(dense, seq) == \
+        12 * dense.n_layers * dense.n_heads * dense.head_dim * seq
+    moe = dataclasses.replace(SPEC.flavors["debugmodel_moe"], vocab_size=256, max_seq_len=seq, n_layers=2)
+    assert _counted_flops(build(moe), 256, seq=seq) == pytest.approx(SPEC.flops_per_token(moe, seq), rel=1e-2)
+
+
+def test_pp_costs_differ_between_dense_and_moe_layers():
+    seq = 128
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
+    costs = SPEC.pp_costs(args, seq)
+    assert costs.layers["0"] != costs.layers["1"] and costs.layers["1"] == costs.layers["3"]
+    # The pieces add up to the training FLOPs, less the final norm's gain (in no piece; 6 x dim).
+    total = sum(costs.layers.values()) + costs.embedding + costs.output
+    assert total + 6 * args.dim == SPEC.flops_per_token(args, seq)
+
+
+# ------------------------------------------------------------------------------------------------ checks, plans
+
+
+def _par(tp=1, ep=1, pp=1, cp=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tp=tp, ep=ep, pp=pp, cp=cp)
+
+
+def test_checks():
+    dense, moe = SPEC.flavors["8B"], SPEC.flavors["30B-A3B"]
+    assert SPEC.check(dense, _par(tp=8), "8B") == [] and SPEC.check(moe, _par(tp=4, ep=8), "30B-A3B") == []
+    assert "n_kv_heads=8" in SPEC.check(dense, _par(tp=16), "8B")[0]
+    assert "n_kv_heads=4" in SPEC.check(moe, _par(tp=8), "30B-A3B")[0]
+    assert "no experts" in SPEC.check(dense, _par(ep=2), "8B")[0]
+    assert "parallelism.ep=3" in SPEC.check(moe, _par(ep=3), "30B-A3B")[0]
+
+
+def test_tp_plan_layout():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
+
+    from parallelize.qwen3 import PLANS, ReplicateParams, ReplicateRouter, decoder_tp_plan
+
+    assert set(PLANS) == {"default", "fsdp_only"}
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(1,))
+    with torch.device("meta"):
+        model = Transformer(args)
+    plan = decoder_tp_plan(model)
+    assert isinstance(plan["layers.1.feed_forward.w1"], ColwiseParallel) and "layers.*.feed_forward" not in plan
+    assert isinstance(plan["layers.0.moe"], PrepareModuleInputOutput)
+    assert isinstance(plan["layers.0.moe.router"], ReplicateRouter)
+    assert isinstance(plan["layers.0.moe.experts"], ReplicateParams)
+    assert "layers.0.moe.experts" not in decoder_tp_plan(model, ep_enabled=True)  # parallelize/ep.py's
+    q_norm = plan["layers.*.attention.q_norm"]
+    assert isinstance(q_norm, SequenceParallel) and q_norm.sequence_sharding[0].dim == 2  # the heads dim
+    without_sp = decoder_tp_plan(model, sequence_parallel=False)
+    assert isinstance(without_sp["layers.*.attention.q_norm"], SequenceParallel)  # still sharded heads
+    with torch.device("meta"):
+        dense = Transformer(SPEC.flavors["debugmodel"])
+    assert not any(".moe" in k for k in decoder_tp_plan(dense)) and "layers.*.feed_forward.w2" in decoder_tp_plan(dense)
+
+
+def test_plans_refuse_what_they_lack():
+    from parallelize.qwen3 import PLANS
+    from titanlike.config import config_from_dict
+    from titanlike.distributed.parallel_dims import ParallelDims
+
+    cfg = config_from_dict({"model": {"name": "qwen3", "flavor": "debugmodel"}})
+    with torch.device("meta"):
+        model = Transformer(SPEC.flavors["debugmodel"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, world_size=2)
+    with pytest.raises(ValueError, match="parallelism.cp=2"):
+        PLANS["default"](model, dims, cfg)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
+    with pytest.raises(ValueError, match="no experts"):
+        PLANS["fsdp_only"](model, dims, cfg)
+
+
+def test_compile_leaves_expert_parallel_blocks_eager(caplog):
+    from types import SimpleNamespace
+
+    from parallelize.compile import apply_compile
+    from parallelize.ep import _ExpertParallel, expert_modules
+
+    args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
+    cfg = SimpleNamespace(enable=True, components=["model", "loss"])
+    with torch.device("meta"):
+        model = Transformer(args)
+    for mod in expert_modules(model):  # what apply_ep does to the class (no mesh needed to compile lazily)
+        mod.__class__ = type("ExpertParallelGroupedExperts", (_ExpertParallel, type(mod)), {})
+    apply_compile(model, cfg)  # lazy: nothing traces until a forward
+    assert [b._compiled_call_impl is not None for b in model.layers.values()] == [True, False, False, False]
+    assert "3 expert-parallel MoE blocks left eager" in caplog.text
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_blocks_compile_fullgraph(flavor):
+    """Per-block compile as parallelize/compile.py does it (fullgraph=True: a graph break fails), forward and backward
+    equal to eager. aot_eager traces what inductor would get, without its slow CPU code generation."""
+    args = dataclasses.replace(SPEC.flavors[flavor], vocab_size=256, max_seq_len=16, n_layers=1)
+    eager = build(args).train()
+    compiled = build(args).train()
+    for block in compiled.layers.values():
+        block.compile(fullgraph=True, backend="aot_eager")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in (eager, compiled):
+        model(tokens).square().mean().backward()
+    torch.testing.assert_close(compiled(tokens), eager(tokens), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+@pytest.mark.slow
+def test_debug_moe_config_trains(tmp_path):
+    """configs/qwen3_debug_moe.toml through the trainer, shortened: the loss is finite and falls."""
+    from titanlike.config.load import load_config
+    from titanlike.train.trainer import Trainer
+
+    cfg = load_config(["--config", "configs/qwen3_debug_moe.toml", f"--job.dump_folder={tmp_path}",
+                       "--training.steps=8", "--training.seq_len=64", "--training.device=cpu",
+                       "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--optimizer.lr=3e-3",
+                       "--lr_scheduler.warmup_steps=2"])
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    losses = [h["loss"] for h in history]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_tp2_moe_learns(tmp_path):
+    """scripts/train.py with tensor parallel 2 on gloo: the MoE blocks run replicated over TP (router and experts as
+    replicated DTensors, q/k norms on sharded heads) and the model learns."""
+    from tests.launch import REPO_ROOT, run_torchrun
+
+    out = run_torchrun(str(REPO_ROOT / "scripts/train.py"), 2, timeout=240, args=[
+        "--config", "configs/qwen3_debug_moe.toml", "--parallelism.tp", "2", f"--job.dump_folder={tmp_path}",
+        "--training.device=cpu", "--training.steps=6", "--training.seq_len=64", "--training.local_batch_size=4",
+        "--model.n_layers=2", "--metrics.log_freq=1", "--optimizer.lr=3e-3", "--lr_scheduler.warmup_steps=2",
+        "--metrics.enable_tensorboard=false"]).stdout
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in out.splitlines() if " loss " in line]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, out
+    assert "layers.*.moe.router" in out and "layers.*.attention.q_norm" in out, out
