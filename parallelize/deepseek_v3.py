@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from models.deepseek_v3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
 # The MoE-under-TP styles Qwen3's plan defined first (routed experts and router replicated over TP).
 from parallelize.qwen3 import ReplicateParams, ReplicateRouter
@@ -134,20 +135,12 @@ def _maybe_tp(model: nn.Module, dims, cfg) -> None:
                           compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
 
 
-def _maybe_ep(model: nn.Module, dims, cfg) -> None:
-    # The expert-parallel hook (parallelize/ep.py); imported only when used.
-    if dims.ep > 1:
-        from parallelize.ep import apply_ep
-
-        apply_ep(model, dims, cfg)
-
-
 def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
     """Default plan: TP -> EP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model.
     pp: parallelize/pp.py splits the model first and calls this on each stage (modules it lacks are None)."""
     _check(model, dims, cfg)
     _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that EP/AC/compile/FSDP then see
-    _maybe_ep(model, dims, cfg)
+    maybe_ep(model, dims, cfg)
     apply_ac(model, cfg.activation_checkpoint)
     # MoE blocks compile with fullgraph=True too (checked on CPU, torch 2.13: eager vs compiled within 2e-6, and TP 2
     # against one process with TITANLIKE_TEST_TP_COMPILE=1 in tests/unit/test_deepseek_v3.py; the grouped-GEMM path
@@ -163,7 +156,7 @@ def parallelize_deepseek_v3_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
         raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                          f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
     _check(model, dims, cfg)
-    _maybe_ep(model, dims, cfg)
+    maybe_ep(model, dims, cfg)
     maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model
 

@@ -93,6 +93,12 @@ def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
     return experts
 
 
+def maybe_ep(model: nn.Module, dims, cfg=None) -> None:
+    """A plan's EP step: apply_ep when parallelism.ep > 1, nothing otherwise."""
+    if dims.ep > 1:
+        apply_ep(model, dims, cfg)
+
+
 def ep_experts(model: nn.Module) -> list[nn.Module]:
     """The experts modules apply_ep sharded."""
     return [m for m in model.modules() if isinstance(m, _ExpertParallel)]

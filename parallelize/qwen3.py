@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 from models.qwen3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
 from parallelize.tp import (
     ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
@@ -134,14 +135,6 @@ def make_plans(spec, qk_norm: bool) -> dict:
         apply_tp(model, tp_mesh, plan)
         maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
                               compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
-
-    def maybe_ep(model: nn.Module, dims, cfg) -> None:
-        # The expert-parallel hook. parallelize/ep.py is the lead's and lands with EP; until then config validation
-        # refuses ep > 1, so nothing is imported on today's runs.
-        if dims.ep > 1:
-            from parallelize.ep import apply_ep
-
-            apply_ep(model, dims, cfg)
 
     def parallelize_default(model: nn.Module, dims, cfg) -> nn.Module:
         """TP -> EP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""

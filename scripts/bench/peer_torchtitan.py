@@ -3,9 +3,9 @@ r"""The peer of scripts/bench/benchmark.py: torchtitan 0.2.2 on local synthetic 
 Usually started through scripts/bench/peer_torchtitan.sh, which adds the run defaults. Directly, under torchrun
 (one process per GPU; everything after `--` goes to torchtitan unchanged):
 
-    torchrun --standalone --nproc_per_node 2 scripts/bench/peer_torchtitan.py --work /tmp/ttwork -- \
+    torchrun --standalone --nproc_per_node 2 scripts/bench/peer_torchtitan.py -- \
         --model.name llama3 --model.flavor 8B_4L --training.seq_len 8192 --training.local_batch_size 2 --compile.enable
-    python scripts/bench/peer_torchtitan.py --work /tmp/ttwork --prepare-only   # only write the inputs
+    python scripts/bench/peer_torchtitan.py --prepare-only   # only write the inputs
 
 Inputs, written under --work without network (the GPU machine has none):
   tok/tokenizer.json, tok/tokenizer_config.json   a word-level tokenizer over N_WORDS words "w0", "w1", ... plus
@@ -29,6 +29,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 
 BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
 N_WORDS = 8000
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     own, torchtitan_args = split_argv(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [--work DIR] [--prepare-only] ... -- [torchtitan flags]")
-    p.add_argument("--work", default="/tmp/ttwork", help="folder for the tokenizer and the corpus")
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ttwork"),
+                   help="folder for the tokenizer and the corpus")
     p.add_argument("--docs", type=int, default=400, help="documents in the corpus")
     p.add_argument("--words-per-doc", type=int, default=6000, help="words (= tokens) per document")
     p.add_argument("--prepare-only", action="store_true", help="write the inputs and stop (no torchtitan needed)")
