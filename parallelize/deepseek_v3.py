@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from models.deepseek_v3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.cp import maybe_cp
 from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
 # The MoE-under-TP styles Qwen3's plan defined first (routed experts and router replicated over TP).
@@ -115,9 +116,6 @@ def deepseek_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_p
 
 def _check(model: nn.Module, dims, cfg) -> None:
     # Config validation ran it too; checking here keeps a hand-built ParallelDims honest.
-    if dims.cp > 1:
-        raise ValueError(f"parallelism.cp={dims.cp}: context parallelism is not implemented for multi-head latent "
-                         f"attention yet; set parallelism.cp=1")
     problems = SPEC.check(model.args, dims, cfg.model.flavor)
     if problems:
         raise ValueError(problems[0])
@@ -136,11 +134,12 @@ def _maybe_tp(model: nn.Module, dims, cfg) -> None:
 
 
 def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
-    """Default plan: TP -> EP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model.
+    """Default plan: TP -> EP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model.
     pp: parallelize/pp.py splits the model first and calls this on each stage (modules it lacks are None)."""
     _check(model, dims, cfg)
     _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that EP/AC/compile/FSDP then see
     maybe_ep(model, dims, cfg)
+    maybe_cp(model, dims)  # MLA's keys and values (per head, after wkv_b) are gathered like GQA's
     apply_ac(model, cfg.activation_checkpoint)
     # MoE blocks compile with fullgraph=True too (checked on CPU, torch 2.13: eager vs compiled within 2e-6, and TP 2
     # against one process with TITANLIKE_TEST_TP_COMPILE=1 in tests/unit/test_deepseek_v3.py; the grouped-GEMM path
@@ -151,12 +150,13 @@ def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
 
 
 def parallelize_deepseek_v3_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-    """FSDP2/HSDP only (EP too where set); ignores the AC and compile sections (a baseline for debugging)."""
+    """FSDP2/HSDP only (EP and CP too where set); ignores the AC and compile sections (a baseline for debugging)."""
     if dims.tp_enabled:
         raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                          f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
     _check(model, dims, cfg)
     maybe_ep(model, dims, cfg)
+    maybe_cp(model, dims)
     maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model
 

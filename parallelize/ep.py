@@ -84,7 +84,7 @@ def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
                                                       requires_grad=param.requires_grad))
         mod.__class__ = type(f"ExpertParallel{type(mod).__name__}", (_ExpertParallel, type(mod)), {})
         mod.ep_mesh = ep_mesh
-        mod.ep_replicas = dims.dp_replicate * dims.dp_shard // ep  # ranks holding the same experts
+        mod.ep_replicas = dims.dp_replicate * dims.dp_shard * dims.cp // ep  # ranks holding the same experts
         if mod.ep_replicas == 1:  # nothing will reduce the expert gradients (module doc): divide them here
             mod.grad_scale = 1.0 / ep
     if experts:
@@ -105,7 +105,7 @@ def ep_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def fsdp_experts(model: nn.Module, dims, fsdp_config: dict) -> set[nn.Parameter]:
-    """FSDP for the EP-sharded experts over their replicas (dp_replicate x efsdp), with the gradient divided by the
+    """FSDP for the EP-sharded experts over their replicas (dp_replicate x efsdp x cp), with the gradient divided by the
     whole data-parallel degree (module doc). Returns the expert parameters the enclosing fully_shard must ignore
     (those without replicas, which no FSDP group reduces)."""
     from torch.distributed.fsdp import fully_shard
@@ -114,7 +114,7 @@ def fsdp_experts(model: nn.Module, dims, fsdp_config: dict) -> set[nn.Parameter]
     for mod in ep_experts(model):
         if mod.ep_replicas > 1:
             fully_shard(mod, mesh=dims.get_mesh("edp"), **fsdp_config)
-            mod.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard))
+            mod.set_gradient_divide_factor(float(dims.dp_cp_degree))
             if dims.world_mesh.device_type != "cuda":  # gloo has no PREMUL_SUM: reduce with SUM, divide after
                 mod.set_force_sum_reduction_for_comms(True)
         else:

@@ -1,6 +1,6 @@
 """The Llama 3 parallelization plans. Order matters and is kept visible: (TP) -> AC -> compile -> FSDP.
 
-AC before compile so the checkpoint is traced into each block's graph; compile before FSDP so FSDP2's
+CP (parallelize/cp.py) goes after TP and before AC. AC before compile so the checkpoint is traced into each block's graph; compile before FSDP so FSDP2's
 hooks run outside the compiled blocks; FSDP last because it wraps whatever the block has become.
 """
 
@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import (
 from models.llama3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.cp import maybe_cp
 from parallelize.fsdp import maybe_fsdp
 from parallelize.tp import (
     ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
@@ -28,8 +29,8 @@ def _refuse_unimplemented(dims, allow: tuple[str, ...] = ()) -> None:
             continue
         if degree > 1:
             raise ValueError(
-                f"parallelism.{name}={degree}: the llama3 plans do not implement {name.upper()} yet "
-                f"(context and expert parallelism are not available yet); set parallelism.{name}=1"
+                f"parallelism.{name}={degree}: this llama3 plan does not implement {name.upper()} (Llama 3 has no "
+                f"experts to shard); set parallelism.{name}=1"
             )
 
 
@@ -78,10 +79,11 @@ def _maybe_tp(model: nn.Module, dims, cfg) -> None:
 
 
 def parallelize_llama(model: nn.Module, dims, cfg) -> nn.Module:
-    """Default plan: TP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
+    """Default plan: TP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
     # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
-    _refuse_unimplemented(dims, allow=("tp", "pp"))
+    _refuse_unimplemented(dims, allow=("tp", "pp", "cp"))
     _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
+    maybe_cp(model, dims)  # before AC and compile, which trace the attention kernel it installs
     apply_ac(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
     maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
@@ -89,11 +91,13 @@ def parallelize_llama(model: nn.Module, dims, cfg) -> nn.Module:
 
 
 def parallelize_llama_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-    """Alternative plan: FSDP2/HSDP only; ignores the AC and compile sections (a baseline for debugging)."""
+    """Alternative plan: FSDP2/HSDP (and CP where set) only; ignores the AC and compile sections (a baseline for
+    debugging)."""
     if dims.tp_enabled:
         raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                          f"model.plan='default' (TP -> AC -> compile -> FSDP) or set parallelism.tp=1")
-    _refuse_unimplemented(dims, allow=("pp",))  # pp: applied per stage, as in parallelize_llama
+    _refuse_unimplemented(dims, allow=("pp", "cp"))  # pp: applied per stage, as in parallelize_llama
+    maybe_cp(model, dims)
     maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model
 

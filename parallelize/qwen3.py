@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 from models.qwen3 import SPEC
 from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.cp import maybe_cp
 from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
 from parallelize.tp import (
@@ -137,25 +138,27 @@ def make_plans(spec, qk_norm: bool) -> dict:
                               compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
 
     def parallelize_default(model: nn.Module, dims, cfg) -> nn.Module:
-        """TP -> EP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
+        """TP -> EP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
         # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
-        refuse_unimplemented(dims, allow=("tp", "pp", "ep"))
+        refuse_unimplemented(dims, allow=("tp", "pp", "ep", "cp"))
         check(model, dims, cfg)
         maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
         maybe_ep(model, dims, cfg)
+        maybe_cp(model, dims)  # before AC and compile, which trace the attention kernel it installs
         apply_ac(model, cfg.activation_checkpoint)
         apply_compile(model, cfg.compile)
         maybe_fsdp(model, dims, cfg, spec.input_modules, spec.output_modules)
         return model
 
     def parallelize_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-        """FSDP2/HSDP only (EP too where set); ignores the AC and compile sections (a baseline for debugging)."""
+        """FSDP2/HSDP only (EP and CP too where set); ignores the AC and compile sections (a baseline for debugging)."""
         if dims.tp_enabled:
             raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                              f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
-        refuse_unimplemented(dims, allow=("pp", "ep"))
+        refuse_unimplemented(dims, allow=("pp", "ep", "cp"))
         check(model, dims, cfg)
         maybe_ep(model, dims, cfg)
+        maybe_cp(model, dims)
         maybe_fsdp(model, dims, cfg, spec.input_modules, spec.output_modules)
         return model
 

@@ -59,3 +59,19 @@ def sdpa_context(name: str, device: torch.device) -> Callable[[], contextlib.Abs
     if backends is None:
         return contextlib.nullcontext
     return lambda: sdpa_kernel(backends, set_priority=priority)
+
+
+# model.mask_kernel: the kernel of masked attention (packed documents, context parallel; models/common/masks.py).
+MASK_KERNEL_CHOICES = ("auto", "sdpa", "flex")
+
+
+def mask_kernel(name: str, documents: bool, device: torch.device) -> str:
+    """"auto": FlexAttention for packed documents on a GPU (block-sparse: only the blocks inside documents run),
+    SDPA otherwise (context parallel's causal chunks run on flash/cuDNN with lower-right alignment). "flex" on the
+    CPU is refused: torch has no FlexAttention backward there."""
+    if name == "auto":
+        return "flex" if documents and device.type == "cuda" else "sdpa"
+    if name == "flex" and device.type != "cuda":
+        raise ValueError("model.mask_kernel='flex' needs a CUDA device (torch has no FlexAttention backward on the "
+                         "CPU); use 'auto' or 'sdpa'")
+    return name

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from models.common.masks import AttnMask, build_mask, load_balanced_chunks
 from models.common.norms import RMSNorm
 
 # The top-level modules before and after `layers` (ModelSpec.input_modules / output_modules of a Decoder family).
@@ -49,8 +50,8 @@ class DecoderBlock(nn.Module):
         # For the projections writing into the residual stream (wo, w2): depth-scaled, so its variance stays bounded.
         self.weight_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttnMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, attn_mask=attn_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -82,6 +83,11 @@ class Decoder(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+        # (rank, degree) when context parallel holds this rank's share of every sequence (parallelize/cp.py sets it;
+        # the chunks are models.common.masks.load_balanced_chunks); None: the whole sequence.
+        self.cp_shard: tuple[int, int] | None = None
+        # The kernel for masked attention (documents, context parallel): models.common.masks.MASK_KERNELS.
+        self.mask_kernel = "sdpa"
 
     def _rope_cache(self, device: torch.device | str | None) -> torch.Tensor:
         """The family's RoPE table [max_seq_len, rotary dim] (cos | sin), built on `device`."""
@@ -106,16 +112,38 @@ class Decoder(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, V] in the parameters' dtype.
+
+        doc_ids [B, S_full]: the document of every token of the whole sequence (models.common.masks.document_ids);
+        attention then stays within documents. positions [B, S_full]: RoPE positions (restarting per document). Under
+        context parallel, tokens are this rank's chunks of sequences of S_full = S * cp tokens.
 
         Pipeline stages: without tok_embeddings the input is hidden states [B, S, dim]; without output the return
         value is hidden states."""
+        rope, mask = self._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def _attention_inputs(self, seqlen: int, doc_ids, positions, device) -> tuple[torch.Tensor, AttnMask | None]:
+        """(RoPE rows, AttnMask or None) for one forward: one build for all layers."""
+        chunks, kv_len = None, seqlen
+        if self.cp_shard is not None:
+            rank, degree = self.cp_shard
+            kv_len = seqlen * degree
+            chunks = load_balanced_chunks(kv_len, rank, degree)
+        if chunks is None and doc_ids is None:
+            return (self.rope_cache if positions is None else self.rope_cache[positions]), None
+        mask = build_mask(chunks, doc_ids, kv_len, self.mask_kernel, device)
+        if positions is not None:
+            rope = self.rope_cache[positions if mask.q_index is None else positions[:, mask.q_index]]
+        else:
+            rope = self.rope_cache if mask.q_index is None else self.rope_cache[mask.q_index]
+        return rope, mask

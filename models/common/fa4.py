@@ -72,14 +72,14 @@ def fa4_forward_op():
 
 
 def fa4_causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
-                         repeat_kv_heads: bool = False) -> torch.Tensor:
+                         repeat_kv_heads: bool = False, mask=None) -> torch.Tensor:
     """models.common.causal_attention's contract ([B, S, H, D] q, [B, S, Hkv, D] k/v -> [B, S, H, D]) on FA4.
-    Grouped KV heads are read as they are (repeat_kv_heads is moot); a head dim or dtype FA4 is not given here goes
-    to SDPA."""
-    if xq.shape[-1] not in HEAD_DIMS or xq.dtype not in (torch.bfloat16, torch.float16):
+    Grouped KV heads are read as they are (repeat_kv_heads is moot); a head dim or dtype FA4 is not given here, or a
+    mask (documents, context parallel), goes to SDPA."""
+    if mask is not None or xq.shape[-1] not in HEAD_DIMS or xq.dtype not in (torch.bfloat16, torch.float16):
         from models.common.attention import causal_attention
 
-        return causal_attention(xq, xk, xv, repeat_kv_heads)
+        return causal_attention(xq, xk, xv, repeat_kv_heads, mask)
     return _fwd(xq.contiguous(), xk.contiguous(), xv.contiguous())[0]
 
 

@@ -64,14 +64,21 @@ def apply_rotary_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate interleaved channel pairs of q and k ([B, S, H, D]) by the positions in rope_cache[:S].
 
-    Computed in float32 and cast back to the input dtype.
+    rope_cache may also be the rows of this forward's positions: [S, D] (context parallel's chunks) or [B, S, D]
+    (positions restarting per document); models/common/decoder.py selects them. Computed in float32 and cast back to
+    the input dtype.
     """
     seqlen, head_dim = xq.shape[1], xq.shape[-1]
-    if seqlen > rope_cache.shape[0]:
-        raise ValueError(f"sequence length {seqlen} exceeds the RoPE table ({rope_cache.shape[0]}): raise max_seq_len")
-    cache = rope_cache[:seqlen]
-    cos = cache[:, : head_dim // 2].view(1, seqlen, 1, head_dim // 2)
-    sin = cache[:, head_dim // 2 :].view(1, seqlen, 1, head_dim // 2)
+    if rope_cache.dim() == 3:  # per-row positions
+        cos = rope_cache[..., : head_dim // 2].unsqueeze(2)
+        sin = rope_cache[..., head_dim // 2 :].unsqueeze(2)
+    else:
+        if seqlen > rope_cache.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds the RoPE table ({rope_cache.shape[0]}): "
+                             f"raise max_seq_len")
+        cache = rope_cache[:seqlen]
+        cos = cache[:, : head_dim // 2].view(1, seqlen, 1, head_dim // 2)
+        sin = cache[:, head_dim // 2 :].view(1, seqlen, 1, head_dim // 2)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)

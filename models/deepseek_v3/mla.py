@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.common.attention import causal_attention
+from models.common.masks import AttnMask
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rotary_emb
 from models.deepseek_v3.args import ModelArgs
@@ -111,7 +112,7 @@ class MLA(nn.Module):
         self.k_rope_share = SharedRopeKey()
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttnMask | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # Head counts come from the projection outputs (-1), never from args: under TP each rank holds n_heads/tp.
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
@@ -126,7 +127,7 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.attention_fn(q, k, v)  # [B, S, H_local, v_head_dim]
+        out = self.attention_fn(q, k, v, False, attn_mask)  # [B, S, H_local, v_head_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.decoder import Decoder, DecoderBlock
 from models.common.ffn import FeedForward, ffn_hidden_dim
+from models.common.masks import AttnMask
 from models.common.rope import apply_rotary_emb, precompute_rope_cache
 from models.llama3.args import ModelArgs
 
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttnMask | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # Head counts are inferred from the projection outputs (-1), never from args: under tensor
         # parallelism wq/wk/wv are column-sharded and each rank holds only n_heads/tp heads.
@@ -46,7 +47,7 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, rope_cache)
-        out = self.attention_fn(xq, xk, xv, self.repeat_kv_heads)  # [B, S, H_local, D]
+        out = self.attention_fn(xq, xk, xv, self.repeat_kv_heads, attn_mask)  # [B, S, H_local, D]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

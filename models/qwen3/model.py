@@ -21,6 +21,7 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.decoder import Decoder, DecoderBlock
 from models.common.ffn import FeedForward
+from models.common.masks import AttnMask
 from models.common.moe import MoE
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rotary_emb, precompute_rope_cache
@@ -45,14 +46,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttnMask | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # Head counts come from the projections (-1): under TP each rank holds n_heads/tp and n_kv_heads/tp heads.
         xq = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, rope_cache)
-        out = self.attention_fn(xq, xk, xv, self.repeat_kv_heads)  # [B, S, H_local, head_dim]
+        out = self.attention_fn(xq, xk, xv, self.repeat_kv_heads, attn_mask)  # [B, S, H_local, head_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

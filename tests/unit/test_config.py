@@ -203,12 +203,13 @@ def test_dp_shard_fill():
         validate(cfg, world_size=6)
 
 
-@pytest.mark.parametrize("key, feature", [("cp", "context parallelism")])
-def test_unbuilt_degrees_are_refused_at_load_time(key, feature):
-    # The arithmetic is fine (cp/ep 2 on 4 ranks); the technique is not built yet, so the config says so up front.
-    with pytest.raises(ConfigError, match=rf"parallelism.{key}=2: {feature}.* is not available yet; set "
-                                          rf"parallelism.{key}=1"):
-        validate(with_changes(parallelism={key: 2}, training={"seq_len": 128}), world_size=4)
+def test_context_parallel_rules():
+    validate(with_changes(parallelism={"cp": 2}, training={"seq_len": 128}), world_size=4)
+    with pytest.raises(ConfigError, match=r"training.seq_len / parallelism.cp = 12 must be divisible by "
+                                         r"parallelism.tp=8"):
+        validate(with_changes(parallelism={"cp": 2, "tp": 8}, training={"seq_len": 24}), world_size=16)
+    with pytest.raises(ConfigError, match=r"model.mask_kernel=\"flex\" cannot train on training.device=\"cpu\""):
+        validate(with_changes(model={"mask_kernel": "flex"}, training={"device": "cpu"}), world_size=1)
 
 
 @pytest.mark.parametrize("key, value", [

@@ -146,9 +146,9 @@ def test_plans_refuse_what_they_lack():
     cfg = config_from_dict({"model": {"name": "qwen3", "flavor": "debugmodel"}})
     with torch.device("meta"):
         model = Transformer(SPEC.flavors["debugmodel"])
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, world_size=2)
-    with pytest.raises(ValueError, match="parallelism.cp=2"):
-        PLANS["default"](model, dims, cfg)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    with pytest.raises(ValueError, match="applies FSDP only, but parallelism.tp=2"):
+        PLANS["fsdp_only"](model, dims, cfg)
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
     with pytest.raises(ValueError, match="no experts"):
         PLANS["fsdp_only"](model, dims, cfg)

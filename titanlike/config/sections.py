@@ -27,6 +27,9 @@ class Model:
     # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
     # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)
     attn_backend: str = "auto"
+    # Masked attention (data.document_masking, parallelism.cp > 1): auto (FlexAttention for documents on a GPU, else
+    # SDPA) | sdpa (dense mask for documents: short sequences only) | flex (GPU only)
+    mask_kernel: str = "auto"
 
 
 @dataclass
@@ -178,6 +181,9 @@ class Data:
     cache_dir: str = ""  # "" = ~/.cache/titanlike
     num_workers: int = 0
     pin_memory: bool = True
+    # Packed sequences: attention stays inside each document (ends at the EOD token); Megatron's --reset-attention-mask
+    document_masking: bool = False
+    reset_position_ids: bool = False  # RoPE positions restart at every document (Megatron's --reset-position-ids)
 
 
 @dataclass

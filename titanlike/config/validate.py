@@ -10,7 +10,7 @@ from typing import Any
 
 from float8 import RECIPES as FLOAT8_RECIPES
 from float8 import config_problems as float8_config_problems
-from models.common.backends import ATTN_BACKENDS
+from models.common.backends import ATTN_BACKENDS, MASK_KERNEL_CHOICES
 from parallelize.ac import AC_MODES
 from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
 from parallelize.fsdp import RESHARD_MODES
@@ -23,6 +23,7 @@ from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pip
 # from that consumer, so the two can never disagree; the rest are defined here.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_backend": ATTN_BACKENDS,
+    "model.mask_kernel": MASK_KERNEL_CHOICES,
     "training.device": ("auto", "cpu", "cuda"),
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
@@ -38,9 +39,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
-# Degrees that pass the arithmetic but whose technique is not built yet: refused here, before anything starts.
-NOT_YET = {"cp": "context parallelism"}
-
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh axes whose product is the world size
 
 
@@ -102,10 +100,6 @@ def _check_parallelism(par, world_size: int | None, errors: list[str]) -> int | 
     """Append degree errors; return the resolved dp_shard when it is known."""
     dp_shard, problems = check_degrees(par, world_size)
     errors.extend(problems)
-    for name, feature in NOT_YET.items():
-        if getattr(par, name) > 1 and not problems:
-            errors.append(f"parallelism.{name}={getattr(par, name)}: {feature} is not available yet; set "
-                          f"parallelism.{name}=1")
     return dp_shard
 
 
@@ -185,11 +179,16 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     if par.cp > 1 and seq_len % (2 * par.cp):
         errors.append(f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp = {2 * par.cp} "
                       f"(context parallel splits each sequence into 2*cp chunks)")
-    # Sequence parallel (part of TP) shards the sequence dimension of norms and dropout over the TP ranks.
-    if par.tp > 1 and par.enable_sequence_parallel and seq_len % par.tp:
-        errors.append(f"training.seq_len={seq_len} must be divisible by parallelism.tp={par.tp} "
-                      f"(sequence parallel shards the sequence over the TP ranks), or set "
+    # Sequence parallel (part of TP) shards the sequence dimension of norms and dropout over the TP ranks (each CP
+    # rank's share of it under CP).
+    elif par.tp > 1 and par.enable_sequence_parallel and (seq_len // par.cp) % par.tp:
+        share = f"training.seq_len={seq_len}" if par.cp == 1 else f"training.seq_len / parallelism.cp = {seq_len // par.cp}"
+        errors.append(f"{share} must be divisible by "
+                      f"parallelism.tp={par.tp} (sequence parallel shards the sequence over the TP ranks), or set "
                       f"parallelism.enable_sequence_parallel=false")
+    if cfg.model.mask_kernel == "flex" and cfg.training.device == "cpu":
+        errors.append("model.mask_kernel=\"flex\" cannot train on training.device=\"cpu\" (torch has no FlexAttention "
+                      "backward on the CPU); use mask_kernel=\"auto\" or \"sdpa\"")
     ac = cfg.activation_checkpoint
     if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
         errors.append("activation_checkpoint.mode=\"memory_budget\" needs compile.enable=true with \"model\" in "

@@ -144,7 +144,8 @@ class ParallelDims:
             degrees.update(efsdp=self.dp_shard // self.ep, ep=self.ep)
             flat = {name: sum((EP_AXES if a == "dp_shard" else (a,) for a in spans), ()) for name, spans in flat.items()}
             # dp_shard is the two together; edp the ranks holding the same experts (their FSDP mesh)
-            flat = {"dp_shard": EP_AXES, **flat, "edp": ("dp_replicate", "efsdp")}
+            # (CP ranks hold the same experts and see different tokens: their replicas too)
+            flat = {"dp_shard": EP_AXES, **flat, "edp": ("dp_replicate", "efsdp", "cp")}
         names = tuple(a for a in axes if degrees[a] > 1)
         mesh = init_device_mesh(device_type, tuple(degrees[a] for a in names), mesh_dim_names=names)
         for flat_name, axes in flat.items():

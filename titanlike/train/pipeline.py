@@ -51,7 +51,7 @@ class PipelineRunner:
             loss = loss.full_tensor()
         return loss * self._scale
 
-    def _schedule_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _schedule_step(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One schedule step (forward + backward of all micro-batches); this rank's CE sum (zero off the last
         stage)."""
         # The schedule's own per-micro-batch losses: torch 2.13 also calls the loss fn during its one-time
@@ -61,22 +61,23 @@ class PipelineRunner:
         # during shape inference), only the last one the labels. return_outputs=False: the last stage would
         # otherwise keep and concatenate every micro-batch's logits.
         self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                           losses=losses, return_outputs=False)
+                           losses=losses, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum() / self._scale
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of every (inputs, labels) batch through the schedule, gradients accumulated
-        (one schedule step per batch; the schedule splits each into pp_microbatches)."""
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor, dict]], scale: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of every (inputs, labels, model kwargs) batch through the schedule, gradients
+        accumulated (one schedule step per batch; the schedule splits each, kwargs too, into pp_microbatches and
+        gives every stage its share of the kwargs)."""
         self._scale = scale
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            loss_sum = loss_sum + self._schedule_step(inputs, labels)
+        for inputs, labels, kwargs in batches:
+            loss_sum = loss_sum + self._schedule_step(inputs, labels, kwargs)
         return loss_sum
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:
         """Summed CE of one batch, forward only (zero off the last stage).
 
         Not schedule.eval(): torch runs the training action list there, and the V-shaped schedules then fail
@@ -88,13 +89,16 @@ class PipelineRunner:
         by_index = {s.stage_index: s.submod for s in p.stages}
         me, last = dist.get_rank(self.pp_group), len(p.layout) - 1
         total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.tensor_split(p.n_microbatches), labels.tensor_split(p.n_microbatches)):
+        kwargs = kwargs or {}
+        mb_kwargs = [dict(zip(kwargs, vals)) for vals in zip(*(v.tensor_split(p.n_microbatches) for v in kwargs.values()))]
+        mb_kwargs = mb_kwargs or [{}] * p.n_microbatches
+        for x, y, kw in zip(inputs.tensor_split(p.n_microbatches), labels.tensor_split(p.n_microbatches), mb_kwargs):
             for sid, owner in enumerate(p.owners):
                 if owner != me:
                     continue
                 if sid > 0 and p.owners[sid - 1] != me:
                     x = self._recv(p.owners[sid - 1])
-                x = by_index[sid](x)
+                x = by_index[sid](x, **kw)
                 if sid == last:
                     loss = self.loss_fn(x, y)
                     total += loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import float8
 import models
-from models.common.backends import repeats_kv_heads, sdpa_context, wants_fa4
+from models.common.backends import mask_kernel, repeats_kv_heads, sdpa_context, wants_fa4
 from parallelize import get_plan
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
@@ -35,6 +35,7 @@ from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
 from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
 from titanlike.resilience.preemption import PreemptionHandler
+from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
@@ -82,6 +83,11 @@ class Trainer:
         validate_model(spec, self.model_args, cfg)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
+        # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
+        # kernel of their masked attention (models/common/masks.py).
+        self.batch_layout = BatchLayout(self.dims, cfg.data, self.tokenizer.eod_id)
+        if hasattr(model, "mask_kernel"):
+            model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking, self.device)
         if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
             from models.common.fa4 import use_fa4
 
@@ -207,24 +213,26 @@ class Trainer:
             torch.distributed.all_reduce(x, group=mesh.get_group())
         return x
 
-    def next_batches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """The step's micro-batches as (inputs, labels, model keyword arguments), this rank's share of each."""
         out = []
         for _ in range(self.grad_accum_steps):
             inputs, labels = next(data_iter)
-            out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
+            out.append(self.batch_layout(inputs.to(self.device, non_blocking=True),
+                                         labels.to(self.device, non_blocking=True)))
         return out
 
-    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """Summed token loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
         if self.loss_head is None:
-            return plain_loss(self.loss_fn(self.model(inputs), labels))
+            return plain_loss(self.loss_fn(self.model(inputs, **kwargs), labels))
         with loss_targets(self.loss_head, labels):
-            return self.model(inputs)
+            return self.model(inputs, **kwargs)
 
     def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, token count, grad norm):
         nothing here waits for the GPU."""
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in batches)
         global_tokens = self._all_reduce_sum(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
         if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
@@ -234,10 +242,10 @@ class Trainer:
             grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm, self.fused_clip)  # over all stages
         else:
             loss_sum, mb_losses = torch.zeros((), device=self.device), []
-            for inputs, labels in batches:
+            for inputs, labels, kwargs in batches:
                 with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
                     with self.amp:
-                        loss = self._forward_loss(inputs, labels)
+                        loss = self._forward_loss(inputs, labels, kwargs)
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())
@@ -352,12 +360,12 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         for _, (inputs, labels) in zip(range(self.cfg.validation.steps), loader):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels, kwargs = self.batch_layout(inputs.to(self.device), labels.to(self.device))
             with self.amp, self._sdpa(), self._loss_ctx():
                 if self.pp is not None:  # forward-only schedule; the loss is summed on the last stage
-                    loss_sum += self.pp.eval_loss(inputs, labels)
+                    loss_sum += self.pp.eval_loss(inputs, labels, kwargs)
                 else:
-                    loss_sum += self._forward_loss(inputs, labels)
+                    loss_sum += self._forward_loss(inputs, labels, kwargs)
             tokens += (labels != IGNORE_INDEX).sum()
         if self.pp is not None:
             self.pp.reduce_over_pp(loss_sum)

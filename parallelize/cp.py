@@ -1,0 +1,98 @@
+"""Context parallelism: every sequence sharded over the "cp" mesh axis, attention exact across the ranks.
+
+Layout (causal load balancing): a sequence of S tokens is cut into 2*cp chunks and rank r holds chunks r and
+2*cp-1-r (models.common.masks.load_balanced_chunks), so with causal attention every rank's queries see the same number
+of keys. The trainer cuts the batch this way (titanlike/train/batch.py); the model's Decoder, told its share by
+`apply_cp`, takes its RoPE rows from the global positions of its tokens and builds the mask that places its local
+queries in the whole sequence. Checkpoints carry nothing of this: parameters are FSDP-sharded over dp_shard x cp
+(CP ranks hold the same parameters and see different tokens) and the RoPE table is not saved.
+
+Attention: each layer all-gathers the keys and values of the whole sequence over "cp" (a reduce-scatter of their
+gradients in the backward) and runs its local queries against them with the kernel of models/common/masks.py, the
+same code as one device. With grouped-query attention the keys and values are a fraction of the queries' size
+(n_kv_heads / n_heads), which is what makes gathering them cheap next to passing them around a ring. The gather is
+issued for K and V together and waited on when they are first read, so the two transfers overlap each other (not yet
+the attention compute: that needs a log-sum-exp merge of partial results, which the ring form would bring).
+
+The loss is normalised by the global target-token count (the trainer all-reduces it over dp x cp) and FSDP's
+gradient mean over dp_shard x cp is turned back into that sum, so CP 2 equals one process on the same batch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from models.common.masks import load_balanced_chunks
+
+
+# The differentiable all-gather (its backward a reduce-scatter): renamed in torch 2.13, the old name deprecated.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def _start_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    # Rank-major [B, S, ...]: rank r's chunks (r, 2cp-1-r) side by side. Asynchronous until first read.
+    return _all_gather(x.contiguous(), gather_dim=1, group=mesh)
+
+
+def _in_sequence_order(gathered: torch.Tensor, degree: int) -> torch.Tensor:
+    parts = gathered.chunk(2 * degree, dim=1)
+    order = [2 * j for j in range(degree)] + [2 * (2 * degree - 1 - j) + 1 for j in range(degree, 2 * degree)]
+    return torch.cat([parts[i] for i in order], dim=1)
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """[B, S/cp, ...] load-balanced local chunks -> [B, S, ...] in sequence order (differentiable: the backward
+    reduce-scatters the gradient back to the chunks' owners)."""
+    return _in_sequence_order(_start_gather(x, mesh), mesh.size())
+
+
+class GatherKV:
+    """An attention module's kernel (`attention_fn`) under CP: the same kernel, over the whole sequence's K/V."""
+
+    def __init__(self, inner: Callable, mesh: DeviceMesh):
+        self.inner = inner
+        self.mesh = mesh
+
+    def __call__(self, xq, xk, xv, repeat_kv_heads: bool = False, mask=None):
+        if mask is None:
+            raise RuntimeError("context parallel attention needs the model's mask (parallelize.cp.apply_cp sets the "
+                               "model's cp_shard so its forward builds one)")
+        k, v = _start_gather(xk, self.mesh), _start_gather(xv, self.mesh)  # both in flight before either is read
+        degree = self.mesh.size()
+        return self.inner(xq, _in_sequence_order(k, degree), _in_sequence_order(v, degree), repeat_kv_heads, mask)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """[B, S, ...] -> this rank's load-balanced chunks [B, S/cp, ...] (what the model under CP takes)."""
+    return torch.cat([x[:, a:b] for a, b in load_balanced_chunks(x.shape[1], rank, degree)], dim=1)
+
+
+def apply_cp(model: nn.Module, dims) -> int:
+    """Shard `model`'s sequence over dims' "cp" axis, in place (after TP/EP, before AC and compile, which trace the
+    attention kernels); returns how many attention modules take part."""
+    mesh = dims.get_mesh("cp")
+    if mesh is None:
+        raise RuntimeError("apply_cp: parallelism.cp > 1 needs ParallelDims.build_mesh() first")
+    if not hasattr(model, "cp_shard"):
+        raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} does not say where its tokens sit in the "
+                         f"sequence (models/common/decoder.py's cp_shard); set parallelism.cp=1")
+    model.cp_shard = (mesh.get_local_rank(), mesh.size())
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = GatherKV(module.attention_fn, mesh)
+            n += 1
+    if n == 0:
+        raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} has no attention module with an "
+                         f"attention_fn to run over the gathered sequence; set parallelism.cp=1")
+    return n
+
+
+def maybe_cp(model: nn.Module, dims) -> None:
+    """A plan's CP step: apply_cp when parallelism.cp > 1, nothing otherwise."""
+    if dims.cp > 1:
+        apply_cp(model, dims)

@@ -1,0 +1,40 @@
+"""From a data-loader batch to one rank's model call: context parallel's share of the tokens and labels, and the
+documents of packed sequences.
+
+Every CP rank of a data-parallel rank reads the same batch (the data shard is the dp index); each keeps its
+load-balanced chunks (parallelize/cp.py). With data.document_masking the document ids of the whole sequence go to the
+model (attention stays inside documents: models/common/masks.py), and with data.reset_position_ids the RoPE positions
+restart at every document, as Megatron's --reset-attention-mask / --reset-position-ids do.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.common.masks import document_ids, document_positions
+from parallelize.cp import shard_sequence
+
+
+class BatchLayout:
+    def __init__(self, dims, data_cfg, eod_id: int | None):
+        mesh = dims.get_mesh("cp")
+        self.cp = (mesh.get_local_rank(), mesh.size()) if mesh is not None else None
+        self.documents = data_cfg.document_masking
+        self.reset_positions = data_cfg.reset_position_ids
+        if (self.documents or self.reset_positions) and eod_id is None:
+            raise ValueError("data.document_masking / data.reset_position_ids find documents by their end-of-document "
+                             "token, and this tokenizer has none: set data.eod_token (or data.eos_token), or turn "
+                             "both off")
+        self.eod_id = eod_id
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(inputs, labels) of whole sequences -> (this rank's inputs, its labels, the model's keyword arguments)."""
+        kwargs = {}
+        if self.documents or self.reset_positions:
+            docs = document_ids(inputs, self.eod_id)
+            if self.documents:
+                kwargs["doc_ids"] = docs
+            if self.reset_positions:
+                kwargs["positions"] = document_positions(docs)
+        if self.cp is not None:
+            inputs, labels = shard_sequence(inputs, *self.cp), shard_sequence(labels, *self.cp)
+        return inputs, labels, kwargs
