@@ -107,7 +107,23 @@ def _flex_block_mask(q_index, doc_ids, kv_len: int, device):
         return ok
 
     batch = None if doc_ids is None else doc_ids.shape[0]
-    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    # _compile: build the block mask tile by tile; eagerly it materialises the whole [B, Sq, Skv] boolean mask first.
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=True)
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """FlexAttention compiled once: eager, it is a reference implementation that materialises the score matrix.
+    (Inside compiled blocks dynamo inlines the compiled function; the block mask is an input, so new documents do
+    not recompile it.)"""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
 
 
 def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttnMask,
@@ -116,9 +132,7 @@ def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
     n_rep = xq.shape[2] // xk.shape[2]
     q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
     if mask.kernel == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        out = flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
+        out = _flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
         return out.transpose(1, 2)
     if repeat_kv_heads and n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
