@@ -25,7 +25,8 @@ def on_off(v) -> bool:
 # axis -> (parser, default)
 AXES = {"model": (str, DEFAULT_MODEL), "flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
         "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
-        "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, "")}
+        "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, ""),
+        "peer_ac": (str, "")}
 
 
 def parse_layout(layout: str) -> dict[str, int]:
@@ -59,7 +60,17 @@ def _check_case(case: dict) -> dict:
     if case["ac"] == "memory_budget" and not (_is_float(case["ac_option"]) and 0 <= float(case["ac_option"]) <= 1):
         raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
     parse_layout(case["layout"])
+    if case["peer_ac"] and case["peer_ac"].partition(":")[0] not in AC_MODES:
+        raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} (\"\": the same as ac)")
     return case
+
+
+def peer_ac(case: dict) -> tuple[str, str]:
+    """(mode, option) of the peer's activation checkpointing: peer_ac ("MODE[:OPTION]") where given, else ac's."""
+    if not case["peer_ac"]:
+        return case["ac"], case["ac_option"]
+    mode, _, option = case["peer_ac"].partition(":")
+    return mode, option or case["ac_option"]
 
 
 def _product(values: dict) -> list[dict]:
@@ -100,4 +111,6 @@ def label(case: dict) -> str:
         parts.append(case["layout"])
     if case["loss_chunk"]:
         parts.append(f"ce{case['loss_chunk']}")
+    if case["peer_ac"]:
+        parts.append(f"peer-ac-{case['peer_ac'].replace(':', '-')}")
     return " ".join(parts)

@@ -44,7 +44,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
-from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout
+from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout, peer_ac
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?mfu\s+([\d.]+)%)?"
@@ -78,10 +78,10 @@ def _fp8_all_gather(case: dict) -> bool:
     return case["float8"] == "tensorwise" and case["float8_all_gather"] and _fsdp_applies(case)
 
 
-def _ac_option_flags(case: dict, prefix: str, sep: str, selective_key: str = "selective_option") -> list[str]:
+def _ac_option_flags(ac: str, option: str, prefix: str, sep: str, selective_key: str = "selective_option") -> list[str]:
     """ac_option as the flag its mode reads: the budget for memory_budget, else the selective option."""
-    key = "memory_budget" if case["ac"] == "memory_budget" else selective_key
-    return [f"{prefix}{key}={case['ac_option']}"] if sep == "=" else [f"{prefix}{key}", case["ac_option"]]
+    key = "memory_budget" if ac == "memory_budget" else selective_key
+    return [f"{prefix}{key}={option}"] if sep == "=" else [f"{prefix}{key}", option]
 
 
 def resolve_peer(peer: str) -> str:
@@ -98,7 +98,8 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
            f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
-           f"--activation_checkpoint.mode={case['ac']}", *_ac_option_flags(case, "--activation_checkpoint.", "="),
+           f"--activation_checkpoint.mode={case['ac']}",
+           *_ac_option_flags(case["ac"], case["ac_option"], "--activation_checkpoint.", "="),
            f"--compile.enable={str(case['compile']).lower()}", f"--training.loss_chunk_tokens={case['loss_chunk']}",
            "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={opts.dump_folder}",
            # one run folder per case, so profiler traces (-- --profiling.enable_profiling=true) don't overwrite
@@ -113,14 +114,17 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
 
 
 def peer_cmd(case: dict, opts) -> list[str] | None:
-    """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it."""
-    if case["flavor"] not in PEER_FLAVORS.get(case["model"], ()) or case["loss_chunk"]:
+    """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it. (loss_chunk is titanlike's own
+    memory lever: the peer runs the shape with its full logits. peer_ac gives the peer its own AC where the two fit
+    best with different settings, e.g. at long context.)"""
+    if case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
+    ac, ac_option = peer_ac(case)
     args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
             "--metrics.log_freq", str(opts.log_freq),
-            "--activation_checkpoint.mode", case["ac"], *_ac_option_flags(case, "--activation_checkpoint.", " ",
-                                                                           selective_key="selective_ac_option")]
+            "--activation_checkpoint.mode", ac, *_ac_option_flags(ac, ac_option, "--activation_checkpoint.", " ",
+                                                                  selective_key="selective_ac_option")]
     if case["compile"]:
         args.append("--compile.enable")
     for k, v in parse_layout(case["layout"]).items():
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
-    results = []
+    results, peer_runs = [], {}
     for i, case in enumerate(cases):
         # Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP
         # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
@@ -320,10 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
         text, rc, wall = run(titanlike_cmd(case, a), env, log and log + ".titanlike.log", a.timeout)
         res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
         cmd = peer_cmd(case, a) if a.peer else None
-        if cmd:
+        if cmd and tuple(cmd) in peer_runs:  # the same peer run for cases that differ only in titanlike's levers
+            res["peer"] = peer_runs[tuple(cmd)]
+        elif cmd:
             text, rc, wall = run(cmd, {**env, "NPROC": str(case["nproc"]), "MODEL": case["model"]},
                                  log and log + ".peer.log", a.timeout)
-            res["peer"] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
+            res["peer"] = peer_runs[tuple(cmd)] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc,
+                                                   "wall_s": wall}
             if res["titanlike"].get("tps") and res["peer"].get("tps"):
                 res["ratio"] = res["titanlike"]["tps"] / res["peer"]["tps"]
         results.append(res)

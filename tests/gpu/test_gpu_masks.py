@@ -32,12 +32,16 @@ def _docs(b, s, eod=1):
     return document_ids(tokens, eod)
 
 
-def _reference(q, k, v, q_index, doc_ids):
-    """fp32 SDPA with the dense mask of the rule, queries taken at q_index."""
+def _reference(q, k, v, q_index, doc_ids, dtype=torch.float32):
+    """SDPA with the dense mask of the rule (in `dtype`), queries taken at q_index."""
     ok = allowed(q_index, doc_ids, k.shape[1], DEV)
-    out = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)), attn_mask=ok,
+    out = F.scaled_dot_product_attention(*(t.to(dtype).transpose(1, 2) for t in (q, k, v)), attn_mask=ok,
                                          enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def _rel_err(a, ref):
+    return ((a.float() - ref).abs().max() / ref.abs().max()).item()
 
 
 def _grads(out, inputs, dout):
@@ -61,8 +65,11 @@ def test_masked_kernels_match_the_rule(kernel, documents, cp):
         dout = torch.randn_like(q_local)
         got = _grads(masked_attention(q_local, k, v, mask), (q_local, k, v), dout)
         ref = _grads(_reference(q_local, k, v, qi, doc_ids), (q_local, k, v), dout.float())
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2, msg=lambda m: f"rank {rank} {name}: {m}")
+        # bf16 rounding: the kernel may be as far from the fp32 rule as the same dense SDPA computed in bf16 (x2)
+        ref_bf16 = _grads(_reference(q_local, k, v, qi, doc_ids, torch.bfloat16), (q_local, k, v), dout)
+        for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref, ref_bf16):
+            err, budget = _rel_err(a, b), max(2 * _rel_err(c, b), 1e-2)
+            assert err <= budget, (f"rank {rank} {name}", err, budget)
 
 
 def test_document_masking_run_learns_without_recompiling(tmp_path):

@@ -71,8 +71,12 @@ def test_command_lines_for_both_frameworks():
     assert "--parallelism.tp=2" in bench.titanlike_cmd(rowwise, OPTS)
     peer = " ".join(bench.peer_cmd(rowwise, OPTS))
     assert "--quantize.linear.float8.recipe_name rowwise" in peer and "--parallelism.tensor_parallel_degree 2" in peer
-    (chunked,) = bench.expand_matrix({"loss_chunk": "4096"})
-    assert bench.peer_cmd(chunked, OPTS) is None  # titanlike-only feature: no peer run
+    (chunked,) = bench.expand_matrix({"loss_chunk": "4096"})  # titanlike's own lever: the peer runs the plain shape
+    assert bench.peer_cmd(chunked, OPTS) == bench.peer_cmd(bench.expand_matrix({})[0], OPTS)
+    (long,) = bench.expand_matrix({"seq": "32768", "ac": "selective", "ac_option": "op", "peer_ac": "full"})
+    assert "--activation_checkpoint.selective_option=op" in bench.titanlike_cmd(long, OPTS)
+    peer = " ".join(bench.peer_cmd(long, OPTS))
+    assert "--activation_checkpoint.mode full" in peer and "peer-ac-full" in bench.label(long)
 
 
 def test_parse_and_summarize_logs():
