@@ -59,6 +59,11 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 def load_balanced_chunks(seq_len: int, rank: int, degree: int) -> tuple[tuple[int, int], ...]:
     """Context parallel's causal load balancing: the sequence in 2*degree chunks, rank r holding chunks r and
     2*degree-1-r, so every rank's queries see the same number of keys in total. (start, end) of each, in order."""
+    # Config validation enforces this for training.seq_len; checked here too because a remainder would otherwise be
+    # dropped silently from every rank's share (shard_sequence, the mask's key length).
+    if seq_len % (2 * degree):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * degree} (context parallel cuts "
+                         f"each sequence into 2*cp equal chunks); pad or cut it to a multiple")
     c = seq_len // (2 * degree)
     return ((rank * c, (rank + 1) * c), ((2 * degree - 1 - rank) * c, (2 * degree - rank) * c))
 
