@@ -1,5 +1,8 @@
 """Activation checkpointing per transformer block: none | full | selective ("N" = every N-th block, "op" =
-per-op selective checkpointing that saves the expensive ops' outputs and recomputes the cheap ones) |
+per-op selective checkpointing that saves the expensive ops' outputs and recomputes the cheap ones, "attention" =
+save only the attention kernels' outputs and recompute everything else, matmuls included: at long context attention
+is most of a block's compute and its output is one [tokens, dim] tensor, so this keeps the costly part for the memory
+of about two hidden states per block) |
 memory_budget (no wrapper at all: torch.compile's min-cut partitioner keeps `memory_budget` of each compiled
 block's activation memory and recomputes the ops cheapest per byte saved - it spends the memory a budget allows
 instead of a fixed rule).
@@ -27,16 +30,18 @@ AC_MODES = ("none", "full", "selective", "memory_budget")  # activation_checkpoi
 _aten = torch.ops.aten
 
 
-def _op_save_list() -> set:
-    """Ops whose outputs per-op SAC keeps: costly to recompute relative to their memory."""
+def _op_save_list(matmuls: bool = True) -> set:
+    """Ops whose outputs per-op SAC keeps: costly to recompute relative to their memory (matmuls=False: attention
+    only, the "attention" option)."""
     ops = {
-        _aten.mm.default,
         _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         # Float8 scaling computes amax with max(); saving the scalar avoids recomputing a full reduction.
         _aten.max.default,
     }
+    if matmuls:
+        ops.add(_aten.mm.default)
     # Optional ops: present in current torch, guarded so an older/newer build without them still imports.
     if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
         ops.add(_aten._scaled_dot_product_cudnn_attention.default)
@@ -58,9 +63,9 @@ def _op_sac_policy(counts: dict, save_ops: set, save_every_other_mm: bool, ctx, 
     return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def op_sac_context_fn(save_every_other_mm: bool = True):
+def op_sac_context_fn(save_every_other_mm: bool = True, matmuls: bool = True):
     """A fresh (forward, recompute) context pair for one checkpointed call (the mm counter is per call)."""
-    policy = partial(_op_sac_policy, defaultdict(int), _op_save_list(), save_every_other_mm)
+    policy = partial(_op_sac_policy, defaultdict(int), _op_save_list(matmuls), save_every_other_mm)
     return create_selective_checkpoint_contexts(policy)
 
 
@@ -107,8 +112,8 @@ def _parse_every_n(option: str) -> int:
         n = 0
     if n < 1:
         raise ValueError(
-            f"activation_checkpoint.selective_option must be 'op' or a positive integer N (checkpoint every N-th "
-            f"block), got {option!r}"
+            f"activation_checkpoint.selective_option must be 'op', 'attention' or a positive integer N (checkpoint "
+            f"every N-th block), got {option!r}"
         )
     return n
 
@@ -118,7 +123,8 @@ def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.M
 
     selective "N": blocks N-1, 2N-1, ... (every N-th counting from 1) recompute fully, the rest keep
     activations; N=1 equals full. selective "op": every block, saving mm/attention outputs (and, with
-    `save_every_other_mm`, only every other mm's, trading some recompute for memory).
+    `save_every_other_mm`, only every other mm's, trading some recompute for memory); "attention": every block,
+    saving the attention outputs only.
     """
     mode = ac_cfg.mode
     if mode not in AC_MODES:
@@ -135,6 +141,8 @@ def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.M
         option = str(ac_cfg.selective_option)
         if option == "op":
             context_fn = partial(op_sac_context_fn, save_every_other_mm)
+        elif option == "attention":
+            context_fn = partial(op_sac_context_fn, False, matmuls=False)
         else:
             every_n = _parse_every_n(option)
     blocks = [b for b in model.layers.values() if b is not None]

@@ -14,7 +14,8 @@ from parallelize.ac import apply_ac, checkpoint_module, is_checkpointed
 
 torch.set_num_threads(1)
 
-MODES = {"full": ("full", "op"), "sel_op": ("selective", "op"), "sel_2": ("selective", "2"), "sel_1": ("selective", "1")}
+MODES = {"full": ("full", "op"), "sel_op": ("selective", "op"), "sel_2": ("selective", "2"), "sel_1": ("selective", "1"),
+         "sel_attn": ("selective", "attention")}
 
 
 def ac_cfg(mode: str, option: str = "op"):
@@ -77,6 +78,31 @@ def test_backward_recomputes_what_each_mode_says(results):
     assert sel_1 == full
     # Per-op SAC keeps attention and (every other) matmul outputs: some recompute, less than full.
     assert none < sel_op < full
+    # "attention" keeps only the attention outputs: every matmul is recomputed (the CPU attention kernel has no FLOP
+    # formula, so `full` counts no more than it; test_attention_option_keeps_attention checks the kernel directly).
+    sel_attn = out["sel_attn"][2]
+    assert sel_op < sel_attn <= full, (sel_op, sel_attn, full)
+
+
+def test_attention_option_keeps_attention():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountAttention(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func) and "backward" not in str(func):
+                CountAttention.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    inputs, labels = global_batch(0, 4)
+    for option, recomputed in (("attention", 0), ("op", 0), ("2", 1)):
+        model = apply_ac(reference_model(seed=0), ac_cfg("selective", option))
+        loss = loss_fn(model(inputs), labels)
+        CountAttention.calls = 0
+        with CountAttention():
+            loss.backward()
+        assert CountAttention.calls == recomputed, (option, CountAttention.calls)
 
 
 def test_errors():

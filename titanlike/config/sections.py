@@ -113,7 +113,9 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: str = "none"  # none | full | selective | memory_budget
-    selective_option: str = "op"  # "op" = save matmul/attention outputs; "N" = checkpoint every N-th block
+    # "op" = save matmul/attention outputs; "attention" = save attention outputs only (long context); "N" = checkpoint
+    # every N-th block
+    selective_option: str = "op"
     # mode="memory_budget" (needs compile): each compiled block keeps this fraction of the activation memory it would
     # keep without AC; torch's min-cut partitioner picks the cheapest ops to recompute (0 = all, 1 = none).
     memory_budget: float = 0.5

@@ -111,9 +111,10 @@ def _check_choices(cfg: JobConfig, errors: list[str]) -> None:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             errors.append(f"{dotted}={value!r} is not one of {', '.join(allowed)}{hint}")
     opt = cfg.activation_checkpoint.selective_option
-    if opt != "op" and not (opt.isdigit() and int(opt) > 0):
+    if opt not in ("op", "attention") and not (opt.isdigit() and int(opt) > 0):
         errors.append(f"activation_checkpoint.selective_option={opt!r} must be \"op\" (save matmul/attention "
-                      f"outputs) or a positive integer string like \"2\" (checkpoint every 2nd block)")
+                      f"outputs), \"attention\" (save attention outputs only) or a positive integer string like "
+                      f"\"2\" (checkpoint every 2nd block)")
     bad = [c for c in cfg.compile.components if c not in COMPILE_COMPONENTS]
     if bad:
         errors.append(f"compile.components has {bad}; allowed: {', '.join(COMPILE_COMPONENTS)}")
