@@ -15,6 +15,7 @@ WORLD_SIZES = {
     "debug_model.toml": [1, 2],
     "base_gpu.toml": [1],
     "llama3_1b.toml": [1],
+    "llama3_1b_long.toml": [1, 2],
     "llama3_8b.toml": [8, 2],
     "llama3_8b_2xh200.toml": [2],
     "llama3_70b.toml": [64],
