@@ -14,6 +14,10 @@ same code as one device. With grouped-query attention the keys and values are a 
 issued for K and V together and waited on when they are first read, so the two transfers overlap each other (not yet
 the attention compute: that needs a log-sum-exp merge of partial results, which the ring form would bring).
 
+MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
+chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
+sequences' (models/common/moe.py).
+
 The loss is normalised by the global target-token count (the trainer all-reduces it over dp x cp) and FSDP's
 gradient mean over dp_shard x cp is turned back into that sum, so CP 2 equals one process on the same batch.
 """
@@ -66,6 +70,18 @@ class GatherKV:
         return self.inner(xq, _in_sequence_order(k, degree), _in_sequence_order(v, degree), repeat_kv_heads, mask)
 
 
+class ShardMean:
+    """An MoE layer's `shard_mean` under CP: the mean over the "cp" ranks of a statistic of this rank's share of the
+    sequences (the balance losses' expert loads; models/common/moe.py says why). No gradient flows through it: the
+    loads are counts."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", self.mesh) / self.mesh.size()
+
+
 def shard_sequence(x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
     """[B, S, ...] -> this rank's load-balanced chunks [B, S/cp, ...] (what the model under CP takes)."""
     return torch.cat([x[:, a:b] for a, b in load_balanced_chunks(x.shape[1], rank, degree)], dim=1)
@@ -86,6 +102,8 @@ def apply_cp(model: nn.Module, dims) -> int:
         if hasattr(module, "attention_fn"):
             module.attention_fn = GatherKV(module.attention_fn, mesh)
             n += 1
+        if hasattr(module, "shard_mean"):  # MoE layers: their balance losses see whole sequences
+            module.shard_mean = ShardMean(mesh)
     if n == 0:
         raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} has no attention module with an "
                          f"attention_fn to run over the gathered sequence; set parallelism.cp=1")

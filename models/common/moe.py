@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +208,13 @@ class MoE(nn.Module):
         # Assignments dropped by the capacity factor over the same forwards (for the dropped share in the metrics).
         self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_grad_scale = 1.0  # set by the trainer: weight of this micro-batch's aux loss in the gradient
+        # Set by context parallelism (parallelize/cp.py): the mean of a statistic over the ranks holding the other
+        # equal shares of this rank's sequences. The balance losses' expert loads f are statistics of whole sequences
+        # (of the whole local batch for the Switch loss), so each rank takes the mean of its shares' loads and keeps
+        # its own probabilities P; the losses E * sum(f * P_local), averaged over those ranks by the data-parallel
+        # gradient mean, are then the loss of the whole sequences, value and gradient (the z-loss, a mean over
+        # tokens, needs nothing: the mean of equal shares' means). None: whole sequences here.
+        self.shard_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_aux_loss = torch.zeros(())
         self.last_dropped = torch.zeros((), dtype=torch.int64)
 
@@ -282,9 +290,11 @@ class MoE(nn.Module):
         total = logits.new_zeros(())
         probs = routing_probs(scores, a.score_func)
         if a.aux_loss_coeff > 0:
-            total = total + a.aux_loss_coeff * load_balance_loss(probs, indices.view(b * s, k), self.num_experts)
+            total = total + a.aux_loss_coeff * load_balance_loss(probs, indices.view(b * s, k), self.num_experts,
+                                                                 self.shard_mean)
         if a.seq_aux_loss_coeff > 0:
-            total = total + a.seq_aux_loss_coeff * seq_balance_loss(probs.view(b, s, -1), indices, self.num_experts)
+            total = total + a.seq_aux_loss_coeff * seq_balance_loss(probs.view(b, s, -1), indices, self.num_experts,
+                                                                    self.shard_mean)
         if a.z_loss_coeff > 0:
             total = total + a.z_loss_coeff * router_z_loss(logits)
         return total

@@ -7,7 +7,7 @@ bf16 rounding (near-ties flip experts), and the gate is a tiny matmul (dim x num
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,22 +94,29 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out.scatter_add_(-1, flat, torch.ones_like(flat, dtype=torch.float32))
 
 
-def load_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                      shard_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e over all tokens: f_e the fraction of the T*k routed
     assignments that went to e, P_e the mean probability of e. 1.0 when perfectly balanced. Only P carries gradient.
 
-    probs [T, E] (routing_probs), indices [T, k]."""
+    probs [T, E] (routing_probs), indices [T, k]. shard_mean: see MoE.shard_mean (the loads f of the whole sequences
+    when this rank holds equal shares of them; P stays local, and the mean of the shares' losses is the loss)."""
     t, k = indices.shape
     f = expert_counts(indices, num_experts) / (t * k)
+    if shard_mean is not None:
+        f = shard_mean(f)
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
-def seq_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def seq_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                     shard_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: load_balance_loss within each sequence, averaged over sequences.
 
-    probs [B, S, E], indices [B, S, k]."""
+    probs [B, S, E], indices [B, S, k]. shard_mean: as load_balance_loss, per sequence."""
     _, s, k = indices.shape
     f = expert_counts(indices, num_experts) / (s * k)  # [B, E]
+    if shard_mean is not None:
+        f = shard_mean(f)
     return (num_experts * (f * probs.mean(dim=1)).sum(dim=-1)).mean()
 
 

@@ -1,15 +1,26 @@
 """torchrun worker for tests/multiproc/test_dist_cp.py: context-parallel layouts against one process.
 
-Every rank builds the one-process reference (the tiny Llama, fp32) and takes its loss and gradients on the whole
-batch; then, for each layout named on the command line, builds the model on meta, applies the llama3 plan under that
-ParallelDims, loads the reference weights, runs the trainer's batch layout (titanlike/train/batch.py), forward,
-the trainer's loss scaling and backward, and compares the loss and every parameter's full gradient.
+For each "family/layout" on the command line every rank builds the family's tiny model, applies the family's default
+plan under that ParallelDims, loads the one-process reference's weights, runs the trainer's batch layout
+(titanlike/train/batch.py), forward, the trainer's loss scaling and backward, then the MoE bookkeeping's expert-bias
+update (titanlike/train/moe.py), and compares the loss, every parameter's full gradient and the expert biases.
 
-Layouts: "cp<c>[xdp<d>][xtp<t>][+docs][+pos]" (docs: data.document_masking; pos: data.reset_position_ids).
-Prints "CP_OK <layout> loss_diff grad_diff" per layout on rank 0.
+The reference runs in this process on the whole batch, as dp micro-batches of the layout's data-parallel share each
+(gradient accumulation, with the trainer's 1/micro-batches weight on the auxiliary losses): a data-parallel rank's
+Switch load-balancing loss is defined on its own rows (as in Megatron), so the reference splits the rows alike, while
+context parallel must give exactly the loss of its data-parallel rank's whole sequences.
+
+Families: llama3 (GQA), qwen3_moe (qwen3 debugmodel_moe: softmax top-2 of 8 experts, the Switch load-balancing loss),
+deepseek_v3 (debugmodel: MLA, a dense block then an MoE block, sigmoid group-limited routing, a shared expert, the
+sequence-wise balance loss, the expert-bias balancing). All at 2 blocks.
+Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+compile]" (rep: dp_replicate; dp: dp_shard; docs:
+data.document_masking; pos: data.reset_position_ids; compile: per-block torch.compile). "docs_isolated" checks, in one process, that with documents
+masked and positions restarted every document's logits are those of the document alone.
+Prints "CP_OK <family>/<layout> loss_diff grad_diff" per layout on rank 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from types import SimpleNamespace
@@ -20,24 +31,36 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import models
+from models.common.masks import document_ids
 from par_helpers import exit_without_teardown
 from parallelize import get_plan
 from titanlike.config import config_from_dict
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
+from titanlike.train.moe import MoEBookkeeping
 
 SEQ, VOCAB, ROWS, EOD = 32, 128, 4, 3
 TOL = 1e-5
+FAMILIES = {"llama3": ("llama3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe"),
+            "deepseek_v3": ("deepseek_v3", "debugmodel")}
 
 
-def model_args(name: str):
+def model_args(family: str):
+    name, flavor = FAMILIES[family]
     spec = models.get_spec(name)
-    if name == "llama3":
+    if family == "llama3":
         return spec.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
                              rope_theta=10000.0, max_seq_len=SEQ)
-    return __import__("dataclasses").replace(spec.flavor_args("debugmodel"), vocab_size=VOCAB, max_seq_len=SEQ,
-                                             n_layers=2)
+    args = dataclasses.replace(spec.flavor_args(flavor), vocab_size=VOCAB, max_seq_len=SEQ, n_layers=2)
+    # The balance losses weighted ~100x the flavors' (and deepseek's z-loss on): a wrong expert load under CP then
+    # moves the router's gradient by 1e-4 or more, where the flavors' weights leave it under the 1e-5 tolerance.
+    moe = dict(aux_loss_coeff=0.1) if family == "qwen3_moe" else dict(seq_aux_loss_coeff=0.01, z_loss_coeff=0.01)
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **moe))
+
+
+def build(family: str):
+    return models.get_spec(FAMILIES[family][0]).model_cls(model_args(family))
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,71 +72,130 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], labels
 
 
-def reference(name: str, docs: bool, pos: bool):
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def expert_biases(model) -> list[torch.Tensor]:
+    return [full(b).clone() for n, b in model.named_buffers() if n.endswith("expert_bias")]
+
+
+def one_process_layout(docs: bool, pos: bool) -> BatchLayout:
+    return BatchLayout(SimpleNamespace(get_mesh=lambda _: None),
+                       SimpleNamespace(document_masking=docs, reset_position_ids=pos), EOD)
+
+
+def reference(family: str, docs: bool, pos: bool, dp: int):
+    """(initial state dict, CE loss, {name: grad}, expert biases after the update) of one process, dp micro-batches."""
     torch.manual_seed(0)
-    model = models.get_spec(name).model_cls(model_args(name))
+    model = build(family)
+    model.init_weights()
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # before the update moves the expert biases
+    moe = MoEBookkeeping([model], ParallelDims(world_size=1), microbatches=dp)
+    inputs, labels = batch()
+    tokens = (labels != IGNORE_INDEX).sum()
+    loss = torch.zeros(())
+    for x, y in zip(inputs.chunk(dp), labels.chunk(dp)):
+        x, y, kwargs = one_process_layout(docs, pos)(x, y)
+        loss_sum = cross_entropy_sum(model(x, **kwargs), y)
+        (loss_sum / tokens).backward()
+        loss += loss_sum.detach() / tokens
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    moe.after_step(log=False)
+    return state, loss, grads, expert_biases(model)
+
+
+def check_docs_isolated() -> float:
+    """Documents masked, positions restarted: each document's logits equal those of the document run alone."""
+    torch.manual_seed(0)
+    model = build("llama3")
     model.init_weights()
     inputs, labels = batch()
-    layout = BatchLayout(SimpleNamespace(get_mesh=lambda _: None),
-                         SimpleNamespace(document_masking=docs, reset_position_ids=pos), EOD)
-    inputs, labels, kwargs = layout(inputs, labels)
-    loss = cross_entropy_sum(model(inputs, **kwargs), labels) / (labels != IGNORE_INDEX).sum()
-    loss.backward()
-    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    x, _, kwargs = one_process_layout(True, True)(inputs, labels)
+    with torch.no_grad():
+        packed = model(x, **kwargs)
+        worst, docs = 0.0, document_ids(inputs, EOD)
+        for row in range(ROWS):
+            for d in docs[row].unique():
+                idx = (docs[row] == d).nonzero().flatten()
+                alone = model(inputs[row:row + 1, idx])
+                worst = max(worst, (alone[0] - packed[row, idx]).abs().max().item())
+    assert int(docs.max()) >= 2, "the batch should hold several documents per row"
+    return worst
 
 
-def run_layout(spec_name: str, layout: str, ref_model, ref_loss, ref_grads) -> tuple[float, float]:
-    m = re.fullmatch(r"cp(\d+)(?:xdp(\d+))?(?:xtp(\d+))?(\+docs)?(\+pos)?", layout)
-    cp, dp, tp = int(m[1]), int(m[2] or 1), int(m[3] or 1)
-    docs, pos = bool(m[4]), bool(m[5])
-    cfg = config_from_dict({"model": {"name": spec_name}, "parallelism": {"cp": cp, "dp_shard": dp, "tp": tp},
-                            "training": {"seq_len": SEQ, "device": "cpu"}, "compile": {"enable": False},
+def parse(layout: str):
+    m = re.fullmatch(r"(?:rep(\d+)x)?cp(\d+)(?:xdp(\d+))?(?:xep(\d+))?(?:xtp(\d+))?(\+docs)?(\+pos)?(\+compile)?",
+                     layout)
+    if m is None:
+        raise ValueError(f"bad layout {layout!r}")
+    rep, cp, dp, ep, tp = (int(m[i] or 1) for i in range(1, 6))
+    return dict(dp_replicate=rep, cp=cp, dp_shard=dp, ep=ep, tp=tp), bool(m[6]), bool(m[7]), bool(m[8])
+
+
+def run_layout(family: str, degrees: dict, docs: bool, pos: bool, compile: bool, ref) -> tuple[float, tuple[float, str], float]:
+    ref_state, ref_loss, ref_grads, ref_biases = ref
+    name, flavor = FAMILIES[family]
+    cfg = config_from_dict({"model": {"name": name, "flavor": flavor}, "parallelism": degrees,
+                            "training": {"seq_len": SEQ, "device": "cpu"}, "compile": {"enable": compile},
                             "activation_checkpoint": {"mode": "none"},
                             "data": {"document_masking": docs, "reset_position_ids": pos}})
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = models.get_spec(spec_name).model_cls(model_args(spec_name))
-    model = get_plan(spec_name, "default")(model, dims, cfg)
+        model = build(family)
+    model = get_plan(name, "default")(model, dims, cfg)
+    assert all((b._compiled_call_impl is not None) == compile for b in model.layers.values())
     model.to_empty(device="cpu")
     model.init_weights()
-    set_model_state_dict(model, ref_model.state_dict(), options=StateDictOptions(full_state_dict=True))
+    # (a copy: set_model_state_dict puts the sharded tensors into the dict it is given)
+    set_model_state_dict(model, dict(ref_state), options=StateDictOptions(full_state_dict=True))
+    moe = MoEBookkeeping([model], dims, microbatches=1)
 
     inputs, labels = batch()
-    dp_mesh = dims.get_mesh("dp")
-    if dp_mesh is not None:  # each data-parallel rank its rows, as the loader would give them
-        rows = ROWS // dims.dp_degree
-        inputs, labels = (x[dp_mesh.get_local_rank() * rows:][:rows] for x in (inputs, labels))
+    rows = ROWS // dims.dp_degree  # each data-parallel rank its rows, as the loader would give them
+    inputs, labels = (x[dims.dp_rank() * rows:][:rows] for x in (inputs, labels))
     inputs, labels, kwargs = BatchLayout(dims, cfg.data, EOD)(inputs, labels)
     tokens = (labels != IGNORE_INDEX).sum().float()
-    dist.all_reduce(tokens, group=dims.get_mesh("dp_cp").get_group())
-    out = model(inputs, **kwargs)
-    if isinstance(out, DTensor):
-        out = out.full_tensor()
-    loss_sum = cross_entropy_sum(out, labels)
+    group = dims.get_mesh("dp_cp").get_group()
+    dist.all_reduce(tokens, group=group)
+    loss_sum = cross_entropy_sum(full(model(inputs, **kwargs)), labels)
     (loss_sum * dims.dp_cp_degree / tokens).backward()  # the trainer's scaling (titanlike/train/trainer.py)
     total = loss_sum.detach().clone()
-    dist.all_reduce(total, group=dims.get_mesh("dp_cp").get_group())
+    dist.all_reduce(total, group=group)
     loss_diff = abs(total / tokens - ref_loss).item()
-    grad_diff = 0.0
-    for n, p in model.named_parameters():
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        grad_diff = max(grad_diff, (g - ref_grads[n]).abs().max().item())
-    return loss_diff, grad_diff
+    diffs = {n: (full(p.grad) - ref_grads[n]).abs().max().item() for n, p in model.named_parameters()}
+    worst = max(diffs, key=diffs.get)
+    if compile:  # the blocks ran compiled: graphs on both sides of the eager attention
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2, torch._dynamo.utils.counters["stats"]
+    moe.after_step(log=False)
+    biases = expert_biases(model)
+    assert len(biases) == len(ref_biases)
+    bias_diff = max([(b - r).abs().max().item() for b, r in zip(biases, ref_biases)], default=0.0)
+    return loss_diff, (diffs[worst], worst), bias_diff
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    spec_name, layouts = sys.argv[1], sys.argv[2:]
+    rank = dist.get_rank()
     refs = {}
-    for layout in layouts:
-        key = ("+docs" in layout, "+pos" in layout)
+    for item in sys.argv[1:]:
+        if item == "docs_isolated":
+            worst = check_docs_isolated()
+            if rank == 0:
+                print(f"CP_OK docs_isolated {worst:.3e}", flush=True)
+            assert worst <= TOL, worst
+            continue
+        family, layout = item.split("/")
+        degrees, docs, pos, compile = parse(layout)
+        key = (family, docs, pos, degrees["dp_replicate"] * degrees["dp_shard"])
         if key not in refs:
-            refs[key] = reference(spec_name, *key)
-        loss_diff, grad_diff = run_layout(spec_name, layout, *refs[key])
-        if dist.get_rank() == 0:
-            print(f"CP_OK {spec_name} {layout} {loss_diff:.3e} {grad_diff:.3e}", flush=True)
-        assert loss_diff <= TOL and grad_diff <= TOL, (layout, loss_diff, grad_diff)
+            refs[key] = reference(*key)
+        loss_diff, (grad_diff, worst), bias_diff = run_layout(family, degrees, docs, pos, compile, refs[key])
+        if rank == 0:
+            print(f"CP_OK {item} loss {loss_diff:.2e} grad {grad_diff:.2e} ({worst}) expert_bias {bias_diff:.1e}",
+                  flush=True)
+        assert loss_diff <= TOL and grad_diff <= TOL and bias_diff == 0, (item, loss_diff, grad_diff, worst, bias_diff)
     dist.barrier()
     dist.destroy_process_group()
     exit_without_teardown(0)

@@ -14,7 +14,9 @@ axes are all trivial returns None instead of raising.
 Expert parallelism (ep) does not multiply the world size: it borrows its ranks from dp_shard. With ep > 1 the
 dp_shard axis is built as two, "efsdp" (dp_shard / ep, outer) x "ep" (inner: neighbouring ranks, whose links are the
 fastest, exchange tokens), and "dp_shard" becomes their flattened view, so every flattened mesh above keeps its
-meaning. Routed experts are sharded over "ep" and FSDP-sharded over "efsdp"; everything else as without EP.
+meaning. Routed experts are sharded over "ep" and FSDP-sharded over "edp" = dp_replicate x efsdp x cp (the ranks
+holding the same experts); everything else as without EP. edp's axes need not be neighbours (ep lies between efsdp
+and cp): torch 2.13 flattens them into the right groups (tests/multiproc/test_dist_cp.py, eight ranks).
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ class ParallelDims:
             if self.cp == 1:
                 return self.world_mesh[("dp_replicate", "dp_shard")]
             # Mixing a flattened name into a root slice is deprecated (warns) in torch >= 2.11 but still
-            # works; CP is not wired into a plan yet, so this path is only exercised by mesh tests.
+            # works (HSDP with CP: tests/multiproc/test_dist_cp.py).
             return self.world_mesh[("dp_replicate", "dp_shard_cp")]
         if shard > 1:
             return self._meshes["dp_shard_cp"]

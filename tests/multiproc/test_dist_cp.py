@@ -1,0 +1,39 @@
+"""Context parallelism on gloo (cp_worker.py): each layout's loss, every parameter gradient and the expert biases after
+the balancing update equal one process on the same batch (fp32, loss and gradients within 1e-5, biases exactly).
+
+Four processes: Llama under CP 4, CP 2 x FSDP 2, CP 2 x TP 2, with packed documents (with CP and without: FSDP 4),
+positions restarting per document, and one compiled case; Qwen3-MoE under CP 2 x FSDP 2 x EP 2 (the Switch
+load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance
+loss, the z-loss, the expert bias). Eight processes: the experts' FSDP mesh ("edp") over axes that are not neighbours
+in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_torchrun
+
+WORKER = Path(__file__).with_name("cp_worker.py")
+
+
+def _run(nproc: int, items: list[str], timeout: float) -> None:
+    out = run_torchrun(WORKER, nproc, args=items, timeout=timeout).stdout
+    for item in items:
+        assert f"CP_OK {item} " in out, (item, out[-4000:])
+
+
+@pytest.mark.dist
+def test_context_parallel_layouts_match_one_process():
+    _run(4, ["docs_isolated",
+             "llama3/cp4", "llama3/cp4+docs", "llama3/cp1xdp4+docs", "llama3/cp2xdp2+docs", "llama3/cp2xdp2+pos",
+             "llama3/cp2xtp2", "llama3/cp2xtp2+docs",
+             "qwen3_moe/cp2xdp2xep2", "qwen3_moe/cp2xdp2xep2+docs",
+             "deepseek_v3/cp4", "deepseek_v3/cp2xdp2", "deepseek_v3/cp2xdp2xep2+docs"], timeout=300)
+
+
+@pytest.mark.dist
+def test_context_parallel_experts_fsdp_over_split_axes():
+    # Mesh (dp_replicate, efsdp, ep, cp): "edp" = dp_replicate x efsdp x cp skips ep; FSDP of the experts over it.
+    _run(8, ["qwen3_moe/cp2xdp4xep2", "deepseek_v3/rep2xcp2xdp2xep2+docs"], timeout=300)
