@@ -116,19 +116,17 @@ def _flex_block_mask(q_index, doc_ids, kv_len: int, device):
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=True)
 
 
-_FLEX = None
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention():
-    """FlexAttention compiled once: eager, it is a reference implementation that materialises the score matrix.
-    (Inside compiled blocks dynamo inlines the compiled function; the block mask is an input, so new documents do
-    not recompile it.)"""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+# FlexAttention compiled once, at import: eager, it is a reference implementation that materialises the score matrix.
+# (Inside compiled blocks dynamo inlines it; the block mask is an input, so new documents do not recompile. Made here
+# rather than on first use: a module global assigned inside a compiled, checkpointed block is a side effect dynamo
+# refuses.)
+_FLEX = _compiled_flex()
 
 
 def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttnMask,
@@ -137,7 +135,7 @@ def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
     n_rep = xq.shape[2] // xk.shape[2]
     q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
     if mask.kernel == "flex":
-        out = _flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
+        out = _FLEX(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
         return out.transpose(1, 2)
     if repeat_kv_heads and n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)

@@ -79,6 +79,8 @@ def test_document_masking_run_learns_without_recompiling(tmp_path):
 
     counters.clear()
     trainer = Trainer(_debug_cfg(tmp_path, "--compile.enable", "--data.document_masking=true",
+                                 "--activation_checkpoint.mode=selective",  # compiled flex inside checkpointed blocks
+                                 "--activation_checkpoint.selective_option=op",
                                  "--data.reset_position_ids=true", "--training.seq_len=1024",
                                  "--training.local_batch_size=4"))
     try:
