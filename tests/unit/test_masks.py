@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from models.common.masks import (allowed, build_mask, document_ids, document_pos
                                  masked_attention)
 from models.llama3 import ModelArgs as LlamaArgs
 from parallelize.cp import _in_sequence_order, apply_cp, shard_sequence
+from titanlike.train.batch import BatchLayout
 
 torch.set_num_threads(1)
 EOD, VOCAB, MAX_SEQ = 0, 64, 64
@@ -331,3 +333,18 @@ def test_apply_cp_refuses_a_model_without_cp_shard():
         with pytest.raises(ValueError, match=rf"^parallelism.cp=2: {type(model).__name__} does not say where its "
                                              r"tokens sit .*; set parallelism.cp=1$"):
             apply_cp(model, _CPDims())
+
+
+def test_batch_layout_refuses_a_model_whose_forward_takes_no_documents():
+    from tests.toy_family.toy_models import SPEC as TOY
+
+    with torch.device("meta"):
+        toy = TOY.model_cls(dataclasses.replace(next(iter(TOY.flavors.values())), vocab_size=VOCAB))
+        llama = models.get_spec("llama3").model_cls(models.get_spec("llama3").flavor_args("debugmodel"))
+    no_mesh = SimpleNamespace(get_mesh=lambda _: None)
+    for docs, pos in ((True, False), (False, True)):
+        layout = BatchLayout(no_mesh, SimpleNamespace(document_masking=docs, reset_position_ids=pos), 1)
+        layout.check_model(llama)  # the Decoder takes both
+        with pytest.raises(ValueError, match=r"^data.document_masking / data.reset_position_ids: .*forward takes no "):
+            layout.check_model(toy)
+    BatchLayout(no_mesh, SimpleNamespace(document_masking=False, reset_position_ids=False), None).check_model(toy)

@@ -8,6 +8,8 @@ restart at every document, as Megatron's --reset-attention-mask / --reset-positi
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from models.common.masks import document_ids, document_positions
@@ -25,6 +27,16 @@ class BatchLayout:
                              "token, and this tokenizer has none: set data.eod_token (or data.eos_token), or turn "
                              "both off")
         self.eod_id = eod_id
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """A ValueError naming the keys when the model's forward cannot take what this layout hands it."""
+        wanted = [k for k, on in (("doc_ids", self.documents), ("positions", self.reset_positions)) if on]
+        params = inspect.signature(model.forward).parameters
+        missing = [k for k in wanted if k not in params]
+        if missing:
+            raise ValueError(f"data.document_masking / data.reset_position_ids: {type(model).__name__}.forward takes "
+                             f"no {' or '.join(missing)} (models/common/decoder.py's Decoder does); turn them off for "
+                             f"this model")
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(inputs, labels) of whole sequences -> (this rank's inputs, its labels, the model's keyword arguments)."""

@@ -86,6 +86,7 @@ class Trainer:
         # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
         # kernel of their masked attention (models/common/masks.py).
         self.batch_layout = BatchLayout(self.dims, cfg.data, self.tokenizer.eod_id)
+        self.batch_layout.check_model(model)
         if hasattr(model, "mask_kernel"):
             model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking, self.device)
         if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
