@@ -35,6 +35,7 @@ from models.common.masks import document_ids
 from par_helpers import exit_without_teardown
 from parallelize import get_plan
 from titanlike.config import config_from_dict
+from titanlike.config.sections import Data
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
@@ -82,7 +83,7 @@ def expert_biases(model) -> list[torch.Tensor]:
 
 def one_process_layout(docs: bool, pos: bool) -> BatchLayout:
     return BatchLayout(SimpleNamespace(get_mesh=lambda _: None),
-                       SimpleNamespace(document_masking=docs, reset_position_ids=pos), EOD)
+                       Data(document_masking=docs, reset_position_ids=pos), EOD)
 
 
 def reference(family: str, docs: bool, pos: bool, dp: int):

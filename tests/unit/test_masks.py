@@ -337,14 +337,25 @@ def test_apply_cp_refuses_a_model_without_cp_shard():
 
 def test_batch_layout_refuses_a_model_whose_forward_takes_no_documents():
     from tests.toy_family.toy_models import SPEC as TOY
+    from titanlike.config.sections import Data
 
     with torch.device("meta"):
         toy = TOY.model_cls(dataclasses.replace(next(iter(TOY.flavors.values())), vocab_size=VOCAB))
         llama = models.get_spec("llama3").model_cls(models.get_spec("llama3").flavor_args("debugmodel"))
     no_mesh = SimpleNamespace(get_mesh=lambda _: None)
     for docs, pos in ((True, False), (False, True)):
-        layout = BatchLayout(no_mesh, SimpleNamespace(document_masking=docs, reset_position_ids=pos), 1)
+        layout = BatchLayout(no_mesh, Data(document_masking=docs, reset_position_ids=pos), 1)
         layout.check_model(llama)  # the Decoder takes both
         with pytest.raises(ValueError, match=r"^data.document_masking / data.reset_position_ids: .*forward takes no "):
             layout.check_model(toy)
-    BatchLayout(no_mesh, SimpleNamespace(document_masking=False, reset_position_ids=False), None).check_model(toy)
+    BatchLayout(no_mesh, Data(), None).check_model(toy)
+
+
+def test_eod_mask_loss_drops_the_targets_after_each_eod():
+    from titanlike.config.sections import Data
+
+    inputs = torch.tensor([[5, 6, EOD, 7, 8, EOD, 9, 4]])
+    labels = torch.tensor([[6, EOD, 7, 8, EOD, 9, 4, 3]])
+    layout = BatchLayout(SimpleNamespace(get_mesh=lambda _: None), Data(eod_mask_loss=True), EOD)
+    _, got, kwargs = layout(inputs, labels)
+    assert got.tolist() == [[6, EOD, -100, 8, EOD, -100, 4, 3]] and kwargs == {}

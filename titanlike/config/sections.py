@@ -186,6 +186,7 @@ class Data:
     # Packed sequences: attention stays inside each document (ends at the EOD token); Megatron's --reset-attention-mask
     document_masking: bool = False
     reset_position_ids: bool = False  # RoPE positions restart at every document (Megatron's --reset-position-ids)
+    eod_mask_loss: bool = False  # no loss on predicting from an EOD token (Megatron's --eod-mask-loss)
 
 
 @dataclass

@@ -4,7 +4,8 @@ documents of packed sequences.
 Every CP rank of a data-parallel rank reads the same batch (the data shard is the dp index); each keeps its
 load-balanced chunks (parallelize/cp.py). With data.document_masking the document ids of the whole sequence go to the
 model (attention stays inside documents: models/common/masks.py), and with data.reset_position_ids the RoPE positions
-restart at every document, as Megatron's --reset-attention-mask / --reset-position-ids do.
+restart at every document, as Megatron's --reset-attention-mask / --reset-position-ids do; data.eod_mask_loss drops
+the loss on the end-of-document positions (their target is the next document's first token), as --eod-mask-loss.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from models.common.masks import document_ids, document_positions
 from parallelize.cp import shard_sequence
+from titanlike.train.loss import IGNORE_INDEX
 
 
 class BatchLayout:
@@ -22,10 +24,11 @@ class BatchLayout:
         self.cp = (mesh.get_local_rank(), mesh.size()) if mesh is not None else None
         self.documents = data_cfg.document_masking
         self.reset_positions = data_cfg.reset_position_ids
-        if (self.documents or self.reset_positions) and eod_id is None:
-            raise ValueError("data.document_masking / data.reset_position_ids find documents by their end-of-document "
-                             "token, and this tokenizer has none: set data.eod_token (or data.eos_token), or turn "
-                             "both off")
+        self.eod_mask_loss = data_cfg.eod_mask_loss
+        if (self.documents or self.reset_positions or self.eod_mask_loss) and eod_id is None:
+            raise ValueError("data.document_masking / data.reset_position_ids / data.eod_mask_loss find documents by "
+                             "their end-of-document token, and this tokenizer has none: set data.eod_token (or "
+                             "data.eos_token), or turn them off")
         self.eod_id = eod_id
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -41,6 +44,8 @@ class BatchLayout:
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(inputs, labels) of whole sequences -> (this rank's inputs, its labels, the model's keyword arguments)."""
         kwargs = {}
+        if self.eod_mask_loss:
+            labels = labels.masked_fill(inputs == self.eod_id, IGNORE_INDEX)
         if self.documents or self.reset_positions:
             docs = document_ids(inputs, self.eod_id)
             if self.documents:
