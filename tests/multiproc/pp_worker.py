@@ -106,7 +106,8 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
         ref_opt.zero_grad()
 
         rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)
-        mine = list(zip(inputs[rows].chunk(accum), labels[rows].chunk(accum)))  # accumulation: several batches
+        # accumulation: several batches, each (inputs, labels, model keyword arguments) as the trainer gives them
+        mine = [(x, y, {}) for x, y in zip(inputs[rows].chunk(accum), labels[rows].chunk(accum))]
         scale = torch.tensor(float(dims.dp_cp_degree) / labels.numel(), device=DEVICE)  # FSDP factor / tokens
         with loss_ctx():
             loss_sum = runner.step(mine, scale)

@@ -61,9 +61,9 @@ def test_errors():
         get_plan("llama3", ":fn")
 
 
-@pytest.mark.parametrize("degree", ["cp", "ep"])  # tp: tests/unit/test_tp.py; pp: plans run per stage (test_dist_pp.py)
+# tp: tests/unit/test_tp.py; pp: plans run per stage (test_dist_pp.py); cp: both plans apply it (test_dist_cp.py)
 @pytest.mark.parametrize("plan", ["default", "fsdp_only"])
-def test_plans_refuse_unimplemented_parallelism(degree, plan):
-    dims = ParallelDims(world_size=2, **{degree: 2, "dp_shard": 2 if degree == "ep" else -1})
-    with pytest.raises(ValueError, match=rf"parallelism.{degree}=2: the llama3 plans do not implement"):
+def test_plans_refuse_expert_parallelism(plan):
+    dims = ParallelDims(world_size=2, ep=2, dp_shard=2)
+    with pytest.raises(ValueError, match=r"parallelism.ep=2: this llama3 plan does not implement EP"):
         get_plan("llama3", plan)(meta_model(), dims, JobConfig())
