@@ -13,10 +13,11 @@ context parallel must give exactly the loss of its data-parallel rank's whole se
 Families: llama3 (GQA), qwen3_moe (qwen3 debugmodel_moe: softmax top-2 of 8 experts, the Switch load-balancing loss),
 deepseek_v3 (debugmodel: MLA, a dense block then an MoE block, sigmoid group-limited routing, a shared expert, the
 sequence-wise balance loss, the expert-bias balancing). All at 2 blocks.
-Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+compile]" (rep: dp_replicate; dp: dp_shard; docs:
-data.document_masking; pos: data.reset_position_ids; compile: per-block torch.compile). "docs_isolated" checks, in one process, that with documents
-masked and positions restarted every document's logits are those of the document alone.
-Prints "CP_OK <family>/<layout> loss_diff grad_diff" per layout on rank 0.
+Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+compile]" (rep: dp_replicate; dp: dp_shard;
+docs: data.document_masking; pos: data.reset_position_ids; compile: per-block torch.compile). "docs_isolated"
+checks, in one process, that with documents masked and positions restarted every document's logits are those of
+the document alone.
+Prints "CP_OK <family>/<layout> loss .. grad .. (worst parameter) expert_bias .." per layout on rank 0.
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def parse(layout: str):
     return dict(dp_replicate=rep, cp=cp, dp_shard=dp, ep=ep, tp=tp), bool(m[6]), bool(m[7]), bool(m[8])
 
 
-def run_layout(family: str, degrees: dict, docs: bool, pos: bool, compile: bool, ref) -> tuple[float, tuple[float, str], float]:
+def run_layout(family: str, degrees: dict, docs: bool, pos: bool, compile: bool,
+               ref) -> tuple[float, tuple[float, str], float]:
     ref_state, ref_loss, ref_grads, ref_biases = ref
     name, flavor = FAMILIES[family]
     cfg = config_from_dict({"model": {"name": name, "flavor": flavor}, "parallelism": degrees,

@@ -201,9 +201,9 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     if (par.cp > 1 and ac.mode == "selective" and not ac.selective_option.isdigit()
             and not cfg.data.document_masking and cfg.model.mask_kernel != "flex"):
         errors.append(f"parallelism.cp={par.cp} with activation_checkpoint.mode=\"selective\" (selective_option="
-                      f"\"{ac.selective_option}\") and data.document_masking=false is not supported (torch cannot build "
-                      f"the causal-chunk mask under per-op checkpointing); use mode=\"full\" or selective_option=\"1\", "
-                      f"data.document_masking=true, or model.mask_kernel=\"flex\" on a GPU")
+                      f"\"{ac.selective_option}\") and data.document_masking=false is not supported (torch cannot "
+                      f"build the causal-chunk mask under per-op checkpointing); use mode=\"full\" or "
+                      f"selective_option=\"1\", data.document_masking=true, or model.mask_kernel=\"flex\" on a GPU")
     if not 0.0 <= ac.memory_budget <= 1.0:
         errors.append(f"activation_checkpoint.memory_budget={ac.memory_budget} must be within [0, 1] (the fraction of "
                       f"a block's no-AC activation memory to keep)")
