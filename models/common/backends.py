@@ -65,12 +65,12 @@ def sdpa_context(name: str, device: torch.device) -> Callable[[], contextlib.Abs
 MASK_KERNEL_CHOICES = ("auto", "sdpa", "flex")
 
 
-def mask_kernel(name: str, documents: bool, device: torch.device) -> str:
-    """"auto": FlexAttention for packed documents on a GPU (block-sparse: only the blocks inside documents run),
-    SDPA otherwise (context parallel's causal chunks run on flash/cuDNN with lower-right alignment). "flex" on the
+def mask_kernel(name: str, masked: bool, device: torch.device) -> str:
+    """"auto": FlexAttention on a GPU when attention is masked (packed documents, context parallel's chunks): it
+    skips the masked blocks and never holds the mask; SDPA with a dense mask otherwise (CPU, tests). "flex" on the
     CPU is refused: torch has no FlexAttention backward there."""
     if name == "auto":
-        return "flex" if documents and device.type == "cuda" else "sdpa"
+        return "flex" if masked and device.type == "cuda" else "sdpa"
     if name == "flex" and device.type != "cuda":
         raise ValueError("model.mask_kernel='flex' needs a CUDA device (torch has no FlexAttention backward on the "
                          "CPU); use 'auto' or 'sdpa'")

@@ -4,9 +4,10 @@ keys). One rule decides which keys a query sees, `allowed`, and every kernel bel
 
   key j is visible to local query i  <=>  j <= q_index[i]  and  doc_ids[b, j] == doc_ids[b, q_index[i]]
 
-- "sdpa": SDPA on any device. Without documents, each contiguous run of local queries attends to the key prefix
-  ending at its last position with lower-right causal alignment (torch's CausalBias: flash/efficient kernels on the
-  GPU, no mask in memory); with documents, a dense boolean mask (O(Sq x Skv) memory: CPU tests and short sequences).
+- "sdpa": SDPA with a dense boolean mask, on any device (O(Sq x Skv) memory: CPU tests and short sequences).
+  Without documents, each contiguous run of local queries attends to the key prefix ending at its last position
+  with a lower-right causal mask of its own [run, prefix] size. (Plain boolean tensors, not torch's CausalBias: that
+  tensor subclass can be built neither inside a compiled graph nor under per-op selective checkpointing.)
 - "flex": FlexAttention with a block mask built from the same rule (GPU; torch has no FlexAttention backward on CPU).
 
 Nothing here communicates: context parallel (parallelize/cp.py) gathers the keys and values and hands them to
@@ -29,7 +30,7 @@ class AttnMask:
 
     q_index: [Sq] positions of the local queries in the key sequence; None when queries and keys are the same tokens.
     doc_ids: [B, Skv] document number of every key position; None for one document per row.
-    runs: (q_start, q_end, k_end) for each contiguous run of local queries (the "sdpa" kernel's lower-right calls).
+    runs: (q_start, q_end, k_end) for each contiguous run of local queries (the "sdpa" kernel's calls).
     block_mask: the FlexAttention BlockMask ("flex" only)."""
 
     q_index: torch.Tensor | None
@@ -137,18 +138,18 @@ def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
     if mask.kernel == "flex":
         out = _FLEX(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
         return out.transpose(1, 2)
-    if repeat_kv_heads and n_rep > 1:
+    if n_rep > 1 and (repeat_kv_heads or q.device.type == "cuda"):
+        # (with a mask the GPU's SDPA runs the memory-efficient kernel, which has no grouped-query support)
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     gqa = k.shape[1] != q.shape[1]
     if mask.doc_ids is not None:
         ok = allowed(mask.q_index, mask.doc_ids, k.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, enable_gqa=gqa).transpose(1, 2)
-    from torch.nn.attention.bias import causal_lower_right
-
     outs = []
     for q0, q1, k1 in mask.runs:
-        qr = q[:, :, q0:q1]
-        bias = causal_lower_right(q1 - q0, k1)
-        outs.append(F.scaled_dot_product_attention(qr, k[:, :, :k1], v[:, :, :k1], attn_mask=bias, enable_gqa=gqa))
+        keys = torch.arange(k1, device=q.device)
+        lower_right = keys[None, :] <= torch.arange(k1 - (q1 - q0), k1, device=q.device)[:, None]
+        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], attn_mask=lower_right,
+                                                   enable_gqa=gqa))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)

@@ -27,8 +27,8 @@ class Model:
     # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
     # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)
     attn_backend: str = "auto"
-    # Masked attention (data.document_masking, parallelism.cp > 1): auto (FlexAttention for documents on a GPU, else
-    # SDPA) | sdpa (dense mask for documents: short sequences only) | flex (GPU only)
+    # Masked attention (data.document_masking, parallelism.cp > 1): auto (FlexAttention on a GPU, else SDPA) | sdpa
+    # (SDPA with a dense boolean mask: CPU and short sequences) | flex (GPU only)
     mask_kernel: str = "auto"
 
 

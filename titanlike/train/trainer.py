@@ -88,7 +88,8 @@ class Trainer:
         self.batch_layout = BatchLayout(self.dims, cfg.data, self.tokenizer.eod_id)
         self.batch_layout.check_model(model)
         if hasattr(model, "mask_kernel"):
-            model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking, self.device)
+            model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking or self.dims.cp_enabled,
+                                            self.device)
         if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
             from models.common.fa4 import use_fa4
 
