@@ -31,10 +31,8 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True) -> nn.M
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
     Blocks whose MoE experts are expert-parallel stay eager (logged): the dispatch reads its all-to-all split sizes
-    on the host (parallelize/ep.py), which a full graph cannot hold. Blocks with context-parallel attention compile
-    without fullgraph: their attention runs eagerly between two graphs (parallelize/cp.py says why).
+    on the host (parallelize/ep.py), which a full graph cannot hold.
     """
-    from parallelize.cp import cp_attention
     from parallelize.ep import ep_experts
 
     _check_components(compile_cfg)
@@ -47,8 +45,7 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True) -> nn.M
         if ep_experts(block):
             eager += 1
             continue
-        # Context-parallel attention runs eagerly (parallelize/cp.py says why): a full graph cannot hold it.
-        block.compile(fullgraph=fullgraph and not cp_attention(block))
+        block.compile(fullgraph=fullgraph)
     if eager:
         logger.warning(f"compile: {eager} expert-parallel MoE blocks left eager (the all-to-all split sizes are read "
                        f"on the host); the other blocks are compiled")

@@ -14,11 +14,8 @@ same code as one device. With grouped-query attention the keys and values are a 
 issued for K and V together and waited on when they are first read, so the two transfers overlap each other (not yet
 the attention compute: that needs a log-sum-exp merge of partial results, which the ring form would bring).
 
-Under torch.compile the gather and the kernel run eagerly (GatherKV is torch.compiler.disable'd, and
-parallelize/compile.py compiles context-parallel blocks without fullgraph, so the block is two graphs around it).
-The functional collectives themselves compile (checked on gloo, torch 2.13); what does not is the kernel without
-documents: SDPA under torch's lower-right CausalBias, a tensor subclass dynamo cannot construct in a graph. Attention
-is one kernel call either way, so running it eagerly costs a graph break per block, not the kernel's speed.
+Under torch.compile the gather and the kernel are part of each block's full graph (functional collectives; checked
+on gloo with torch 2.13, and under per-op selective checkpointing).
 
 MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
 chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
@@ -67,8 +64,6 @@ class GatherKV:
         self.inner = inner
         self.mesh = mesh
 
-    # Eager under torch.compile (the module doc says why); per-block compile then breaks the graph around it.
-    @torch.compiler.disable
     def __call__(self, xq, xk, xv, repeat_kv_heads: bool = False, mask=None):
         if mask is None:
             raise RuntimeError("context parallel attention needs the model's mask (parallelize.cp.apply_cp sets the "
@@ -116,11 +111,6 @@ def apply_cp(model: nn.Module, dims) -> int:
         raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} has no attention module with an "
                          f"attention_fn to run over the gathered sequence; set parallelism.cp=1")
     return n
-
-
-def cp_attention(module: nn.Module) -> bool:
-    """Whether `module` holds attention that apply_cp made context parallel."""
-    return any(isinstance(getattr(m, "attention_fn", None), GatherKV) for m in module.modules())
 
 
 def maybe_cp(model: nn.Module, dims) -> None:

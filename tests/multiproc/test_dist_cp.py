@@ -2,10 +2,11 @@
 the balancing update equal one process on the same batch (fp32, loss and gradients within 1e-5, biases exactly).
 
 Four processes: Llama under CP 4, CP 2 x FSDP 2, CP 2 x TP 2, with packed documents (with CP and without: FSDP 4),
-positions restarting per document, and one compiled case; Qwen3-MoE under CP 2 x FSDP 2 x EP 2 (the Switch
-load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance
-loss, the z-loss, the expert bias). Eight processes: the experts' FSDP mesh ("edp") over axes that are not neighbours
-in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
+positions restarting per document, per-op selective activation checkpointing with compiled blocks; Qwen3-MoE under
+CP 2 x FSDP 2 x EP 2 (the Switch load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 (also with per-op
+selective AC) and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance loss, the z-loss, the expert bias).
+Eight processes: the experts' FSDP mesh ("edp") over axes that are not neighbours in the device mesh (efsdp and cp on
+both sides of ep, and dp_replicate too).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def test_context_parallel_layouts_match_one_process():
              "llama3/cp2xtp2", "llama3/cp2xtp2+docs",
              "qwen3_moe/cp2xdp2xep2", "qwen3_moe/cp2xdp2xep2+docs",
              "deepseek_v3/cp4", "deepseek_v3/cp2xdp2", "deepseek_v3/cp2xdp2xep2+docs",
-             # Compiled blocks on gloo (one case: the cold compile is most of this launch's time)
-             "llama3/cp2xdp2+compile"], timeout=300)
+             # Per-op selective AC (the long-context setting), eager and in compiled blocks on gloo (one compiled
+             # case: the cold compile is most of this launch's time)
+             "deepseek_v3/cp2xdp2+sac", "llama3/cp2xdp2+sac+compile"], timeout=300)
 
 
 @pytest.mark.dist

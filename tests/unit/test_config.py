@@ -211,14 +211,6 @@ def test_context_parallel_rules():
         validate(with_changes(parallelism={"cp": 2, "tp": 8}, training={"seq_len": 24}), world_size=16)
     with pytest.raises(ConfigError, match=r"model.mask_kernel=\"flex\" cannot train on training.device=\"cpu\""):
         validate(with_changes(model={"mask_kernel": "flex"}, training={"device": "cpu"}), world_size=1)
-    # Per-op selective AC cannot build the causal-chunk mask (tests/multiproc/test_dist_cp.py runs the rest).
-    sac = {"mode": "selective", "selective_option": "op"}
-    with pytest.raises(ConfigError, match=r"parallelism.cp=2 with activation_checkpoint.mode=\"selective\""):
-        validate(with_changes(parallelism={"cp": 2}, activation_checkpoint=sac, training={"seq_len": 128}))
-    validate(with_changes(parallelism={"cp": 2}, activation_checkpoint={**sac, "selective_option": "1"},
-                          training={"seq_len": 128}))
-    validate(with_changes(parallelism={"cp": 2}, activation_checkpoint=sac, data={"document_masking": True},
-                          training={"seq_len": 128}))
 
 
 @pytest.mark.parametrize("key, value", [

@@ -195,15 +195,6 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
         errors.append("activation_checkpoint.mode=\"memory_budget\" needs compile.enable=true with \"model\" in "
                       "compile.components (the budget steers torch.compile's partitioner); enable compile or use "
                       "mode=\"selective\"")
-    # Context parallel without documents runs SDPA under torch's lower-right CausalBias (models/common/masks.py), a
-    # tensor subclass that cannot be created under per-op selective checkpointing's dispatch mode (torch 2.13 raises
-    # "Creating a new Tensor subclass CausalBias ..." in the first forward); block-level AC does not use that mode.
-    if (par.cp > 1 and ac.mode == "selective" and not ac.selective_option.isdigit()
-            and not cfg.data.document_masking and cfg.model.mask_kernel != "flex"):
-        errors.append(f"parallelism.cp={par.cp} with activation_checkpoint.mode=\"selective\" (selective_option="
-                      f"\"{ac.selective_option}\") and data.document_masking=false is not supported (torch cannot "
-                      f"build the causal-chunk mask under per-op checkpointing); use mode=\"full\" or "
-                      f"selective_option=\"1\", data.document_masking=true, or model.mask_kernel=\"flex\" on a GPU")
     if not 0.0 <= ac.memory_budget <= 1.0:
         errors.append(f"activation_checkpoint.memory_budget={ac.memory_budget} must be within [0, 1] (the fraction of "
                       f"a block's no-AC activation memory to keep)")
