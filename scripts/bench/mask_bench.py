@@ -10,7 +10,8 @@ Rows:
   the block-mask build is timed on its own row (once per forward, shared by all layers);
 - docs varlen: the same documents through torch.nn.attention.varlen (flash varlen), where this torch has it;
 - cp2 rank r sdpa / flex: one rank of context parallel 2 (its two load-balanced chunks of queries over all keys),
-  lower-right causal SDPA per chunk ("sdpa") or FlexAttention with the rank's query positions ("flex").
+  SDPA per chunk with a dense lower-right mask ("sdpa") or FlexAttention with the rank's query positions ("flex",
+  what model.mask_kernel = auto runs on a GPU).
 Figures: docs/benchmarks.md (long context).
 """
 from __future__ import annotations
