@@ -305,3 +305,18 @@ def test_loader_state_reshards_across_dp(cfg, tok):
         shards.append(take(iter(d), 2))
     for b in range(2):
         assert torch.equal(torch.cat([shards[0][b][0], shards[1][b][0]]), expected[b][0])
+
+
+def test_long_windows(cfg, tok):
+    """Long-context runs read the same loader: 32k-token windows (a 180k-token corpus holds five) come back whole,
+    labels shifted by one, and the loader resumes mid-epoch."""
+    seq = 32768
+    dl = loader(cfg, tok, local_batch_size=1, seq_len=seq)
+    it = iter(dl)
+    x, y = next(it)
+    assert x.shape == y.shape == (1, seq) and torch.equal(x[0, 1:], y[0, :-1])
+    state = dl.state_dict()
+    second = next(it)
+    resumed = loader(cfg, tok, local_batch_size=1, seq_len=seq)
+    resumed.load_state_dict(state)
+    assert_same_batches([second], [next(iter(resumed))])
