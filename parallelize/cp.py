@@ -41,7 +41,8 @@ _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_
 
 
 def _start_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    # Rank-major [B, S, ...]: rank r's chunks (r, 2cp-1-r) side by side. Asynchronous until first read.
+    # Rank-major [B, S, ...]: rank r's chunks (r, 2cp-1-r) side by side. Asynchronous until first read; its backward
+    # reduce-scatters the gradient back to the chunks' owners.
     return _all_gather(x.contiguous(), gather_dim=1, group=mesh)
 
 
@@ -49,12 +50,6 @@ def _in_sequence_order(gathered: torch.Tensor, degree: int) -> torch.Tensor:
     parts = gathered.chunk(2 * degree, dim=1)
     order = [2 * j for j in range(degree)] + [2 * (2 * degree - 1 - j) + 1 for j in range(degree, 2 * degree)]
     return torch.cat([parts[i] for i in order], dim=1)
-
-
-def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """[B, S/cp, ...] load-balanced local chunks -> [B, S, ...] in sequence order (differentiable: the backward
-    reduce-scatters the gradient back to the chunks' owners)."""
-    return _in_sequence_order(_start_gather(x, mesh), mesh.size())
 
 
 class GatherKV:

@@ -30,13 +30,16 @@ class AttnMask:
 
     q_index: [Sq] positions of the local queries in the key sequence; None when queries and keys are the same tokens.
     doc_ids: [B, Skv] document number of every key position; None for one document per row.
-    runs: (q_start, q_end, k_end) for each contiguous run of local queries (the "sdpa" kernel's calls).
+    runs: (q_start, q_end, k_end) for each contiguous run of local queries.
+    sdpa_calls: the "sdpa" kernel's calls, (q_start, q_end, k_end, boolean mask [.., q_end - q_start, k_end]): one
+      per run without documents, one over everything with them. Built once per forward, shared by every layer.
     block_mask: the FlexAttention BlockMask ("flex" only)."""
 
     q_index: torch.Tensor | None
     doc_ids: torch.Tensor | None
     kernel: str = "sdpa"
     runs: tuple[tuple[int, int, int], ...] = ()
+    sdpa_calls: tuple = field(default=(), repr=False)
     block_mask: Any = field(default=None, repr=False)
 
 
@@ -96,7 +99,16 @@ def build_mask(q_chunks: tuple[tuple[int, int], ...] | None, doc_ids: torch.Tens
     mask = AttnMask(q_index=q_index, doc_ids=doc_ids, kernel=kernel, runs=runs)
     if kernel == "flex":
         mask.block_mask = _flex_block_mask(q_index, doc_ids, kv_len, device)
+    elif doc_ids is not None:
+        mask.sdpa_calls = ((0, runs[-1][1], kv_len, allowed(q_index, doc_ids, kv_len, device)),)
+    else:  # each run of queries over its key prefix, lower-right causal
+        mask.sdpa_calls = tuple((q0, q1, k1, _lower_right(q1 - q0, k1, device)) for q0, q1, k1 in runs)
     return mask
+
+
+def _lower_right(q_len: int, k_len: int, device) -> torch.Tensor:
+    """[q_len, k_len] causal mask for the last q_len positions of k_len keys."""
+    return torch.arange(k_len, device=device)[None, :] <= torch.arange(k_len - q_len, k_len, device=device)[:, None]
 
 
 def _flex_block_mask(q_index, doc_ids, kv_len: int, device):
@@ -142,14 +154,7 @@ def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
         # (with a mask the GPU's SDPA runs the memory-efficient kernel, which has no grouped-query support)
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     gqa = k.shape[1] != q.shape[1]
-    if mask.doc_ids is not None:
-        ok = allowed(mask.q_index, mask.doc_ids, k.shape[2], q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, enable_gqa=gqa).transpose(1, 2)
-    outs = []
-    for q0, q1, k1 in mask.runs:
-        keys = torch.arange(k1, device=q.device)
-        lower_right = keys[None, :] <= torch.arange(k1 - (q1 - q0), k1, device=q.device)[:, None]
-        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], attn_mask=lower_right,
-                                                   enable_gqa=gqa))
+    outs = [F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], attn_mask=ok, enable_gqa=gqa)
+            for q0, q1, k1, ok in mask.sdpa_calls]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
