@@ -89,10 +89,10 @@ class PipelineRunner:
         by_index = {s.stage_index: s.submod for s in p.stages}
         me, last = dist.get_rank(self.pp_group), len(p.layout) - 1
         total = torch.zeros((), device=self.device)
-        kwargs = kwargs or {}
-        mb_kwargs = [dict(zip(kwargs, vals)) for vals in zip(*(v.tensor_split(p.n_microbatches) for v in kwargs.values()))]
-        mb_kwargs = mb_kwargs or [{}] * p.n_microbatches
-        for x, y, kw in zip(inputs.tensor_split(p.n_microbatches), labels.tensor_split(p.n_microbatches), mb_kwargs):
+        n = p.n_microbatches
+        split = {k: v.tensor_split(n) for k, v in (kwargs or {}).items()}  # the model kwargs, split as the inputs
+        for i, (x, y) in enumerate(zip(inputs.tensor_split(n), labels.tensor_split(n))):
+            kw = {k: parts[i] for k, parts in split.items()}
             for sid, owner in enumerate(p.owners):
                 if owner != me:
                     continue
