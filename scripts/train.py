@@ -6,17 +6,30 @@
 Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
 key means: the comments in titanlike/config/sections.py.
 
-Configuration mistakes exit with status 2 and one line naming the key and the fix (a traceback only with --debug).
+Exit status: 0 done (or preempted with a checkpoint saved), 2 a configuration mistake, 1 a runtime failure (each one
+line naming the key, file, step or rank and the fix; a traceback only with --debug), 128+N stopped by signal N with
+nothing saved (SIGINT 130, SIGTERM 143).
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 
+
+def _stop_while_starting(signum, frame):  # until the trainer installs its own handlers (resilience/signals.py)
+    print(f"error: interrupted by {signal.Signals(signum).name} while starting; nothing was saved", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # before the imports: importing torch takes seconds
+    signal.signal(_sig, _stop_while_starting)
 
 from titanlike.config import ConfigError, config_to_toml, load_config
 from titanlike.config.load import split_flags
 from titanlike.observe.log import setup_logging
+from titanlike.resilience.signals import Interrupted
 
 
 def main(argv: list[str]) -> int:
@@ -26,38 +39,78 @@ def main(argv: list[str]) -> int:
         return 0
     debug = "--debug" in flags
     logger = setup_logging()
+    trainer, cfg = None, None
     try:
-        cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        if "--print-config" in flags:
-            print(config_to_toml(cfg), end="")
-            return 0
-        from titanlike.train.trainer import Trainer
+        try:
+            cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            if "--print-config" in flags:
+                print(config_to_toml(cfg), end="")
+                return 0
+            from titanlike.train.trainer import Trainer
 
-        trainer = Trainer(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+            trainer = Trainer(cfg)
+        except (ConfigError, ValueError) as e:
+            return _fail(e, 2, debug)
+        except OSError as e:  # a folder, file or device at set-up: the message names it
+            return _fail(e, 1, debug)
+        from titanlike.checkpoint import CheckpointError
+        from titanlike.resilience.comm_watch import CommError
+        from titanlike.resilience.nonfinite import NonFiniteError
+
+        try:
+            if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training
+                trainer.checkpointer.save_seed()
+            else:
+                trainer.train()
+        except ConfigError as e:  # found while loading a checkpoint: the run's shape changed
+            return _fail(e, 2, debug)
+        except (CheckpointError, NonFiniteError, CommError, OSError) as e:  # names the file/step/rank and the fix
+            return _fail(e, 1, debug)
+    except (Interrupted, KeyboardInterrupt) as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from titanlike.checkpoint import CheckpointError
-    from titanlike.resilience.nonfinite import NonFiniteError
-    from titanlike.resilience.comm_watch import CommError
-
-    try:
-        if cfg.checkpoint.create_seed_checkpoint:  # initialise and save step-0 (weights only); no training
-            trainer.checkpointer.save_seed()
-        else:
-            trainer.train()
-    except (CheckpointError, NonFiniteError, CommError) as e:  # says which file/step/rank and what to do
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        if trainer is not None:
+            trainer.interrupted = True  # the peers may be gone: no barrier at close
+        logging.getLogger("torch").setLevel(logging.ERROR)  # compile's teardown chatter after an interrupted step
+        return _interrupted(e, trainer, cfg)
     finally:
-        trainer.close()
-    if trainer.preempted:  # a clean stop: the scheduler requeues the same command, which resumes
-        logger.info(f"preempted at step {trainer.step}: "
-                    f"{'checkpoint saved' if cfg.checkpoint.enable else 'checkpointing is off, nothing saved'}")
+        if trainer is not None:
+            trainer.close()
+    return _finished(trainer, cfg, logger)
+
+
+def _fail(e: BaseException, code: int, debug: bool) -> int:
+    if debug:
+        raise e
+    print(f"error: {_one_line(e)}", file=sys.stderr)
+    return code
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:  # "[Errno 13] ..." into plain words
+        return f"{e.strerror}: {e.filename} (check that the path exists and is writable, and the disk has room)"
+    return str(e)
+
+
+def _interrupted(e: BaseException, trainer, cfg) -> int:
+    name = getattr(e, "signame", "SIGINT")
+    where = getattr(e, "phase", "the run")
+    step = f" at step {trainer.step}" if trainer is not None and trainer.step else ""
+    saved = (cfg is not None and cfg.checkpoint.enable)
+    tail = ("nothing was saved since the newest complete checkpoint: rerun the same command to resume from it"
+            if saved else "checkpointing is off (checkpoint.enable=false), nothing was saved")
+    print(f"error: interrupted by {name} during {where}{step}; {tail}", file=sys.stderr)
+    return 128 + int(getattr(signal, name, signal.SIGINT))
+
+
+def _finished(trainer, cfg, logger) -> int:
+    if trainer.preempted:  # a clean stop at a step boundary
+        name = trainer.signals.received or "a signal"
+        if not cfg.checkpoint.enable:  # nothing to resume from: not a clean exit for the scheduler
+            print(f"error: stopped by {name} at step {trainer.step}; checkpointing is off (checkpoint.enable=false), "
+                  f"so nothing was saved", file=sys.stderr)
+            return 128 + int(getattr(signal, name, signal.SIGTERM)) if name.startswith("SIG") else 143
+        logger.info(f"preempted at step {trainer.step}: checkpoint saved ({name}); rerun the same command to resume")
         return 0
     logger.info("done")
     return 0

@@ -34,7 +34,7 @@ from titanlike.optim.master_weights import build_master_weight_adamw, mixed_prec
 from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
 from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
-from titanlike.resilience.preemption import PreemptionHandler
+from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.moe import MoEBookkeeping
@@ -55,13 +55,16 @@ class Trainer:
     def __init__(self, cfg: JobConfig, config_name: str = "run"):
         self.cfg = cfg
         t = cfg.training
+        # First: SIGTERM/SIGINT act at any point (titanlike/resilience/signals.py); the phases also time the set-up.
+        self.signals = RunSignals(t.signal_check_freq, train_grace_s=cfg.comm.train_timeout_seconds + 60)
+        self.signals.enter("distributed init")
         # The run folder first: the flight recorder reads its dump path from the environment when groups are made.
         self.run_dir = ft_run_dir(cfg.fault_tolerance,
                                   os.path.join(cfg.job.dump_folder, cfg.job.run_name or config_name))
         traces = enable_flight_recorder(cfg.comm, self.run_dir)
         self.rank, self.world_size, local_rank = init_distributed(pick_device(t.device, 0).type,
                                                                   timeout_s=cfg.comm.init_timeout_seconds)
-        self.device = pick_device(t.device, local_rank)
+        self.device = self.signals.device = pick_device(t.device, local_rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self._seed(t.seed, t.deterministic)
@@ -71,6 +74,7 @@ class Trainer:
         self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
+        self.signals.enter("tokenizer and model build")
         self.tokenizer = build_tokenizer(cfg.data)
         self.spec = spec = models.get_spec(cfg.model.name)
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
@@ -105,6 +109,7 @@ class Trainer:
                                              "loss" in cfg.compile.components, head_name=spec.output_modules[-1])
                           if t.loss_chunk_tokens > 0 else None)
         plan = get_plan(cfg.model.name, cfg.model.plan)
+        self.signals.enter("parallelize")
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
             self.pp = PipelineRunner(model, spec, self.model_args, self.dims, cfg, self.device, plan,
@@ -112,6 +117,7 @@ class Trainer:
             self.model_parts = self.pp.model_parts
         else:
             self.model_parts = [plan(model, self.dims, cfg)]
+        self.signals.enter("weights init")
         for part in self.model_parts:
             part.to_empty(device=self.device)
             with torch.no_grad():
@@ -122,6 +128,7 @@ class Trainer:
         self.model = None if self.pp else self.model_parts[0]
 
         # Who casts weights to bf16: FSDP's policy, autocast, or bf16 weights + fp32 masters (one device only).
+        self.signals.enter("optimizer")
         self.precision = mixed_precision_mode(cfg, self.dims, self.device)
         if self.precision == "master_weights":
             self.optimizer = build_master_weight_adamw(
@@ -138,8 +145,8 @@ class Trainer:
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
         self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
-        self.preemption = PreemptionHandler(self.device, t.signal_check_freq)
         self.preempted = False
+        self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
         self.loss_fn = cross_entropy_sum
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
@@ -152,6 +159,7 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_sum)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
+        self.signals.enter("data")
         # torchft: replica group i reads the i-th block of each global batch (the groups are the replicate axis)
         dp_degree, dp_rank = ft_data_shard(cfg.fault_tolerance, self.dims.dp_degree, self.dims.dp_rank())
         self.dp_degree = dp_degree
@@ -179,6 +187,7 @@ class Trainer:
             flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
             enable_tensorboard=cfg.metrics.enable_tensorboard)
         self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
+        self.signals.enter("checkpoint set-up")
         self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable, a seed or an initial_load_path
             cfg.checkpoint, os.path.join(self.run_dir, cfg.checkpoint.folder), model=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
@@ -282,12 +291,14 @@ class Trainer:
         if t.gc_freq > 0:
             gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
         self.hang.begin()  # every process group: comm.init_timeout_seconds until the first step is done
+        self.signals.enter("checkpoint load")
         self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
         self.checkpointer.prestage()  # pinned staging buffers allocated while step 1 runs (checkpoint.prestage)
         if self.ft is not None:
             self.ft.resumed(self.step)
         data_iter = iter(self.dataloader)
         profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.rank, self.device, start_step=self.step)
+        first_step = self.step + 1
         while self.step < t.steps:
             self.step += 1
             if self.ft is not None and self.ft.begin_step():  # took a live replica group's state: its data position
@@ -296,7 +307,10 @@ class Trainer:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
             self.log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
-            loss_sum, tokens, grad_norm = self.train_step(self.next_batches(data_iter))
+            self.signals.enter("waiting for data")  # a signal here interrupts at once: the wait may never end
+            batches = self.next_batches(data_iter)
+            self._enter_step(first=self.step == first_step)
+            loss_sum, tokens, grad_norm = self.train_step(batches)
             if self.ft is not None and not self.ft.committed:  # no update anywhere: redo the step (new quorum)
                 self.step -= 1
                 continue
@@ -321,17 +335,46 @@ class Trainer:
                 history.append({"step": self.step, **m})
             v = self.cfg.validation
             if v.enable and (self.step % v.interval == 0 or self.step == t.steps):
-                self.validate()
-            self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
+                with self.signals.during("validation", graceful=True):
+                    self.validate()
+            with self.signals.during("saving", graceful=True, grace_s=self.SAVE_GRACE_S):
+                self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
             profiler.step(self.step)
             self.hang.step_done(self.step)  # heartbeat; after the first step the training timeout applies
-            if self.step < t.steps and self.preemption.should_stop(self.step):
+            if self.step == first_step:
+                self._log_setup_timings()
+            if self.step < t.steps and self.signals.should_stop(self.step):
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
-                    self.checkpointer.save(self.step)  # (an interval step was saved just above)
+                    with self.signals.during("saving", graceful=True, grace_s=self.SAVE_GRACE_S):
+                        self.checkpointer.save(self.step)  # (an interval step was saved just above)
                 self.preempted = True
                 break
         profiler.stop()
         return history
+
+    # A save may legitimately take long (hundreds of GB); the signal watchdog waits as long as the checkpoint
+    # manager's own gloo groups do.
+    SAVE_GRACE_S = 1800.0
+
+    def _enter_step(self, first: bool) -> None:
+        """The signal phase of a step: the first one (compiling, nothing to save yet) is interrupted at once,
+        later ones stop at the next agreed step boundary with a checkpoint."""
+        if not first:
+            self.signals.enter("training", graceful=True)
+            return
+        c = self.cfg.compile
+        compiling = c.enable and bool(c.components)
+        if compiling:
+            logger.info(f"step {self.step}: compiling ({', '.join(c.components)}); the first step takes longer")
+        self.signals.enter("first step (compiling)" if compiling else "first step")
+
+    def _log_setup_timings(self) -> None:
+        took = self.signals.timings
+        setup = [(p, s) for p, s in took.items() if not p.startswith("first step") and p != "training"]
+        first = next(((p, s) for p, s in took.items() if p.startswith("first step")), None)
+        parts = ", ".join(f"{p} {s:.1f} s" for p, s in setup if s >= 0.05)
+        logger.info(f"set-up took {sum(s for _, s in setup):.1f} s ({parts})"
+                    + (f"; {first[0]} {first[1]:.1f} s" if first else ""))
 
     def _rollback(self, err: NonFiniteError) -> None:
         """training.max_rollbacks: back to the newest complete checkpoint, keeping the data position, so the steps
@@ -387,11 +430,11 @@ class Trainer:
     def close(self) -> None:
         try:
             self.hang.close()
-            self.preemption.close()
+            self.signals.close()
             if self.ft is not None:
                 self.ft.close()
             if not self.hang.failed:  # after a failed collective the peers are gone: no more collectives
                 self.checkpointer.close()  # commits an async save still in flight
         finally:
             self.metrics.close()
-            destroy_distributed(barrier=not self.hang.failed)
+            destroy_distributed(barrier=not (self.hang.failed or self.interrupted))

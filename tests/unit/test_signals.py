@@ -1,0 +1,115 @@
+"""Signals at any point of a run (titanlike/resilience/signals.py, scripts/train.py): a stuck phase is interrupted
+at once with one line and exit 128+N; a step boundary saves; nothing ever needs SIGKILL."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import REPO_ROOT
+from titanlike.resilience.signals import Interrupted, RunSignals
+
+
+@pytest.fixture
+def signals():
+    s = RunSignals(check_freq=1)
+    yield s
+    s.close()
+
+
+def test_signal_outside_a_step_interrupts_at_once(signals):
+    signals.enter("checkpoint load")
+    with pytest.raises(Interrupted) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs between bytecodes: the sleep is cut short
+    assert e.value.phase == "checkpoint load" and e.value.exit_code == 143
+
+
+def test_signal_during_a_step_waits_for_the_boundary_and_a_second_one_does_not(signals):
+    signals.enter("training", graceful=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+    assert signals.received == "SIGUSR1" and signals.should_stop(step=4)
+    with pytest.raises(Interrupted):  # impatience: the second signal stops at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+
+def test_sigint_always_interrupts(signals):
+    signals.enter("training", graceful=True)
+    with pytest.raises(Interrupted) as e:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert e.value.exit_code == 130
+
+
+def test_phases_time_the_setup(signals):
+    signals.enter("data")
+    time.sleep(0.02)
+    with signals.during("saving", graceful=True):
+        time.sleep(0.02)
+    signals.enter("training", graceful=True)
+    assert signals.timings["data"] >= 0.02 and signals.timings["saving"] >= 0.02
+
+
+def test_watchdog_exits_a_process_whose_main_thread_never_returns():
+    """The main thread makes no progress after the signal (in real runs: blocked in C++, where Python handlers never
+    run): the watchdog thread, woken by the signal itself, exits after the grace period with the phase named."""
+    code = ("import os, signal, time\n"
+            "from titanlike.resilience.signals import RunSignals\n"
+            "s = RunSignals(train_grace_s=1.0)\n"
+            "s.enter('saving', graceful=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 143 and time.monotonic() - t0 < 20, p.stderr
+    assert "no progress" in p.stderr and "blocked in saving" in p.stderr, p.stderr
+
+
+def _cmd(tmp_path, *extra, script="scripts/train.py"):
+    return [sys.executable, "-u", str(REPO_ROOT / script), "--config", "configs/debug_model.toml",
+            "--data.dataset=mock", "--model.vocab_size=128", "--training.seq_len=32", "--training.device=cpu",
+            "--training.steps=10000", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=sig", *extra]
+
+
+def _signal_when(cmd, marker, sig, env=None):
+    """Run `cmd`, send `sig` once `marker` is printed; (exit code, output). Fails instead of hanging."""
+    p = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if marker in line:
+            p.send_signal(sig)
+            break
+    try:
+        code = p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("the run did not stop within 60 s of the signal:\n" + "".join(lines))
+    return code, "".join(lines) + p.stdout.read()
+
+
+def test_sigterm_without_checkpoints_exits_nonzero_and_says_nothing_was_saved(tmp_path):
+    code, out = _signal_when(_cmd(tmp_path), " step      3 ", signal.SIGTERM)
+    assert code == 143, out
+    assert "nothing was saved" in out and "rerun the same command" not in out, out
+
+
+def test_sigint_mid_run_is_one_line(tmp_path):
+    code, out = _signal_when(_cmd(tmp_path, "--checkpoint.enable", "--checkpoint.interval=2"), " step      3 ",
+                             signal.SIGINT)
+    assert code == 130 and "Traceback" not in out, out
+    assert "error: interrupted by SIGINT during" in out, out
+
+
+@pytest.mark.parametrize("where", ["data", "load"])
+def test_sigterm_while_stuck_waiting_for_data_or_a_checkpoint(tmp_path, where):
+    cmd = _cmd(tmp_path, "--checkpoint.enable", script="tests/stall_worker.py")
+    code, out = _signal_when(cmd, "stalling", signal.SIGTERM, env={"STALL_IN": where, "PYTHONPATH": str(REPO_ROOT)})
+    phase = "waiting for data" if where == "data" else "checkpoint load"
+    assert code == 143 and f"interrupted by SIGTERM during {phase}" in out and "Traceback" not in out, out
