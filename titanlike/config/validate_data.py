@@ -1,12 +1,70 @@
-"""Data and validation-data rules of the config (called by validate.validate). The dataset kinds and tokenizer names
-are the data package's own lists, so the config cannot accept one the loader lacks."""
+"""Data and validation-data rules of the config (called by validate.validate), and the data vocabulary they check:
+the dataset kinds, the tokenizer type names, Megatron's blend and split syntax. The config is the bottom layer, so
+these live here and titanlike.data builds on them (its DATASETS must have exactly DATASET_NAMES' keys: a test checks),
+which also lets the data package raise ConfigError."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from titanlike.data.dataset import DATASETS
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text")  # titanlike.data.dataset.DATASETS implements each
+
+# Megatron's --tokenizer-type names (and short ones) -> the kind titanlike.data.tokenizers builds.
+TOKENIZER_TYPES = {
+    "auto": "auto", "builtin": "builtin",
+    "huggingfacetokenizer": "hf", "hf": "hf",
+    "gpt2bpetokenizer": "gpt2", "gpt2": "gpt2",
+    "tiktokenizer": "tiktoken", "llama3tokenizer": "tiktoken", "tiktoken": "tiktoken",
+    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
+    "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece",
+    "nulltokenizer": "null", "null": "null",
+}
 
 VALIDATION_SPLITS = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> list[float]:
+    """ "949,50,1" (or "949/50/1", or fewer parts) -> normalised [train, valid, test] fractions."""
+    parts = [p for p in str(split).replace("/", ",").split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"data.split={split!r}: expected up to three non-negative numbers for train,valid,test "
+                         "shares, e.g. \"949,50,1\" or \"98,2,0\"")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] | None]:
+    """Megatron's blend: "0.3 a 0.7 b" (weights and prefixes alternating) or plain prefixes -> (prefixes, weights)."""
+    items = " ".join(paths if isinstance(paths, (list, tuple)) else [paths]).split()
+    if not items:
+        raise ValueError(f"{key} is empty: give Megatron-style prefixes, e.g. --{key} \"0.3 /data/a 0.7 /data/b\"")
+
+    def num(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    nums = [num(s) for s in items]
+    if all(n is None for n in nums):
+        return items, None
+    if len(items) % 2 or any(n is None for n in nums[0::2]) or any(n is not None for n in nums[1::2]):
+        where = next((f"{items[i]!r} at position {i + 1} should be a weight" for i in range(0, len(items), 2)
+                      if nums[i] is None), None)
+        where = where or next((f"{items[i]!r} at position {i + 1} should be a prefix" for i in range(1, len(items), 2)
+                               if nums[i] is not None), "the last weight has no prefix")
+        raise ValueError(f"{key}={' '.join(items)!r}: cannot parse the blend ({where}); write "
+                         "\"weight prefix weight prefix ...\", e.g. \"0.3 /data/a_text_document 0.7 /data/b\", "
+                         "or prefixes only")
+    weights = nums[0::2]
+    if any(not math.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"{key}: blend weights must be positive numbers, got {weights}")
+    return items[1::2], weights
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
@@ -18,8 +76,6 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
                       "data.dataset=indexed (Megatron .bin/.idx prefixes) or data.dataset=text (JSONL/Parquet/text)")
     elif dataset == "indexed":
-        from titanlike.data.gpt_dataset import parse_blend, parse_split
-
         for fn, arg in ((parse_blend, (paths, key)), (parse_split, (split,))):
             try:
                 fn(*arg)
@@ -29,12 +85,10 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
 
 def check_data(cfg: Any, errors: list[str]) -> None:
     d, v = cfg.data, cfg.validation
-    if d.dataset not in DATASETS:
-        errors.append(f"data.dataset={d.dataset!r} is not one of {', '.join(DATASETS)}")
+    if d.dataset not in DATASET_NAMES:
+        errors.append(f"data.dataset={d.dataset!r} is not one of {', '.join(DATASET_NAMES)}")
         return
     _check_paths(d.dataset, d.paths, d.split, "data.paths", errors)
-    from titanlike.data.tokenizers import TOKENIZER_TYPES  # the tokenizer builder's own list
-
     if d.tokenizer_type.lower() not in TOKENIZER_TYPES:
         errors.append(f"data.tokenizer_type={d.tokenizer_type!r} is not known; use auto, builtin, "
                       "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer, SentencePieceTokenizer or "
@@ -47,8 +101,8 @@ def check_data(cfg: Any, errors: list[str]) -> None:
     if v.split not in VALIDATION_SPLITS:
         errors.append(f"validation.split={v.split!r} is not one of {', '.join(VALIDATION_SPLITS)}")
     v_dataset = v.dataset or d.dataset
-    if v.dataset and v.dataset not in DATASETS:
-        errors.append(f"validation.dataset={v.dataset!r} is not one of {', '.join(DATASETS)} (or \"\" for "
+    if v.dataset and v.dataset not in DATASET_NAMES:
+        errors.append(f"validation.dataset={v.dataset!r} is not one of {', '.join(DATASET_NAMES)} (or \"\" for "
                       "data.dataset)")
     elif v.paths:
         _check_paths(v_dataset, v.paths, "0,100,0", "validation.paths", errors)

@@ -20,7 +20,6 @@ The order is computed per chunk of ~65k samples from a closed form, so random ac
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from titanlike.config.validate_data import parse_blend, parse_split  # noqa: F401 - re-exported
 from titanlike.data.cache import build_once, cache_root
 from titanlike.data.indexed import IndexedDataset
 
@@ -36,22 +36,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_VERSION = "gpt-index-v1"
 
 
-# ---------------------------------------------------------------------------------------------------- parsing
-
-def parse_split(split: str) -> list[float]:
-    """ "949,50,1" (or "949/50/1", or fewer parts) -> normalised [train, valid, test] fractions."""
-    parts = [p for p in str(split).replace("/", ",").split(",") if p.strip()]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"data.split={split!r}: expected up to three non-negative numbers for train,valid,test "
-                         "shares, e.g. \"949,50,1\" or \"98,2,0\"")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
-
+# ---------------------------------------------------------------------------------------------------- splits
 
 def split_document_ranges(num_docs: int, split: str) -> list[tuple[int, int]]:
     """Document ranges of train/valid/test: rounded cumulative shares, the rounding error taken off the ends."""
@@ -61,35 +46,6 @@ def split_document_ranges(num_docs: int, split: str) -> list[tuple[int, int]]:
     diff = bounds[-1] - num_docs
     bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
     return [(max(0, bounds[i]), max(0, bounds[i + 1])) for i in range(3)]
-
-
-def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] | None]:
-    """Megatron's blend: "0.3 a 0.7 b" (weights and prefixes alternating) or plain prefixes -> (prefixes, weights)."""
-    items = " ".join(paths if isinstance(paths, (list, tuple)) else [paths]).split()
-    if not items:
-        raise ValueError(f"{key} is empty: give Megatron-style prefixes, e.g. --{key} \"0.3 /data/a 0.7 /data/b\"")
-
-    def num(s):
-        try:
-            return float(s)
-        except ValueError:
-            return None
-
-    nums = [num(s) for s in items]
-    if all(n is None for n in nums):
-        return items, None
-    if len(items) % 2 or any(n is None for n in nums[0::2]) or any(n is not None for n in nums[1::2]):
-        where = next((f"{items[i]!r} at position {i + 1} should be a weight" for i in range(0, len(items), 2)
-                      if nums[i] is None), None)
-        where = where or next((f"{items[i]!r} at position {i + 1} should be a prefix" for i in range(1, len(items), 2)
-                               if nums[i] is not None), "the last weight has no prefix")
-        raise ValueError(f"{key}={' '.join(items)!r}: cannot parse the blend ({where}); write "
-                         "\"weight prefix weight prefix ...\", e.g. \"0.3 /data/a_text_document 0.7 /data/b\", "
-                         "or prefixes only")
-    weights = nums[0::2]
-    if any(not math.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"{key}: blend weights must be positive numbers, got {weights}")
-    return items[1::2], weights
 
 
 # ---------------------------------------------------------------------------------------------------- one prefix

@@ -17,20 +17,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from titanlike.config.validate_data import TOKENIZER_TYPES  # noqa: F401 - the config's list, re-exported
 from titanlike.data.tokenizers.base import Tokenizer
 from titanlike.data.tokenizers.hf import TOKENIZER_TRAIN_MAX_BYTES, HFTokenizer, builtin_tokenizer, gpt2_bpe_tokenizer
-
-
-# Megatron's --tokenizer-type names (and short ones) -> our kind.
-TOKENIZER_TYPES = {
-    "auto": "auto", "builtin": "builtin",
-    "huggingfacetokenizer": "hf", "hf": "hf",
-    "gpt2bpetokenizer": "gpt2", "gpt2": "gpt2",
-    "tiktokenizer": "tiktoken", "llama3tokenizer": "tiktoken", "tiktoken": "tiktoken",
-    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
-    "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece",
-    "nulltokenizer": "null", "null": "null",
-}
 
 
 def _sniff_model_file(path: Path) -> str:
