@@ -41,3 +41,20 @@ def test_stalled_rank_times_out_with_a_clear_message(tmp_path):
         last = json.loads(trace.read_text())["entries"][-1]  # the collective that timed out
         assert last["profiling_name"].startswith("gloo:") and f"collective #{last['collective_seq_id']}" in line
     assert time.time() - t0 < 60
+
+
+def test_killed_rank_is_reported_as_exited_not_stuck(tmp_path):
+    """rank 1 is SIGKILLed at step 3 (a crash, the OOM killer): its peer says it exited, and does not advise
+    raising a timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "hang_worker.py"), "--config", "configs/debug_model.toml", "--data.dataset=mock",
+           "--model.vocab_size=128", "--training.seq_len=16", "--training.local_batch_size=2",
+           "--training.device=cpu", "--training.steps=6", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
+           "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=kill",
+           "--comm.heartbeat_interval_seconds=0.2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HANG_SLEEP": "0", "HANG_KILL": "1"}
+    p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "error: rank 0, step 3: rank 1 exited or was killed" in out, out
+    assert "likely stuck" not in out and "raise comm." not in out, out

@@ -103,3 +103,20 @@ def test_fault_tolerance_needs_a_lighthouse(monkeypatch):
     with pytest.raises(ValueError, match="fault_tolerance.lighthouse=http://HOST:PORT .* scripts/lighthouse.py"):
         FT(FaultTolerance(enable=True, group_size=2), Comm(), None, model_parts=[], optimizer=None,
            lr_scheduler=None, dataloader=None, trainer=None)
+
+
+def test_a_rank_whose_process_is_gone_is_marked_exited(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    now = time.time()
+    for rank, pid in ((0, os.getpid()), (1, gone.pid)):
+        rec = {"rank": rank, "step": 4, "last_progress_unix": now, "written_unix": now, "host": socket.gethostname(),
+               "pid": pid, "entered": None, "in_collective": None}
+        (tmp_path / f"rank{rank}.txt").write_text(f"rank {rank} ...\n{json.dumps(rec)}\n")
+    lines = summarize_heartbeats(str(tmp_path), stale_after=30, me=0)
+    assert f"<- exited or was killed (process {gone.pid} no longer exists)" in lines[1], lines
+    assert "exited" not in lines[0]

@@ -134,9 +134,32 @@ def read_heartbeats(folder: str) -> dict[int, dict]:
     return out
 
 
+def process_gone(rec: dict) -> bool:
+    """True when the heartbeat's process ran on this host and no longer exists: it exited or was killed."""
+    if rec.get("host") != socket.gethostname() or not rec.get("pid"):
+        return False  # another host: only the heartbeat's age can tell
+    pid = int(rec["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    try:  # killed but not yet reaped by its parent (torchrun): a zombie still answers kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def dead_ranks(folder: str) -> list[int]:
+    return [rank for rank, rec in sorted(read_heartbeats(folder).items()) if process_gone(rec)]
+
+
 def summarize_heartbeats(folder: str, stale_after: float, me: int | None = None) -> list[str]:
     """One line per rank from its heartbeat file, the likely stuck ranks marked: not inside a collective while
-    others wait in one, behind the others' step, or no longer writing its file (dead or frozen)."""
+    others wait in one, behind the others' step, or no longer writing its file (dead or frozen). A rank whose
+    process is gone (same host) is marked as exited, not stuck."""
     recs, now = read_heartbeats(folder), time.time()
     if not recs:
         return []
@@ -157,6 +180,9 @@ def summarize_heartbeats(folder: str, stale_after: float, me: int | None = None)
         elif inside is not None:
             text += ", not inside any collective"
         suspect = []
+        if rank != me and process_gone(r):
+            lines.append(text + f"  <- exited or was killed (process {r.get('pid')} no longer exists)")
+            continue
         if written > stale_after:
             suspect.append(f"no heartbeat for {written:.0f} s: dead or frozen")
         for group, seq in sorted((r.get("entered") or {}).items()):
@@ -258,8 +284,20 @@ class HangWatch:
             return None
         self.failed = True
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        what = (f"a collective timed out after {self.key}={self.timeout:g} s" if kind == "timeout" else
-                "a peer rank closed its connection (it crashed, was killed, or gave up after its own timeout)")
+        dead = []
+        if self.heartbeat is not None:  # a peer's socket closes a moment before its process is gone: look twice
+            for _ in range(10 if kind == "peer" else 1):
+                dead = [r for r in dead_ranks(self.folder) if r != self.rank]
+                if dead:
+                    break
+                time.sleep(0.2)
+        if dead:
+            what = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} exited or "
+                    f"{'were' if len(dead) > 1 else 'was'} killed, so a collective lost its peer")
+        elif kind == "timeout":
+            what = f"a collective timed out after {self.key}={self.timeout:g} s"
+        else:
+            what = "a peer rank closed its connection (it crashed, was killed, or gave up after its own timeout)"
         lines = [f"rank {self.rank}, step {step}: {what} ({type(exc).__name__}: {first})."]
         if self.heartbeat is not None:
             self.heartbeat.beat(force_record=True)  # this rank's own line, fresh
@@ -271,8 +309,15 @@ class HangWatch:
         dumped = dump_flight_recorder(self.traces, self.rank)
         if dumped:
             lines.append(f"Flight recorder of this rank: {dumped} (compare with the other ranks' files there).")
-        lines.append(f"Fix: find why the marked rank stalls (its own log; `py-spy dump --pid PID`); if steps are "
-                     f"legitimately that slow (huge checkpoint, slow storage), raise {self.key}.")
+        if dead:
+            lines.append("Fix: the exited rank's own log (and torchrun's summary: exit code or signal) says why it "
+                         "stopped; rerun the same command to resume from the newest complete checkpoint.")
+        elif kind == "timeout":
+            lines.append(f"Fix: find why the marked rank stalls (its own log; `py-spy dump --pid PID`); if steps are "
+                         f"legitimately that slow (huge checkpoint, slow storage), raise {self.key}.")
+        else:
+            lines.append("Fix: the peer's own log says why it stopped (a crash or its own timeout); rerun the same "
+                         "command to resume from the newest complete checkpoint.")
         return CommError("\n".join(lines))
 
     def close(self) -> None:
