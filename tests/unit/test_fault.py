@@ -1,5 +1,6 @@
 """Non-finite steps are skipped (parameters and optimizer state untouched), counted, and stop the run when they
 repeat; loss spikes are flagged."""
+import logging
 import math
 
 import pytest
@@ -86,7 +87,7 @@ def test_trainer_stops_on_repeated_nan(tmp_path):
         trainer.close()
 
 
-def test_trainer_rolls_back_past_bad_batches(tmp_path):
+def test_trainer_rolls_back_past_bad_batches(tmp_path, caplog):
     """max_rollbacks: two NaN steps after the step-4 checkpoint -> back to step 4, the data goes on after the bad
     batches and the run finishes; with no rollbacks left the same failure stops the run."""
     ckpt = {"enable": True, "interval": 4, "keep_latest_k": 0}
@@ -113,9 +114,13 @@ def test_trainer_rolls_back_past_bad_batches(tmp_path):
         return batches
     trainer.next_batches = recording
     try:
+        log = logging.getLogger("titanlike")  # (scripts/train.py's setup_logging stops propagation to caplog's root)
+        log.addHandler(caplog.handler)
         hist = trainer.train()
     finally:
+        log.removeHandler(caplog.handler)
         trainer.close()
+    assert "rolled back from step 6" in caplog.text and "stopping" not in caplog.text, caplog.text
     steps = [h["step"] for h in hist]
     assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], steps  # steps 5-6 again after the rollback to step 4
     assert all(math.isfinite(h["loss"]) for h in hist[6:]) and trainer.rollbacks == 1

@@ -16,7 +16,11 @@ logger = logging.getLogger("titanlike")
 
 
 class NonFiniteError(RuntimeError):
-    pass
+    """`reason` is what went wrong without the advice to stop, for the rollback's own message."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class NonFiniteGuard:
@@ -73,10 +77,10 @@ class NonFiniteGuard:
                            f"{which if which else 'none'}); {skipped} skipped in total")
             self._reported = skipped
         if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
-            raise NonFiniteError(
-                f"{consecutive} consecutive steps had a non-finite loss or gradient norm, the first at step "
-                f"{int(self.first_bad.item())}; stopping. Lower optimizer.lr, check the data around that step, "
-                f"or resume from the last checkpoint (checkpoint.load_step)")
+            reason = (f"{consecutive} consecutive steps had a non-finite loss or gradient norm, the first at step "
+                      f"{int(self.first_bad.item())}")
+            raise NonFiniteError(f"{reason}; stopping. Lower optimizer.lr, check the data around that step, or "
+                                 f"resume from the last checkpoint (checkpoint.load_step)", reason=reason)
         return skipped
 
 

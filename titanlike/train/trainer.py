@@ -391,7 +391,7 @@ class Trainer:
         self.dataloader.load_state_dict(data_state)
         self.guard.reset()
         logger.warning(f"rolled back from step {bad_step} to the checkpoint of step {self.step} (rollback "
-                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err}; the data continues after "
+                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err.reason}; the data continues after "
                        f"step {bad_step}'s batches")
 
     @torch.no_grad()
