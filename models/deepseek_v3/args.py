@@ -14,8 +14,9 @@ class ModelArgs:
     n_layers: int = 27
     n_heads: int = 16
     vocab_size: int = 102400
-    # Length of the precomputed RoPE table; the trainer sets it to training.seq_len.
-    max_seq_len: int = 4096
+    # The context the flavor is made for (YaRN: rope_original_max_position x rope_factor); the trainer sets it to
+    # training.seq_len, the length of the precomputed RoPE table.
+    max_seq_len: int = 163840
     norm_eps: float = 1e-6  # the block and final norms; the q/kv latent norms use 1e-6 always (as HF does)
 
     # Multi-head latent attention. q_lora_rank 0: a plain wq (DeepSeek-V2-Lite); > 0: wq_a -> RMSNorm -> wq_b.

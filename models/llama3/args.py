@@ -18,7 +18,7 @@ class ModelArgs:
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False  # Llama 3.1 frequency scaling (see models.common.rope.apply_llama3_scaling)
     # Length of the precomputed RoPE table; the trainer sets it to training.seq_len.
-    max_seq_len: int = 8192
+    max_seq_len: int = 131072  # Llama 3.1/3.2 context (scaled RoPE); the trainer sets it to training.seq_len
     # Llama 3.1 scaling constants; only read when use_scaled_rope is True. Kept as fields so an HF
     # config with different values converts faithfully.
     rope_scaling_factor: float = 8.0

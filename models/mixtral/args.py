@@ -23,7 +23,7 @@ class MixtralArgs:
     vocab_size: int = 32000
     norm_eps: float = 1e-5
     rope_theta: float = 1_000_000.0
-    max_seq_len: int = 4096  # length of the RoPE table; the trainer sets it to training.seq_len
+    max_seq_len: int = 32768  # Mixtral's context; the trainer sets it to training.seq_len (the RoPE table)
     moe: MoEArgs = field(default_factory=_mixtral_moe)
     repeat_kv_heads: bool = False  # a kernel choice the trainer sets (see models/llama3/args.py)
 

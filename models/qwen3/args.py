@@ -20,7 +20,7 @@ class Qwen3Args:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     # Length of the precomputed RoPE table; the trainer sets it to training.seq_len.
-    max_seq_len: int = 4096
+    max_seq_len: int = 40960  # Qwen3's max_position_embeddings; the trainer sets it to training.seq_len
     # Mixture of experts: None = dense (Qwen3ForCausalLM). Otherwise block i's FFN is the MoE when
     # (i + 1) % moe_layer_step == 0 and i is not in mlp_only_layers (HF decoder_sparse_step, mlp_only_layers),
     # else the dense FFN of hidden_dim.

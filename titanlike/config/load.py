@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
+import os
 import sys
 import typing
 from pathlib import Path
@@ -21,7 +23,9 @@ else:  # pragma: no cover - exercised only on 3.10
 
 from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig
-from titanlike.config.validate import validate
+from titanlike.config.validate import advise, validate
+
+logger = logging.getLogger("titanlike")
 
 # Used when no --config is given: in a source checkout `python scripts/train.py` then trains the debug model.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_model.toml"
@@ -270,14 +274,22 @@ def load_config(argv: list[str], *, world_size: int | None = None) -> JobConfig:
     values: dict[str, dict[str, Any]] = {}
     if path is None and DEFAULT_CONFIG.is_file():
         path = str(DEFAULT_CONFIG)
+    notes = []
     if path is not None:
         values = _load_file(Path(path))
+        if not values:
+            notes.append(f"config file {path} sets nothing: training {config_from_dict({}).model.name} "
+                         f"{config_from_dict({}).model.flavor} on the defaults (see --print-config)")
     cfg = config_from_dict(values)
     for section, key, value in overrides:
         setattr(getattr(cfg, section), key, value)
     if not cfg.job.run_name and path is not None:
         cfg.job.run_name = Path(path).stem  # documented in sections.py: "" = the config file's stem
     validate(cfg, world_size)
+    notes += advise(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
+        for note in notes:
+            logger.warning(note)
     return cfg
 
 

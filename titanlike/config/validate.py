@@ -6,6 +6,7 @@ user fixes a config in one round trip. Types were already checked by the loader;
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Any
 
 from float8 import RECIPES as FLOAT8_RECIPES
@@ -148,9 +149,6 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
     if cfg.model.n_layers != -1:
         at_least("model.n_layers", 1, " (or -1 for the flavor's)")
 
-    if lrs.warmup_steps > tr.steps:
-        errors.append(f"lr_scheduler.warmup_steps={lrs.warmup_steps} exceeds training.steps={tr.steps}; "
-                      f"lower warmup_steps or raise steps")
     for dotted in ("lr_scheduler.decay_ratio", "lr_scheduler.min_lr_factor"):
         value = _get(cfg, dotted)
         if not 0.0 <= value <= 1.0:
@@ -257,6 +255,27 @@ def _check_global_batch(cfg: JobConfig, dp_shard: int | None, errors: list[str])
             f"valid values: -1, {unit}, {2 * unit}, {3 * unit}, ...")
 
 
+def advise(cfg: JobConfig) -> list[str]:
+    """Settings that work but may not do what was meant: returns one warning each. Clamps the warmup of a run
+    shorter than it (a smoke run of a real config), which would otherwise never reach the peak LR."""
+    notes = []
+    tr, lrs = cfg.training, cfg.lr_scheduler
+    if lrs.warmup_steps > tr.steps:
+        notes.append(f"lr_scheduler.warmup_steps={lrs.warmup_steps} exceeds training.steps={tr.steps}: warming up "
+                     f"over all {tr.steps} steps instead")
+        lrs.warmup_steps = tr.steps
+    import models
+
+    spec = models.MODELS.get(cfg.model.name)
+    args = spec.flavors.get(cfg.model.flavor) if spec is not None else None
+    if args is not None and tr.seq_len > args.max_seq_len:
+        notes.append(f"training.seq_len={tr.seq_len} is longer than the {cfg.model.name} {cfg.model.flavor} flavor's "
+                     f"context ({args.max_seq_len}): RoPE runs on all {tr.seq_len} positions with the flavor's own "
+                     f"frequencies (no extra RoPE scaling); fine from scratch, but weights trained at "
+                     f"{args.max_seq_len} will see positions they never saw")
+    return notes
+
+
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError listing every broken rule. With world_size, also check that the degrees fill it."""
     errors: list[str] = []
@@ -271,6 +290,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
     check_pipeline(cfg, errors)
+    dump = cfg.job.dump_folder
+    if os.path.exists(dump) and not os.path.isdir(dump):
+        errors.append(f"job.dump_folder={dump!r} is a file, not a folder; choose another job.dump_folder")
     if not errors:
         _check_model(cfg, errors)
     if errors:
