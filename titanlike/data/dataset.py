@@ -117,23 +117,23 @@ def _build_mock(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, max_co
     return MockDataset(vocab_size, seq_len, seed=seed, split=split)
 
 
-def _build_indexed(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, **_):
+def _build_indexed(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, paths_key="data.paths", **_):
     from titanlike.data.gpt_dataset import build_indexed_dataset
 
     if vocab_size is None and tokenizer is not None:
         vocab_size = tokenizer.vocab_size
     return build_indexed_dataset(data_cfg.paths, split=split, split_spec=data_cfg.split, seq_len=seq_len, seed=seed,
-                                 cache_dir=data_cfg.cache_dir, vocab_size=vocab_size)
+                                 cache_dir=data_cfg.cache_dir, vocab_size=vocab_size, key=paths_key)
 
 
-def _build_text(data_cfg, tokenizer, *, seq_len, split, seed, dp_rank=0, dp_degree=1, **_):
+def _build_text(data_cfg, tokenizer, *, seq_len, split, seed, dp_rank=0, dp_degree=1, paths_key="data.paths", **_):
     from titanlike.data.streaming import StreamingTextDataset, expand_files
 
     if tokenizer is None:
         raise ValueError("data.dataset='text' tokenises on the fly and needs a tokenizer")
-    return StreamingTextDataset(expand_files(data_cfg.paths), tokenizer, seq_len, dp_rank=dp_rank,
+    return StreamingTextDataset(expand_files(data_cfg.paths, key=paths_key), tokenizer, seq_len, dp_rank=dp_rank,
                                 dp_degree=dp_degree, seed=seed, shuffle=split == "train", text_key=data_cfg.text_key,
-                                add_bos=data_cfg.add_bos, add_eod=data_cfg.add_eod)
+                                add_bos=data_cfg.add_bos, add_eod=data_cfg.add_eod, paths_key=paths_key)
 
 
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text}
@@ -141,7 +141,9 @@ DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_inde
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
                   vocab_size: int | None = None, max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES,
-                  dp_rank: int = 0, dp_degree: int = 1) -> Dataset:
+                  dp_rank: int = 0, dp_degree: int = 1, paths_key: str = "data.paths") -> Dataset:
+    """The `split` of data_cfg's dataset; `paths_key` names data_cfg.paths in errors (validation.paths when
+    validation has its own files)."""
     if data_cfg.dataset not in DATASETS:
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
@@ -151,4 +153,4 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
                          "weighted, for indexed; JSONL/Parquet/text files or globs for text)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
-                                      dp_degree=dp_degree)
+                                      dp_degree=dp_degree, paths_key=paths_key)

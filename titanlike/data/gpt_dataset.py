@@ -72,6 +72,10 @@ class GPTDataset(Dataset):
         self.lengths = indexed.sequence_lengths
         self.num_docs = self.seq_hi - self.seq_lo
         self.tokens_per_epoch = int(self.lengths[self.seq_lo : self.seq_hi].sum(dtype=np.int64))
+        if self.tokens_per_epoch == 0:  # every document empty: no sample could ever be formed
+            raise ValueError(f"{indexed.idx_path}: documents {doc_range[0]}..{doc_range[1]} ({self.name}) hold no "
+                             "tokens (all empty); re-run scripts/preprocess_data.py on the source (--append-eod "
+                             "gives every document at least its EOD token)")
         if self.tokens_per_epoch <= self.seq_len:
             raise ValueError(f"{self.name}: documents {doc_range[0]}..{doc_range[1]} hold {self.tokens_per_epoch} "
                              f"tokens, not enough for one sample of seq_len+1 = {self.seq_len + 1}; lower "
@@ -218,6 +222,10 @@ def build_indexed_dataset(paths, *, split: str, split_spec: str, seq_len: int, s
         indexed = IndexedDataset(prefix)
         if vocab_size is not None:
             indexed.check_vocab(vocab_size)
+        if indexed.num_documents == 0:
+            raise ValueError(f"{indexed.idx_path}: holds no documents; re-run scripts/preprocess_data.py (if it "
+                             "skipped every line, give --json-keys the field that holds the text), or drop this "
+                             f"prefix from {key}")
         lo, hi = (0, indexed.num_documents) if whole else split_document_ranges(indexed.num_documents,
                                                                                 split_spec)[which]
         if hi <= lo:

@@ -92,15 +92,20 @@ class DataLoader(StatefulDataLoader):
 
 def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int,
                      seed: int, split: str = "train", vocab_size: int | None = None,
-                     max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES) -> StatefulDataLoader:
+                     max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES,
+                     paths_key: str = "data.paths") -> StatefulDataLoader:
     """This DP rank's endless loader of `(input_ids[B,S], labels[B,S])` int64 batches.
 
     `tokenizer` may be None for `data.dataset="mock"` when `vocab_size` is given. `max_corpus_bytes` caps the stdlib
     corpus (tests use a small slice). With pinned memory, torch may hand the pair back as a list; unpack it either way.
+    `paths_key` names data_cfg.paths in error messages.
     """
     dataset = build_dataset(data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed, vocab_size=vocab_size,
-                            max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank, dp_degree=dp_degree)
+                            max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank, dp_degree=dp_degree,
+                            paths_key=paths_key)
     num_workers = int(data_cfg.num_workers)
+    if hasattr(dataset, "check_usable"):  # streaming: data with no usable document would spin before step 1
+        dataset.check_usable(num_workers)
     common = dict(
         collate_fn=collate_pair,
         num_workers=num_workers,
@@ -139,4 +144,5 @@ def validation_data_config(data_cfg, val_cfg):
 def build_validation_dataloader(data_cfg, val_cfg, tokenizer, **kw) -> StatefulDataLoader:
     """The validation loader (build it once at start-up so bad validation data fails there, not mid-run)."""
     cfg, split = validation_data_config(data_cfg, val_cfg)
-    return build_dataloader(cfg, tokenizer, split=split, **kw)
+    return build_dataloader(cfg, tokenizer, split=split, paths_key="validation.paths" if val_cfg.paths else
+                            "data.paths", **kw)

