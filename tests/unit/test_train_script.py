@@ -28,6 +28,15 @@ def test_bad_input_exits_2_with_one_clear_line(args, expect):
     assert expect in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_os_errors_at_setup_exit_1_with_the_path(tmp_path):
+    (tmp_path / "file").write_text("x")
+    p = _run(f"--job.dump_folder={tmp_path / 'file' / 'sub'}", "--training.steps=1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"error: Not a directory: {tmp_path / 'file' / 'sub'}" in p.stderr, p.stderr
+    p = _run(f"--job.dump_folder={tmp_path / 'file'}", "--print-config")
+    assert p.returncode == 2 and "is a file, not a folder" in p.stderr, p.stderr
+
+
 def test_help_says_how_to_run_and_where_keys_are():
     p = _run("--help")
     assert p.returncode == 0 and "--print-config" in p.stdout and "torchrun" in p.stdout, p.stderr
