@@ -111,3 +111,36 @@ def test_indexed_without_tokens_fails_at_once(tmp_path, lengths, expect):
     _empty_prefix(prefix, lengths)
     status, kind, msg = _within(60, _indexed_batch, prefix)
     assert status == "raised" and f"{prefix}.idx" in msg and expect in msg and "preprocess_data.py" in msg, msg
+
+
+# ------------------------------------------------------------------------------------- 2. broken .idx headers
+
+def _good_prefix(tmp_path):
+    prefix = str(tmp_path / "c_text_document")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    for n in (5, 7):
+        w.add_document(np.arange(n) + 1)
+    w.finalize()
+    return prefix
+
+
+@pytest.mark.parametrize("patch, expect", [
+    (lambda h: h[:9] + struct.pack("<Q", 2) + h[17:], r"MMIDIDX index version 2, expected 1 .*Megatron"),
+    (lambda h: h[:17] + bytes([99]) + h[18:], r"token dtype code 99 in the MMIDIDX header, expected one of 1=uint8"),
+    (lambda h: b"TNTIDX\x00\x00" + h[8:], r"old 'lazy'/'cached' index .*mmap"),
+    (lambda h: b"PK\x03\x04garbage" + h[13:], r"not a Megatron MMIDIDX index \(first bytes b'PK"),
+    (lambda h: h[:20], r"20 bytes, shorter than the 34-byte MMIDIDX header: the file is truncated"),
+    (lambda h: h[:-3], r"bytes, but its header promises .*truncated or corrupt"),
+])
+def test_idx_header_errors_say_file_found_expected_and_fix(tmp_path, patch, expect):
+    from titanlike.data import IndexedDataset
+
+    prefix = _good_prefix(tmp_path)
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read()
+    with open(prefix + ".idx", "wb") as f:
+        f.write(patch(head))
+    with pytest.raises(ValueError, match=expect) as e:
+        IndexedDataset(prefix)
+    msg = str(e.value)
+    assert msg.startswith(prefix + ".idx: ") and "preprocess_data.py" in msg and "\n" not in msg

@@ -115,6 +115,28 @@ class IndexedDatasetWriter:
                 os.remove(p)
 
 
+_OLD_MAGIC = b"TNTIDX\x00\x00"  # Megatron's pre-mmap "lazy"/"cached" index (--dataset-impl lazy|cached)
+_FIX = "re-run scripts/preprocess_data.py for this prefix (or Megatron's tools/preprocess_data.py, mmap format)"
+
+
+def _check_header(idx_path: str, magic: bytes, version: int, code: int) -> None:
+    """A header we cannot read: say what the file holds, what a Megatron MMIDIDX index holds, and how to get one."""
+    if magic != MAGIC:
+        if magic.startswith(_OLD_MAGIC):
+            raise ValueError(f"{idx_path}: Megatron's old 'lazy'/'cached' index (magic {_OLD_MAGIC!r}), not the mmap "
+                             f"format (magic {MAGIC!r}) that current Megatron writes and titanlike reads; {_FIX}")
+        raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (first bytes {magic!r}, expected the "
+                         f"magic {MAGIC!r}): give the prefix of a .bin/.idx pair, or {_FIX}")
+    if version != VERSION:
+        raise ValueError(f"{idx_path}: MMIDIDX index version {version}, expected {VERSION} (the only version "
+                         "Megatron-LM and Megatron-Core write); the header is corrupt or the file comes from another "
+                         f"tool: {_FIX}")
+    if code not in DTYPE_CODES:
+        known = ", ".join(f"{c}={np.dtype(t).name}" for c, t in DTYPE_CODES.items())
+        raise ValueError(f"{idx_path}: token dtype code {code} in the MMIDIDX header, expected one of {known}; "
+                         f"the header is corrupt: {_FIX}")
+
+
 class IndexedDataset:
     """Read-only view of a `.bin/.idx` pair: every check runs at construction, reading only the index."""
 
@@ -125,19 +147,16 @@ class IndexedDataset:
         idx_bytes = os.path.getsize(self.idx_path)
         idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r") if idx_bytes else np.zeros(0, np.uint8)
         if idx.size < _HEADER.size:
-            raise ValueError(f"{self.idx_path}: {idx.size} bytes is shorter than the MMIDIDX header; the file is "
-                             "truncated: re-run scripts/preprocess_data.py for this prefix")
+            raise ValueError(f"{self.idx_path}: {idx.size} bytes, shorter than the {_HEADER.size}-byte MMIDIDX "
+                             f"header: the file is truncated; {_FIX}")
         magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[: _HEADER.size]))
-        if magic != MAGIC:
-            raise ValueError(f"{self.idx_path}: not a Megatron MMIDIDX index (magic {magic!r}); only the mmap "
-                             "indexed format is supported: re-run scripts/preprocess_data.py")
-        if version != VERSION or code not in DTYPE_CODES:
-            raise ValueError(f"{self.idx_path}: unsupported index version {version} / dtype code {code}")
+        _check_header(self.idx_path, magic, version, code)
         self.dtype = np.dtype(DTYPE_CODES[code])
         base = _HEADER.size + 12 * n_seq + 8 * n_doc
         if idx.size not in (base, base + n_seq):  # + optional int8 sequence modes (multimodal)
             raise ValueError(f"{self.idx_path}: {idx.size} bytes, but its header promises {base} "
-                             f"({n_seq} sequences, {n_doc} document entries); the index is truncated or corrupt")
+                             f"({n_seq} sequences, {n_doc} document entries): the index is truncated or corrupt; "
+                             "re-run scripts/preprocess_data.py for this prefix (or copy the file again)")
         off = _HEADER.size
         self.sequence_lengths = np.frombuffer(idx, np.int32, n_seq, off)
         self.sequence_pointers = np.frombuffer(idx, np.int64, n_seq, off + 4 * n_seq)
@@ -149,7 +168,8 @@ class IndexedDataset:
                              "two files come from different runs or one is incomplete; re-run preprocessing")
         d = self.document_indices
         if n_doc < 1 or d[0] != 0 or d[-1] != n_seq or (n_doc > 1 and np.any(np.diff(d) < 0)):
-            raise ValueError(f"{self.idx_path}: document index is not increasing from 0 to {n_seq}; corrupt index")
+            raise ValueError(f"{self.idx_path}: document index is not increasing from 0 to {n_seq}: the index is "
+                             f"corrupt; {_FIX}")
         self._bin: np.ndarray | None = None
 
     def _check_files(self) -> None:
