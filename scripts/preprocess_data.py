@@ -4,7 +4,7 @@
         --tokenizer-type Llama3Tokenizer --tokenizer-model /models/my_model/tokenizer.model --append-eod --workers 8
 
 The work is titanlike/data/preprocess.py's run(); docs/data.md describes the format. Exit status: 0 done (bad lines, if any, listed), 1 stopped by
---strict, 2 bad arguments or files.
+--strict, 2 bad arguments or files (including input where no line gives a document).
 """
 from __future__ import annotations
 

@@ -144,3 +144,46 @@ def test_idx_header_errors_say_file_found_expected_and_fix(tmp_path, patch, expe
         IndexedDataset(prefix)
     msg = str(e.value)
     assert msg.startswith(prefix + ".idx: ") and "preprocess_data.py" in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------------------------- 3. every JSON line bad
+
+def _preprocess(*argv) -> int:
+    import importlib.util
+
+    from tests.launch import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("_preprocess_cli", REPO_ROOT / "scripts" / "preprocess_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main([str(a) for a in argv] + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+                                                 "--no-progress"])
+
+
+@pytest.mark.parametrize("lines, expect, fix", [
+    ('{"content": "1 2"}\n' * 3, "no key 'text' x3", "--json-keys"),
+    ('{"text": 5}\n' * 2, "key 'text' holds int", "--json-keys"),
+    ("1 2 3\nnot json\n", "invalid JSON x2", "JSON Lines"),
+    ("", "no lines to preprocess", "--input"),
+])
+def test_preprocess_every_line_bad_names_the_flag(tmp_path, capsys, lines, expect, fix):
+    (tmp_path / "in.jsonl").write_text(lines)
+    assert _preprocess("--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and str(tmp_path / "in.jsonl") in err and expect in err and fix in err, err
+    assert "data.text_key" not in err  # the training knob does not exist on this command line
+    assert not list(tmp_path.glob("out*"))  # nothing written, not even an empty .bin/.idx
+
+
+@pytest.mark.parametrize("lines, expect, fix, kind", [
+    ('{"content": "1 2"}\n' * 2, "no key 'text' (found ['content'])", "set data.text_key", ConfigError),
+    ('oops\n{"content": "1 2"}\n{"content": "3"}\n', "no key 'text' x2", "set data.text_key", ConfigError),
+    ("1 2 3\nnot json\n", "invalid JSON x2", "one JSON object", ValueError),
+])
+def test_training_every_line_bad_names_the_key(tmp_path, lines, expect, fix, kind):
+    (tmp_path / "in.jsonl").write_text(lines)
+    with pytest.raises(kind) as e:
+        _loader([tmp_path / "in.jsonl"])
+    msg = str(e.value)
+    assert str(tmp_path / "in.jsonl") in msg and expect in msg and fix in msg and "\n" not in msg, msg
+    assert "--json-keys" not in msg and (kind is ConfigError or "text_key" not in msg)

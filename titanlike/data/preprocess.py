@@ -128,8 +128,28 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def no_document_error(files: list[str], bad_counts: collections.Counter, first_bad: dict[str, str]) -> str:
+    """One line: no line of the input gave a document; what was wrong, the first example, the flag to fix."""
+    more = ", ..." if len(files) > 3 else ""
+    where = files[0] if len(files) == 1 else f"{len(files)} input files ({', '.join(files[:3])}{more})"
+    if not bad_counts:
+        return f"{where}: no lines to preprocess (empty input); give --input files with one JSON object per line"
+    top = bad_counts.most_common(1)[0][0]
+    what = ", ".join(f"{why} x{n}" for why, n in bad_counts.most_common())
+    if top.startswith("no key"):
+        fix = "name the field that holds the text with --json-keys (the first bad line shows the keys found)"
+    elif top.startswith("key "):
+        fix = "name a field that holds a string with --json-keys"
+    else:
+        fix = {"invalid JSON": "--input must be JSON Lines: one JSON object per line",
+               "not valid UTF-8": "re-encode the input as UTF-8 (e.g. iconv -f latin1 -t utf-8)"}.get(
+            top, "the documents are empty: give input with text")
+    return f"{where}: no usable document, every line was bad ({what}; first: {first_bad[top]}); {fix}"
+
+
 def run(args) -> dict:
-    """Preprocess; returns a summary dict. Raises SystemExit(1) on --strict failures."""
+    """Preprocess; returns a summary dict. Raises SystemExit(1) on --strict failures, ValueError when no line of the
+    input gives a document (nothing is written)."""
     from tqdm import tqdm
 
     from titanlike.data.tokenizers import build_tokenizer
@@ -146,6 +166,7 @@ def run(args) -> dict:
     writers = {k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype) for k in keys}
     init = (tok_cfg, keys, args.append_eod, args.prepend_bos, dtype)
     bad_counts: collections.Counter = collections.Counter()
+    first_bad: dict[str, str] = {}  # reason -> its first "file:line: why", for the no-document error
     shown: list[str] = []
     docs = tokens = 0
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
@@ -167,6 +188,7 @@ def run(args) -> dict:
                     raise SystemExit(f"error: bad input line (--strict): {where}. Fix or drop the line, or run "
                                      "without --strict to skip bad lines")
                 bad_counts[why.split(" (")[0]] += 1
+                first_bad.setdefault(why.split(" (")[0], where)
                 if len(shown) < _SHOWN_BAD:
                     shown.append(where)
             for k in keys:
@@ -179,6 +201,8 @@ def run(args) -> dict:
             pool.close()
             pool.join()  # reaped workers count in RUSAGE_CHILDREN below
             pool = None
+        if docs == 0:  # an empty .bin/.idx would only fail later, at training start-up
+            raise ValueError(no_document_error(files, bad_counts, first_bad))
         elapsed = time.perf_counter() - t0
         cpu = _cpu_seconds() - cpu0
         summary = {"cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": tokens / max(cpu, 1e-9),
