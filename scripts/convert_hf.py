@@ -5,9 +5,12 @@ with an HF adapter (models/<name>/hf.py).
         HF_DIR: config.json + model.safetensors (or shards + model.safetensors.index.json) + tokenizer files.
         OUT/step-0: a model-only titanlike checkpoint; train from it with
             --checkpoint.initial_load_path=OUT --data.tokenizer=OUT/tokenizer/tokenizer.json
-    python scripts/convert_hf.py export CKPT OUT [--dtype bfloat16] [--tokenizer PATH] [--max-shard-gb 5]
+    python scripts/convert_hf.py export CKPT OUT [--dtype bfloat16] [--tokenizer PATH | --no-tokenizer]
+                                     [--max-shard-gb 5]
         CKPT: a checkpoint folder (newest complete step) or a step folder, written under any layout.
-        OUT: a folder transformers.AutoModelForCausalLM.from_pretrained(OUT) loads.
+        OUT: a folder transformers.AutoModelForCausalLM.from_pretrained(OUT) loads, with the run's tokenizer
+            (from the step's config.toml; --tokenizer names another) for AutoTokenizer.from_pretrained(OUT), and
+            generation_config.json + config.json's bos/eos ids so generate() stops at the end of text.
 
 Errors (missing shard, unsupported architecture, existing output, damaged checkpoint) exit with status 2 and one
 line naming the file and what to do.
@@ -15,7 +18,6 @@ line naming the file and what to do.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -35,7 +37,10 @@ def main(argv: list[str]) -> int:
     exp.add_argument("ckpt")
     exp.add_argument("out")
     exp.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    exp.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) to copy alongside")
+    tok = exp.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default=None,
+                     help="a tokenizer file or folder (any data.tokenizer format); default: the run's own")
+    tok.add_argument("--no-tokenizer", action="store_true", help="no tokenizer files, no bos/eos ids")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     exp.add_argument("--max-position-embeddings", type=int, default=None,
                      help="default: the sequence length the checkpoint was trained with")
@@ -50,15 +55,18 @@ def main(argv: list[str]) -> int:
             args = r["model_args"]
             flavor = (f"--model.flavor={r['flavor']}" if r["flavor"] else
                       f"(no titanlike flavor has these shapes: add one to models/{r['model']}/flavors.py)")
-            tok = f" --data.tokenizer={os.path.join(a.out, 'tokenizer', 'tokenizer.json')}" if r["tokenizer"] else ""
+            # Only files that were written: the tokenizer flag when the HF folder had a tokenizer file.
+            tok = f" --data.tokenizer={r['tokenizer']}" if r["tokenizer"] else ""
             print(f"wrote {r['path']} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}).\n"
                   f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} --model.name={r['model']} "
                   f"{flavor} "
                   f"--model.vocab_size={args.vocab_size}{tok}")
+            if not r["tokenizer"]:
+                print(f"{a.hf_dir} has no tokenizer.json or tokenizer.model: set --data.tokenizer to its tokenizer")
         else:
             out = hf.export_hf(a.ckpt, a.out, dtype=a.dtype, tokenizer=a.tokenizer,
                                max_shard_bytes=int(a.max_shard_gb * 2**30), progress=not a.no_progress,
-                               max_position_embeddings=a.max_position_embeddings)
+                               max_position_embeddings=a.max_position_embeddings, with_tokenizer=not a.no_tokenizer)
             print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -67,4 +75,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from titanlike.observe.log import setup_logging
+
+    setup_logging(0)  # the export's notes (tokenizer written or left out, and why); not in main(): tests call it
     sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """The MoE families end to end through the checkpoint tools: a seed checkpoint written by scripts/train.py, exported
 by scripts/convert_hf.py's export_hf, loaded by transformers' AutoModelForCausalLM, gives the logits of titanlike's
-model loaded from the same checkpoint (fp32, CPU)."""
+model loaded from the same checkpoint (fp32, CPU); the run's builtin tokenizer goes along with its ids."""
 from __future__ import annotations
 
 import subprocess
@@ -36,3 +36,6 @@ def test_seed_checkpoint_exports_to_transformers(tmp_path, config):
     with torch.no_grad():
         got, want = ours.eval()(tokens), theirs(tokens).logits
     assert (got - want).abs().max().item() <= 1e-4, (got - want).abs().max().item()
+    tok = transformers.AutoTokenizer.from_pretrained(out)  # the builtin BPE, named by the seed run's config.toml
+    assert theirs.config.eos_token_id == theirs.generation_config.eos_token_id == tok.eos_token_id is not None
+    assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"

@@ -7,12 +7,16 @@ import: config.json + safetensors (one file, or shards with model.safetensors.in
     family's HF adapter.
 export: a titanlike step (full or model-only, any layout) -> an HF folder that
     transformers' AutoModelForCausalLM.from_pretrained loads: config.json, safetensors shards + index. Read one layer
-    at a time, so memory stays near one shard.
+    at a time, so memory stays near one shard. The run's tokenizer (its config.toml's [data], or the tokenizer/
+    folder an import wrote) goes along by default: HF files AutoTokenizer loads, generation_config.json and the
+    bos/eos ids in config.json, so generate() stops at the end of text (without them transformers assumes id 2).
 Neither overwrites anything: the output is written under a temporary name and renamed when complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import shutil
 
@@ -20,11 +24,14 @@ import torch
 
 import models
 from titanlike.checkpoint import layout
+from titanlike.checkpoint.hf_tokenizer import find_tokenizer, token_ids, write_tokenizer
 from titanlike.checkpoint.layout import META, CheckpointError
 from titanlike.checkpoint.states import MODEL, full_model_state, quiet_dcp, read_meta_json, read_metadata, tensor_shapes
 
+logger = logging.getLogger("titanlike")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -132,20 +139,24 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
         os.makedirs(os.path.join(out_dir, "tokenizer"), exist_ok=True)
         for n in tok:
             shutil.copy(os.path.join(hf_dir, n), os.path.join(out_dir, "tokenizer", n))
+    # The file data.tokenizer should name: only one that was written (a folder may carry just a tokenizer_config).
+    tok_file = next((os.path.join(out_dir, "tokenizer", n) for n in ("tokenizer.json", "tokenizer.model") if n in tok),
+                    None)
     flavor = spec.find_flavor(args)
-    return {"path": final, "model": model_name, "model_args": args, "flavor": flavor, "tokenizer": bool(tok)}
+    return {"path": final, "model": model_name, "model_args": args, "flavor": flavor, "tokenizer": tok_file}
 
 
 def _asdict(args) -> dict:
-    import dataclasses
-
     return dataclasses.asdict(args)
 
 
 def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: str | None = None,
               max_shard_bytes: int = 5 * 2**30, progress: bool = True,
-              max_position_embeddings: int | None = None) -> str:
-    """A titanlike step (or the newest complete step of a checkpoint folder) -> an HF folder. Returns its path."""
+              max_position_embeddings: int | None = None, with_tokenizer: bool = True) -> str:
+    """A titanlike step (or the newest complete step of a checkpoint folder) -> an HF folder. Returns its path.
+
+    `tokenizer`: a tokenizer file or folder (any format data.tokenizer takes) instead of the run's own;
+    `with_tokenizer=False`: no tokenizer files and no token ids at all."""
     from safetensors.torch import save_file
 
     info = layout.choose_step(ckpt_path, -1)
@@ -159,6 +170,11 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     torch_dtype = getattr(torch, dtype)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; nothing is overwritten: choose another folder")
+    # Before the weights: a tokenizer that cannot be built fails the export at once.
+    tok = find_tokenizer(info.path, tokenizer) if with_tokenizer else None
+    if tok is not None and tok[0].vocab_size > args.vocab_size:
+        raise CheckpointError(f"export: the {type(tok[0]).__name__} has {tok[0].vocab_size} tokens but the model's "
+                              f"vocabulary is {args.vocab_size}: give the run's tokenizer (--tokenizer PATH)")
     shapes = tensor_shapes(read_metadata(info.path), MODEL)
     # Groups read together (one layer, or the top-level tensors), then assigned to shards of <= max_shard_bytes.
     groups: dict[str, list[str]] = {}
@@ -192,13 +208,20 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     if len(shards) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    hf_cfg = spec.hf.hf_config(args, torch_dtype, max_position_embeddings)
+    ids = token_ids(tok, info.path) if with_tokenizer else None
+    if ids is not None:
+        hf_cfg.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"])
+        gen = {"bos_token_id": ids["bos"], "eos_token_id": ids["stop"], "pad_token_id": ids["eos"]}
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=1)
+    elif with_tokenizer:
+        logger.warning(f"export: no tokenizer known for {info.path} (no config.toml, no imported tokenizer/): "
+                       f"config.json has no bos/eos ids; give --tokenizer PATH")
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(spec.hf.hf_config(args, torch_dtype, max_position_embeddings), f, indent=1)
-    if tokenizer:
-        src = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
-        for n in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(src, n)):
-                shutil.copy(os.path.join(src, n), os.path.join(tmp, n))
+        json.dump(hf_cfg, f, indent=1)
+    if tok is not None:
+        write_tokenizer(*tok, tmp)
     if os.path.exists(out_dir):
         os.rmdir(out_dir)  # empty (checked above)
     os.rename(tmp, out_dir)
