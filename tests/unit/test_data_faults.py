@@ -187,3 +187,58 @@ def test_training_every_line_bad_names_the_key(tmp_path, lines, expect, fix, kin
     msg = str(e.value)
     assert str(tmp_path / "in.jsonl") in msg and expect in msg and fix in msg and "\n" not in msg, msg
     assert "--json-keys" not in msg and (kind is ConfigError or "text_key" not in msg)
+
+
+# ------------------------------------------------------------------------------------- 4. garbage tokenizer files
+
+GARBAGE = np.random.default_rng(0).bytes(3000)
+
+
+@pytest.mark.parametrize("name, content, extra, expect", [
+    ("tokenizer.json", GARBAGE, {}, "not a Hugging Face tokenizer.json"),
+    ("tokenizer.json", b'{"version": "1.0"}', {"tokenizer_type": "HuggingFaceTokenizer"},
+     "not a Hugging Face tokenizer.json"),
+    ("tokenizer.model", GARBAGE, {}, "not a sentencepiece model"),
+    ("tokenizer.model", GARBAGE, {"tokenizer_type": "TikTokenizer"}, "not a tiktoken rank line"),
+    ("tokenizer.model", b"YQ== 0\nYg== 0\n", {}, "ranks are not 0..1"),  # tiktoken would panic (Rust)
+    ("tokenizer.model", b"YQ== 0\nYg== 1\n", {}, "254 of the 256 single bytes have no rank"),  # panics on encode
+])
+def test_garbage_tokenizer_file_is_one_line(tmp_path, capfd, name, content, extra, expect):
+    from titanlike.data.tokenizers import build_tokenizer
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    for spec in (path, tmp_path):  # the file, or the folder holding it
+        with pytest.raises(ValueError) as e:
+            build_tokenizer(Data(tokenizer=str(spec), **extra))
+        msg = str(e.value)
+        assert msg.startswith(f"{path}") and expect in msg and "\n" not in msg, msg
+        assert "point data.tokenizer at" in msg and "set data.tokenizer_type to" in msg
+    assert "panicked" not in capfd.readouterr().err
+
+
+def test_garbage_gpt2_files(tmp_path):
+    from titanlike.data.tokenizers import build_tokenizer
+
+    (tmp_path / "vocab.json").write_bytes(GARBAGE)
+    (tmp_path / "merges.txt").write_bytes(GARBAGE)
+    with pytest.raises(ValueError, match=r"vocab.json / .*merges.txt: not GPT-2 BPE files .*point data.vocab_file / "
+                                         r"data.merge_file at"):
+        build_tokenizer(Data(vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt")))
+
+
+def test_garbage_tokenizer_in_preprocessing_names_its_flags(tmp_path, capsys):
+    import importlib.util
+
+    from tests.launch import REPO_ROOT
+
+    (tmp_path / "tokenizer.json").write_bytes(GARBAGE)
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    spec = importlib.util.spec_from_file_location("_preprocess_cli2", REPO_ROOT / "scripts" / "preprocess_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"),
+                        "--tokenizer-model", str(tmp_path / "tokenizer.json"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face tokenizer.json") and "\n" not in err
+    assert "point --tokenizer-model at" in err and "set --tokenizer-type to" in err and "data." not in err, err

@@ -31,12 +31,17 @@ from titanlike.data.streaming import expand_files, parse_json_line
 _CHUNK_LINES, _CHUNK_BYTES = 256, 1 << 20
 _SHOWN_BAD = 20
 
+# The flag that sets each [data] field here (tokenizer and tokenizer_model are both --tokenizer-model).
+_FLAGS = {"tokenizer": "--tokenizer-model", "tokenizer_model": "--tokenizer-model",
+          "tokenizer_type": "--tokenizer-type", "vocab_file": "--vocab-file", "merge_file": "--merge-file",
+          "eod_token": "--eod-token", "builtin_vocab_size": "--vocab-size"}
+
 
 def tokenizer_config(args) -> SimpleNamespace:
     """Every [data] field that build_tokenizer(data_cfg) reads, from the Megatron flags; the rest as a default
-    [data] section has them. (Not a config.sections.Data: titanlike.data must not import titanlike.config, which
-    imports titanlike.data.) A field build_tokenizer starts to read must be added here, or preprocessing fails with
-    an AttributeError (tests/unit/test_preprocess.py). --vocab-size is NullTokenizer's id range, which a [data]
+    [data] section has them, and `knob_names` so that tokenizer errors name these flags, not data.* keys. A field
+    build_tokenizer starts to read must be added here, or preprocessing fails with an AttributeError
+    (tests/unit/test_preprocess.py). --vocab-size is NullTokenizer's id range, which a [data]
     section gives as builtin_vocab_size; for any other tokenizer it is ignored, so the builtin BPE stays the one a
     training run with the default builtin_vocab_size uses."""
     from titanlike.data.tokenizers import TOKENIZER_TYPES
@@ -46,7 +51,7 @@ def tokenizer_config(args) -> SimpleNamespace:
                            tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, cache_dir=args.cache_dir,
                            builtin_vocab_size=args.vocab_size if null and args.vocab_size else 2048,
-                           bos_token="", eos_token="", eod_token=args.eod_token)
+                           bos_token="", eos_token="", eod_token=args.eod_token, knob_names=_FLAGS)
 
 
 # ---------------------------------------------------------------------------------------------------- workers

@@ -11,14 +11,18 @@
   * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
 "auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
 after each document; by default the EOS token), each overridable by token name in the config.
+
+A file that is not what its format needs is one ValueError naming the path, what is wrong and the fix. The fix
+names the settings of the caller: `data.*` keys, or what `data_cfg.knob_names` maps them to (scripts/preprocess_data.py
+passes its --flags).
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from titanlike.config.validate_data import TOKENIZER_TYPES  # noqa: F401 - the config's list, re-exported
-from titanlike.data.tokenizers.base import Tokenizer
+from titanlike.config.validate_data import TOKENIZER_TYPES  # the config's list (also re-exported here)
+from titanlike.data.tokenizers.base import Tokenizer, TokenizerFileError
 from titanlike.data.tokenizers.hf import TOKENIZER_TRAIN_MAX_BYTES, HFTokenizer, builtin_tokenizer, gpt2_bpe_tokenizer
 
 
@@ -29,12 +33,17 @@ def _sniff_model_file(path: Path) -> str:
     return "tiktoken" if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", head) else "sentencepiece"
 
 
+def knob(data_cfg, field: str) -> str:
+    """How the caller spells a [data] field: "data.<field>" for training, a --flag for preprocessing."""
+    return getattr(data_cfg, "knob_names", {}).get(field, f"data.{field}")
+
+
 def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
     """(kind, main file) from data.tokenizer_type + data.tokenizer / tokenizer_model / vocab_file."""
     type_name = data_cfg.tokenizer_type
     kind = TOKENIZER_TYPES.get(type_name.lower())
     if kind is None:
-        raise ValueError(f"data.tokenizer_type={type_name!r} is not known; use one of auto, builtin, "
+        raise ValueError(f"{knob(data_cfg, 'tokenizer_type')}={type_name!r} is not known; use one of auto, builtin, "
                          "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
                          "SentencePieceTokenizer (Llama2Tokenizer), NullTokenizer")
     spec = data_cfg.tokenizer_model or data_cfg.tokenizer
@@ -53,18 +62,45 @@ def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
                 return "gpt2", path
     if not path.is_file():
         raise FileNotFoundError(
-            f"data.tokenizer={spec!r}: no tokenizer file at {path}. Set --data.tokenizer=builtin to use the "
-            "self-trained byte-level BPE, or give the path of an HF tokenizer.json (or of a folder holding one), "
-            "a tiktoken/sentencepiece tokenizer.model, or GPT-2 files via data.vocab_file + data.merge_file."
+            f"{_file_knob(data_cfg)}={spec!r}: no tokenizer file at {path}. Give the path of an HF tokenizer.json "
+            "(or of a folder holding one), a tiktoken/sentencepiece tokenizer.model, or GPT-2 files via "
+            f"{knob(data_cfg, 'vocab_file')} + {knob(data_cfg, 'merge_file')}; or leave it unset for the builtin "
+            "byte-level BPE."
         )
     if kind == "auto":
         kind = "hf" if path.suffix == ".json" else _sniff_model_file(path)
     return kind, path
 
 
+def _file_knob(data_cfg) -> str:
+    return knob(data_cfg, "tokenizer_model" if data_cfg.tokenizer_model else "tokenizer")
+
+
+_FORMATS = {"hf": "a Hugging Face tokenizer.json", "tiktoken": "a tiktoken rank file",
+            "sentencepiece": "a sentencepiece model", "gpt2": "GPT-2 vocab.json + merges.txt"}
+
+
 def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_MAX_BYTES) -> Tokenizer:
     """The data config's tokenizer (see the module doc), with its bos/eos/eod overrides applied."""
     kind, path = resolve_tokenizer_kind(data_cfg)
+    try:
+        tok = _load(kind, path, data_cfg, max_train_bytes)
+    except TokenizerFileError as e:  # garbage or the wrong format: say which file and what to set
+        if kind == "builtin":  # our own cache file, damaged (a disk fault, a killed copy)
+            raise ValueError(f"{e}: the cached builtin tokenizer is damaged; delete that file and it is rebuilt "
+                             "on the next start") from None
+        type_knob = knob(data_cfg, "tokenizer_type")
+        auto = TOKENIZER_TYPES[data_cfg.tokenizer_type.lower()] == "auto"
+        how = f"; {type_knob}=auto took it for {_FORMATS[kind]}" if auto else ""
+        files = (f"{knob(data_cfg, 'vocab_file')} / {knob(data_cfg, 'merge_file')}" if kind == "gpt2"
+                 else _file_knob(data_cfg))
+        raise ValueError(f"{e}{how}: point {files} at the tokenizer file(s) the data and model use, or set "
+                         f"{type_knob} to the file's format (HuggingFaceTokenizer, TikTokenizer, "
+                         "SentencePieceTokenizer, GPT2BPETokenizer)") from None
+    return apply_special_overrides(tok, data_cfg)
+
+
+def _load(kind: str, path: Path | None, data_cfg, max_train_bytes: int | None) -> Tokenizer:
     if kind == "builtin":
         tok = builtin_tokenizer(data_cfg.builtin_vocab_size, data_cfg.cache_dir, max_train_bytes)
     elif kind == "hf":
@@ -73,8 +109,13 @@ def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_M
         vocab, merges = data_cfg.vocab_file, data_cfg.merge_file
         if path is not None and not vocab:  # a folder holding vocab.json + merges.txt
             vocab, merges = path / "vocab.json", path / "merges.txt"
+        v_knob, m_knob = knob(data_cfg, "vocab_file"), knob(data_cfg, "merge_file")
         if not vocab or not merges:
-            raise ValueError("GPT2BPETokenizer needs data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
+            raise ValueError(f"GPT2BPETokenizer needs {v_knob} (vocab.json) and {m_knob} (merges.txt)")
+        for key, f in ((v_knob, vocab), (m_knob, merges)):
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"{key}={str(f)!r}: no such file; GPT2BPETokenizer needs GPT-2's vocab.json "
+                                        f"and merges.txt (set {v_knob} and {m_knob})")
         tok = gpt2_bpe_tokenizer(vocab, merges)
     elif kind == "tiktoken":
         from titanlike.data.tokenizers.tiktoken_bpe import TiktokenTokenizer
@@ -88,7 +129,7 @@ def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_M
         from titanlike.data.tokenizers.null import NullTokenizer
 
         tok = NullTokenizer(data_cfg.builtin_vocab_size)  # ids below data.builtin_vocab_size
-    return apply_special_overrides(tok, data_cfg)
+    return tok
 
 
 def apply_special_overrides(tok: Tokenizer, data_cfg) -> Tokenizer:
@@ -98,7 +139,8 @@ def apply_special_overrides(tok: Tokenizer, data_cfg) -> Tokenizer:
             continue
         tid = tok.token_to_id(name)
         if tid is None:
-            raise ValueError(f"data.{attr}_token={name!r} is not a token of {tok!r}; give the exact text of one of "
+            raise ValueError(f"{knob(data_cfg, attr + '_token')}={name!r} is not a token of {tok!r}; give the exact "
+                             "text of one of "
                              "its special tokens (e.g. <|end_of_text|>, </s>, <|endoftext|>) or leave it empty")
         setattr(tok, f"{attr}_id", tid)
     return tok

@@ -4,6 +4,11 @@ from __future__ import annotations
 from typing import Sequence
 
 
+class TokenizerFileError(ValueError):
+    """A tokenizer file that is not what its format needs ("<path>: not a ... (why)"). build_tokenizer adds the fix
+    in its caller's terms: data.* keys for training, the --flags of scripts/preprocess_data.py."""
+
+
 class Tokenizer:
     """The interface the data pipeline and trainer rely on; keep it this small."""
 

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 from titanlike.data.cache import build_once, cache_root
 from titanlike.data.stdlib_corpus import list_stdlib_files, read_texts
-from titanlike.data.tokenizers.base import Tokenizer
+from titanlike.data.tokenizers.base import Tokenizer, TokenizerFileError
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,8 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None,
                  hf_tokenizer=None, fingerprint_files: Sequence[Path] = ()):
-        from tokenizers import Tokenizer as _HFTok
-
         self.path = Path(path)
-        self._tok = hf_tokenizer if hf_tokenizer is not None else _HFTok.from_file(str(self.path))
+        self._tok = hf_tokenizer if hf_tokenizer is not None else _load_tokenizer_json(self.path)
         self._fingerprint_files = tuple(fingerprint_files) or (self.path,)
         # Corpus text is data, not markup: a literal "<|end_of_text|>" in a document must not become the control
         # token. bos/eos are added only through the encode() flags. (Attribute exists in tokenizers >= 0.15.)
@@ -85,6 +83,16 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+def _load_tokenizer_json(path: Path):
+    from tokenizers import Tokenizer as _HFTok
+
+    try:
+        return _HFTok.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception (no path) for any unreadable file
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerFileError(f"{path}: not a Hugging Face tokenizer.json ({why})") from None
 
 
 def _special_token_hints(folder: Path) -> tuple[str | None, str | None]:
@@ -147,15 +155,12 @@ def gpt2_bpe_tokenizer(vocab_file: str | Path, merge_file: str | Path) -> HFToke
     from tokenizers import Tokenizer as _HFTok, decoders, models, pre_tokenizers
 
     vocab_file, merge_file = Path(vocab_file), Path(merge_file)
-    for key, f in (("data.vocab_file", vocab_file), ("data.merge_file", merge_file)):
-        if not f.is_file():
-            raise FileNotFoundError(f"{key}={str(f)!r}: no such file; GPT2BPETokenizer needs GPT-2's vocab.json "
-                                    "and merges.txt (set data.vocab_file and data.merge_file)")
     try:
         tok = _HFTok(models.BPE.from_file(str(vocab_file), str(merge_file)))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
-        raise ValueError(f"cannot read GPT-2 BPE files {vocab_file} / {merge_file}: {e}. Expected a JSON object "
-                         "token -> id and a merges.txt of 'a b' pairs (optionally starting with '#version')") from e
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerFileError(f"{vocab_file} / {merge_file}: not GPT-2 BPE files ({why}; expected a JSON object "
+                                 "token -> id and a merges.txt of 'a b' pairs)") from None
     # GPT-2 pre-tokenisation: its regex split, bytes mapped to printable characters, no leading space added.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

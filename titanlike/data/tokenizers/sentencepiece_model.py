@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-from titanlike.data.tokenizers.base import Tokenizer
+from titanlike.data.tokenizers.base import Tokenizer, TokenizerFileError
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -21,8 +21,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp.Load(str(self.path))
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"{self.path}: not a sentencepiece model ({e}); for a tiktoken rank file set "
-                             "data.tokenizer_type=TikTokenizer, for HF set it to HuggingFaceTokenizer") from e
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerFileError(f"{self.path}: not a sentencepiece model ({why})") from None
         self.vocab_size = self._sp.GetPieceSize()
         eos = self._sp.eos_id()
         if eos < 0:

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-from titanlike.data.tokenizers.base import Tokenizer
+from titanlike.data.tokenizers.base import Tokenizer, TokenizerFileError
 
 # Llama 3's pre-tokenisation regex (splits before BPE); part of the tokenizer's definition, not tunable.
 LLAMA3_PATTERN = (
@@ -37,7 +37,8 @@ def llama3_special_tokens() -> list[str]:
 
 
 def load_rank_file(path: Path) -> dict[bytes, int]:
-    """Parse "<base64> <rank>" lines; a malformed line is an error naming file and line."""
+    """Parse "<base64> <rank>" lines and check what tiktoken's Rust core assumes (unique ranks 0..n-1, every single
+    byte a token): it panics on anything else, at load or at the first unencodable byte, with a Rust backtrace."""
     ranks: dict[bytes, int] = {}
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -47,8 +48,17 @@ def load_rank_file(path: Path) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: not a tiktoken rank line '<base64> <rank>' ({e}); is this a "
-                                 "sentencepiece model? set data.tokenizer_type=SentencePieceTokenizer") from None
+                raise TokenizerFileError(f"{path}:{lineno}: not a tiktoken rank line '<base64> <rank>' "
+                                         f"({e})") from None
+    if not ranks:
+        raise TokenizerFileError(f"{path}: not a tiktoken rank file (no '<base64> <rank>' line)")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerFileError(f"{path}: not a usable tiktoken rank file (its {len(ranks)} ranks are not "
+                                 f"0..{len(ranks) - 1}, each once)")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerFileError(f"{path}: not a usable tiktoken rank file ({len(missing)} of the 256 single bytes "
+                                 f"have no rank, e.g. {bytes([missing[0]])!r}: text holding them cannot be encoded)")
     return ranks
 
 
