@@ -1,4 +1,9 @@
-"""Per-step metrics: one console line per log step, TensorBoard scalars, tokens/s, MFU and memory."""
+"""Per-step metrics: one console line per log step, TensorBoard scalars (and Weights & Biases with
+metrics.enable_wandb, titanlike/observe/wandb_writer.py), tokens/s, MFU and memory.
+
+TensorBoard: each training process writes its own time-stamped folder `<run>/<save_tb_folder>/<YYYYmmdd-HHMMSS>`,
+so runs that share a run name (the default) stay separate plots; a resumed run gets a new folder too, which
+TensorBoard overlays on the earlier one by step."""
 from __future__ import annotations
 
 import logging
@@ -49,21 +54,50 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/max_rss_gib": rss_gib}
 
 
+def stamped_folder(parent: str) -> str:
+    """A new folder `parent/<YYYYmmdd-HHMMSS>` (with -2, -3 ... when one of that second exists), created."""
+    base = os.path.join(parent, time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = f"{base}-{n}"
+
+
 class MetricsLogger:
-    """Collects what the trainer reports at log steps; rank 0 prints and writes TensorBoard."""
+    """Collects what the trainer reports at log steps; rank 0 prints and writes TensorBoard and W&B.
+
+    `job_config` (the JobConfig) and `run_dir`: for W&B, which logs the whole config; without them (or with
+    metrics.enable_wandb false) only TensorBoard."""
 
     def __init__(self, *, log_dir: str | None, device: torch.device, flops_per_token: float,
-                 is_rank0: bool, enable_tensorboard: bool):
+                 is_rank0: bool, enable_tensorboard: bool, job_config=None, run_dir: str | None = None):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = device_peak_flops(device)
         self.is_rank0 = is_rank0
-        self.writer = None
+        self.writer = self.wandb = None
+        self.tb_dir = None
         if is_rank0 and enable_tensorboard and log_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir)
+            self.tb_dir = stamped_folder(log_dir)
+            self.writer = SummaryWriter(self.tb_dir)
+            logger.info(f"TensorBoard: {self.tb_dir}  (tensorboard --logdir {log_dir})")
+        if job_config is not None and job_config.metrics.enable_wandb:
+            from titanlike.observe.wandb_writer import WandbWriter, import_wandb
+
+            import_wandb(job_config.metrics)  # on every rank: a missing package is a ConfigError everywhere, not a hang
+            if is_rank0:
+                from titanlike.config.load import config_to_dict
+
+                run_dir = run_dir or os.getcwd()
+                self.wandb = WandbWriter(job_config.metrics, run_dir, config_to_dict(job_config),
+                                         run_name=os.path.basename(os.path.normpath(run_dir)),
+                                         notes=job_config.job.description)
         self._t0 = time.perf_counter()
         self._tokens = 0  # tokens processed by this rank since the last log line
 
@@ -87,6 +121,8 @@ class MetricsLogger:
                 for k, v in out.items():
                     self.writer.add_scalar(k, v, step)
                 self.writer.flush()
+            if self.wandb is not None:
+                self.wandb.scalars(step, out)
         return out
 
     @staticmethod
@@ -113,16 +149,25 @@ class MetricsLogger:
         if self.is_rank0:
             import math
 
-            logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {math.exp(min(loss, 50)):10.3f}")
+            ppl = math.exp(min(loss, 50))
+            logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {ppl:10.3f}")
             if self.writer is not None:
                 self.writer.add_scalar("validation/loss", loss, step)
-                self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50)), step)
+                self.writer.add_scalar("validation/perplexity", ppl, step)
+            if self.wandb is not None:
+                self.wandb.scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
 
     def log_text(self, tag: str, text: str) -> None:
-        """A text entry in TensorBoard (e.g. job.description, shown under the TEXT tab); "" writes nothing."""
+        """A text entry in TensorBoard (e.g. job.description, shown under the TEXT tab) and the W&B summary;
+        "" writes nothing."""
         if self.writer is not None and text:
             self.writer.add_text(tag, text)
+        if self.wandb is not None and text:
+            self.wandb.text(tag, text)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
