@@ -242,3 +242,99 @@ def test_garbage_tokenizer_in_preprocessing_names_its_flags(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face tokenizer.json") and "\n" not in err
     assert "point --tokenizer-model at" in err and "set --tokenizer-type to" in err and "data." not in err, err
+
+
+# ------------------------------------------------------------------------------------- 5. resume with other data
+
+def _write_prefix(prefix, seed, docs=60):
+    rng = np.random.default_rng(seed)
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(docs):
+        w.add_document(np.append(rng.integers(0, 255, rng.integers(3, 30)), 255))
+    w.finalize()
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def prefixes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    return root, _write_prefix(str(root / "a"), 1), _write_prefix(str(root / "b"), 2)
+
+
+def _indexed_loader(root, paths, *, seq_len=SEQ, global_batch_size=8, dp_rank=0, dp_degree=1, local=4, split="90,10,0"):
+    cfg = Data(dataset="indexed", paths=paths, split=split, cache_dir=str(root / "cache"))
+    return build_dataloader(cfg, None, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local, seq_len=seq_len,
+                            seed=3, vocab_size=256, global_batch_size=global_batch_size)
+
+
+def _saved_state(root, a):
+    dl = _indexed_loader(root, [a])
+    it = iter(dl)
+    [next(it) for _ in range(2)]
+    return dl.state_dict()
+
+
+@pytest.mark.parametrize("change, expect", [
+    (dict(seq_len=2 * SEQ), f"training.seq_len {SEQ} -> {2 * SEQ}"),
+    (dict(global_batch_size=16), "training.global_batch_size 8 -> 16"),
+    (dict(split="80,20,0"), "data.split '90,10,0' -> '80,20,0'"),
+    ("b", "data.paths ["),
+    ("blend", "blend weights 'by token count' -> [0.5, 0.5]"),
+])
+def test_resume_with_other_data_is_one_config_error(prefixes, change, expect):
+    root, a, b = prefixes
+    state = _saved_state(root, a)
+    if change == "b":
+        dl = _indexed_loader(root, [b])
+    elif change == "blend":
+        dl = _indexed_loader(root, [f"0.5 {a} 0.5 {b}"])
+    else:
+        dl = _indexed_loader(root, [a], **change)
+    with pytest.raises(ConfigError) as e:
+        dl.load_state_dict(state)
+    msg = str(e.value)
+    assert expect in msg and "\n" not in msg, msg
+    assert "start a new run with a different job.run_name" in msg and "checkpoint.initial_load_path=" in msg
+    if change == "b":
+        assert f"[{a}] -> [{b}]" in msg
+
+
+def test_resume_reshard_moved_files_and_old_states_still_load(prefixes, tmp_path):
+    import shutil
+
+    root, a, _ = prefixes
+    ref = _indexed_loader(root, [a])
+    expected = [row for _, (x, _) in zip(range(4), ref) for row in x.tolist()]
+    state = _saved_state(root, a)
+    # the same global batch of 8 on 2 ranks x 4 (half the accumulation): rank 0 and 1 split the next 8 samples
+    got = []
+    for r in range(2):
+        dl = _indexed_loader(root, [a], dp_rank=r, dp_degree=2)
+        dl.load_state_dict(state)
+        got += next(iter(dl))[0].tolist()
+    assert sorted(got) == sorted(expected[8:16])
+    for suffix in (".bin", ".idx"):  # copied elsewhere: identified by content, not path
+        shutil.copy(a + suffix, tmp_path / f"moved{suffix}")
+    dl = _indexed_loader(root, [str(tmp_path / "moved")])
+    dl.load_state_dict(state)
+    assert next(iter(dl))[0].tolist() == expected[8:12]
+    old = {k: v for k, v in state.items() if k != "built_with"}  # a checkpoint written before the record
+    dl = _indexed_loader(root, [a], global_batch_size=16)  # (not comparable then: loads)
+    dl.load_state_dict(old)
+    assert next(iter(dl))[0].tolist() == expected[8:12]
+
+
+def test_streaming_resume_with_other_seq_len_or_layout(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(f'{{"text": "{i} {i + 1} {i + 2}"}}\n' for i in range(40)))
+    dl = _loader([path])
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    with pytest.raises(ConfigError, match=f"training.seq_len {SEQ} -> {2 * SEQ}.*job.run_name"):
+        _loader([path], seq_len=2 * SEQ).load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"data-parallel degree 1 -> 2: .*same DP degree.*\.bin/\.idx"):
+        _loader([path], dp_rank=0, dp_degree=2).load_state_dict(state)
+    dl2 = _loader([path])
+    dl2.load_state_dict(state)
+    assert next(iter(dl2))[0].tolist() == next(it)[0].tolist()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlike.data import loader_state
 from titanlike.data.dataset import build_dataset
 from titanlike.data.gpt_dataset import ENDLESS, dataset_fingerprint
 from titanlike.data.sampler import GlobalBatchSampler
@@ -57,24 +58,35 @@ def _gather_per_rank(state: dict, dp_rank: int) -> dict:
 
 
 class DataLoader(StatefulDataLoader):
-    """StatefulDataLoader whose state also survives a change of data.num_workers.
+    """StatefulDataLoader whose state also survives a change of data.num_workers, and refuses other data at once.
 
     torchdata's state is shaped by the worker count and refuses another; for map-style datasets the only thing that
     matters is the global sampler position, so it is kept beside torchdata's state ("global_sampler") and used
-    alone when the worker count differs. Same worker count: torchdata's own exact path.
+    alone when the worker count differs. Same worker count: torchdata's own exact path. What the loader was built
+    with (data, seq_len, global batch: titanlike/data/loader_state.py) is kept too ("built_with") and compared
+    on load, before anything is restored.
     """
 
     dp_rank = 0  # set by build_dataloader
+    built_with: dict | None = None  # set by build_dataloader
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         if isinstance(self.dataset, IterableDataset):
-            return _gather_per_rank(state, self.dp_rank)
-        sampler = _sampler_state(state)
-        return {**state, "global_sampler": dict(sampler)} if sampler else state
+            state = _gather_per_rank(state, self.dp_rank)
+        elif (sampler := _sampler_state(state)) is not None:
+            state = {**state, "global_sampler": dict(sampler)}
+        return {**state, loader_state.KEY: self.built_with} if self.built_with else state
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
+        saved = state.pop(loader_state.KEY, None)
+        if self.built_with:
+            loader_state.check(saved, self.built_with)
+        if isinstance(self.batch_sampler, GlobalBatchSampler) and "per_dp_rank" not in state:
+            sampler = state.get("global_sampler") or _sampler_state(state)
+            if sampler:  # old states (no record) are still refused here in one line, not at the first batch
+                self.batch_sampler.check_state(sampler)
         if "per_dp_rank" in state:
             if self.dp_rank not in state["per_dp_rank"]:
                 raise ValueError(f"the streaming data state holds data-parallel ranks {sorted(state['per_dp_rank'])}, "
@@ -92,13 +104,16 @@ class DataLoader(StatefulDataLoader):
 
 def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int,
                      seed: int, split: str = "train", vocab_size: int | None = None,
-                     max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES,
-                     paths_key: str = "data.paths") -> StatefulDataLoader:
+                     max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES, paths_key: str = "data.paths",
+                     global_batch_size: int | None = None, steps: int | None = None) -> StatefulDataLoader:
     """This DP rank's endless loader of `(input_ids[B,S], labels[B,S])` int64 batches.
 
     `tokenizer` may be None for `data.dataset="mock"` when `vocab_size` is given. `max_corpus_bytes` caps the stdlib
     corpus (tests use a small slice). With pinned memory, torch may hand the pair back as a list; unpack it either way.
-    `paths_key` names data_cfg.paths in error messages.
+    `paths_key` names data_cfg.paths in error messages. `global_batch_size` (samples per optimizer step, all ranks)
+    is recorded in the state and a resume with another one is refused; None = not checked (the micro-batch layout,
+    local_batch_size x dp_degree, may change on resume: that is resharding). `steps` (with the global batch, or
+    local_batch_size x dp_degree without one) gives the samples the run reads, for the epochs in the data summary.
     """
     dataset = build_dataset(data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed, vocab_size=vocab_size,
                             max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank, dp_degree=dp_degree,
@@ -117,16 +132,20 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         if isinstance(dataset, IterableDataset):
             loader = DataLoader(dataset, batch_size=local_batch_size, drop_last=True, **common)
-            loader.dp_rank = dp_rank
-            return loader
-        endless = len(dataset) >= ENDLESS
-        sampler = GlobalBatchSampler(
-            len(dataset), dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size, seed=seed,
-            # mock samples are already random; endless indexed datasets shuffle themselves (Megatron-style)
-            shuffle=(split == "train" and data_cfg.dataset != "mock" and not endless),
-            fingerprint=dataset_fingerprint(dataset),
-        )
-        return DataLoader(dataset, batch_sampler=sampler, **common)
+        else:
+            endless = len(dataset) >= ENDLESS
+            sampler = GlobalBatchSampler(
+                len(dataset), dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size, seed=seed,
+                # mock samples are already random; endless indexed datasets shuffle themselves (Megatron-style)
+                shuffle=(split == "train" and data_cfg.dataset != "mock" and not endless),
+                fingerprint=dataset_fingerprint(dataset),
+            )
+            loader = DataLoader(dataset, batch_sampler=sampler, **common)
+    loader.dp_rank = dp_rank
+    loader.built_with = loader_state.identity(
+        data_cfg, dataset, split=split, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
+        dp_degree=dp_degree, num_workers=num_workers, paths_key=paths_key)
+    return loader
 
 
 def validation_data_config(data_cfg, val_cfg):

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from titanlike.config.errors import ConfigError
+
 
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's list of L sample indices for every global micro-batch, forever. Pass as `batch_sampler=`."""
@@ -41,6 +43,17 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 "lower training.local_batch_size or training.seq_len, or use a larger corpus"
             )
         self.resume_state: dict | None = None  # set by the loader when it resumes without torchdata's own state
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a position taken over another sample order (checked when the state is loaded, not at the first
+        batch, so the error is one line instead of a traceback out of torchdata's lazy restore)."""
+        for key in ("num_samples", "seed", "shuffle", "fingerprint"):
+            if key in state and state[key] != getattr(self, key) and (key != "fingerprint" or state[key]):
+                raise ConfigError(
+                    f"data loader state was saved with {key}={state[key]}, but this run has {key}={getattr(self, key)}: "
+                    "the checkpoint was taken with other data (data.dataset, data.paths, data.split), "
+                    "training.seq_len or training.seed; resume with those, or start a new run with a different "
+                    "job.run_name (with checkpoint.initial_load_path=<that step folder> to start from its weights)")
 
     def __iter__(self) -> _GlobalBatchIterator:
         it = _GlobalBatchIterator(self)
@@ -91,14 +104,7 @@ class _GlobalBatchIterator(Iterator[list[int]]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.s
-        # A different dataset or order would silently change which samples come next: refuse instead.
-        for key in ("num_samples", "seed", "shuffle", "fingerprint"):
-            if key in state and state[key] != getattr(s, key) and (key != "fingerprint" or state[key]):
-                raise ValueError(
-                    f"data loader state was saved with {key}={state[key]}, but this run has {key}={getattr(s, key)}; "
-                    "resume with the same dataset (data.dataset, data.paths, data.split), training.seq_len and "
-                    "training.seed"
-                )
+        s.check_state(state)  # a different dataset or order would silently change which samples come next
         if "position" in state:
             position = int(state["position"])
         else:  # states written before positions: {epoch, batch} of the old epoch-with-dropped-tail order
