@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # nn.init functions drawn per element with no regard to the shape: drawn in dim-0 blocks.
 ELEMENTWISE = ("trunc_normal_", "normal_", "uniform_")
@@ -139,6 +139,7 @@ class _Router:
             local.copy_(block)
             return
         rows = shape[0]
+        whole = all(i is None for i in index)
         if elementwise:
             per_block = max(1, self.block_numel // max(1, math.prod(shape[1:])))
         else:
@@ -152,8 +153,12 @@ class _Router:
                 if hit.numel() == 0:
                     continue  # none of this block's rows are here: not drawn
                 pos, src = hit.to(local.device), (index[0][hit] - r0).to(local.device)
+            g = self._generator(fqn, n, b, local.device)
+            if whole and local.is_contiguous():  # this rank holds the whole block: drawn in place, no temporary
+                draw(local[r0:r1], g)
+                continue
             block = torch.empty((r1 - r0, *shape[1:]), dtype=param.dtype, device=local.device)
-            draw(block, self._generator(fqn, n, b, local.device))
+            draw(block, g)
             if pos is not None:
                 block = block.index_select(0, src)
             for dim in range(1, len(shape)):
@@ -168,9 +173,14 @@ class _Router:
         return torch.Generator(device=device).manual_seed(draw_seed(self.seed, fqn, draw, block))
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
 def _with_generator(fn: Callable, args: tuple, kwargs: dict) -> Callable[[torch.Tensor, torch.Generator], object]:
     """fn(tensor, *args, **kwargs) on another tensor with the given generator (wherever the caller put theirs)."""
-    bound = inspect.signature(fn).bind(None, *args, **kwargs)
+    bound = _signature(fn).bind(None, *args, **kwargs)
     first = next(iter(bound.arguments))
 
     def draw(t: torch.Tensor, g: torch.Generator):
@@ -190,7 +200,8 @@ def _patched_nn_init(router: _Router) -> Iterator[None]:
         def wrapper(tensor, *args, **kwargs):
             if router.fqn(tensor) is None:
                 return original(tensor, *args, **kwargs)
-            router.fill(tensor, _with_generator(original, args, kwargs), elementwise=name in ELEMENTWISE)
+            with _disable_current_modes():  # the draws are on plain tensors: no need for _RandomOpRouter's eyes
+                router.fill(tensor, _with_generator(original, args, kwargs), elementwise=name in ELEMENTWISE)
             return tensor
 
         return wrapper
