@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -338,3 +339,71 @@ def test_streaming_resume_with_other_seq_len_or_layout(tmp_path):
     dl2 = _loader([path])
     dl2.load_state_dict(state)
     assert next(iter(dl2))[0].tolist() == next(it)[0].tolist()
+
+
+# ------------------------------------------------------------------------------------- 6. the data summary
+
+@pytest.fixture
+def summary_log(caplog):
+    import logging
+
+    log = logging.getLogger("titanlike.data.summary")
+    # caplog's handler right on the logger, propagation off: each record once, whether or not setup_logging() ran
+    # elsewhere in this process (it stops "titanlike" propagating to the root, where caplog listens)
+    log.addHandler(caplog.handler)
+    log.propagate = False
+    try:
+        with caplog.at_level(logging.INFO, logger=log.name):
+            yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.propagate = True
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "titanlike.data.summary"]
+
+
+def test_summary_of_an_indexed_blend(tmp_path, summary_log):
+    a, b = str(tmp_path / "sa"), str(tmp_path / "sb")
+    for prefix, docs in ((a, [10] * 20), (b, [5] * 40)):  # 200 tokens each: 20 x 10 and 40 x 5
+        w = IndexedDatasetWriter(prefix, np.uint16)
+        for n in docs:
+            w.add_document(np.arange(n) + 1)
+        w.finalize()
+    cfg = Data(dataset="indexed", paths=[f"0.3 {a} 0.7 {b}"], split="90,10,0", cache_dir=str(tmp_path / "cache"))
+    kw = dict(dp_rank=0, dp_degree=1, local_batch_size=2, seq_len=SEQ, seed=0, vocab_size=256)
+    build_dataloader(cfg, None, **kw, global_batch_size=4, steps=10)  # the run reads 40 samples
+    assert _lines(summary_log) == [
+        # train = 90% of each prefix's documents: 18 x 10 + 36 x 5 tokens; 180 // 8 = 22 samples each per epoch
+        "data train: 2 indexed dataset(s), 54 documents, 360 tokens, 44 samples of 8 tokens per epoch, "
+        "0.89 epochs for the run's 40 samples; blend:",
+        f"  {a}: weight 0.3 -> 30.00% of samples, 18 documents, 180 tokens, 22 samples per epoch, "
+        "0.53 epochs for its 12 samples",
+        f"  {b}: weight 0.7 -> 70.00% of samples, 36 documents, 180 tokens, 22 samples per epoch, "
+        "1.24 epochs for its 28 samples",
+    ]
+    summary_log.clear()
+    build_dataloader(replace(cfg, paths=[a]), None, **kw, split="valid")  # no run length: no epochs
+    assert _lines(summary_log) == [f"data validation (valid): 1 indexed dataset(s), 2 documents, 20 tokens, "
+                                   f"2 samples of 8 tokens per epoch ({a})"]
+
+
+def test_summary_of_streaming_mock_and_stdlib_tokens(tmp_path, summary_log):
+    from titanlike.data.dataset import TokenWindowDataset
+    from titanlike.data.summary import describe
+
+    (tmp_path / "s.jsonl").write_text('{"text": "1 2 3"}\n' * 100)
+    _loader([tmp_path / "s.jsonl"], steps=5)  # local 2 x 1 rank
+    build_dataloader(Data(dataset="mock"), None, dp_rank=0, dp_degree=2, local_batch_size=2, seq_len=SEQ, seed=0,
+                     vocab_size=100, steps=5)
+    assert _lines(summary_log) == [
+        "data train: streaming text, 1 file(s) (jsonl), 0.0 MB; documents, tokens and samples are not known ahead "
+        "(tokenised while training); the run's samples: 10 (80 tokens)",
+        "data train: mock, random tokens below 100, no files, no epochs; the run's samples: 20",
+    ]
+    np.save(tmp_path / "tokens.npy", np.arange(1000, dtype=np.uint16))
+    ds = TokenWindowDataset(tmp_path / "tokens.npy", SEQ, 0, 801)
+    assert describe(ds, split="train", seq_len=SEQ, samples=200) == [
+        "data train: stdlib corpus, 801 tokens, 100 samples of 8 tokens per epoch, 2.00 epochs for the run's 200 "
+        "samples (documents not counted: one cached token stream)"]

@@ -68,6 +68,7 @@ class GPTDataset(Dataset):
         self.indexed, self.seq_len, self.seed, self.shuffle = indexed, int(seq_len), int(seed), bool(shuffle)
         self.cache_dir, self.name = cache_dir, name or indexed.prefix
         d = indexed.document_indices
+        self.doc_range = (int(doc_range[0]), int(doc_range[1]))
         self.seq_lo, self.seq_hi = int(d[doc_range[0]]), int(d[doc_range[1]])
         self.lengths = indexed.sequence_lengths
         self.num_docs = self.seq_hi - self.seq_lo

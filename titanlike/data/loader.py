@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlike.data import loader_state
+from titanlike.data import loader_state, summary
 from titanlike.data.dataset import build_dataset
 from titanlike.data.gpt_dataset import ENDLESS, dataset_fingerprint
 from titanlike.data.sampler import GlobalBatchSampler
@@ -141,6 +141,9 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
                 fingerprint=dataset_fingerprint(dataset),
             )
             loader = DataLoader(dataset, batch_sampler=sampler, **common)
+    per_step = global_batch_size or local_batch_size * dp_degree
+    summary.log_summary(dataset, split=split, seq_len=seq_len, samples=steps * per_step if steps else None,
+                        data_cfg=data_cfg, paths_key=paths_key)
     loader.dp_rank = dp_rank
     loader.built_with = loader_state.identity(
         data_cfg, dataset, split=split, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
