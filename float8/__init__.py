@@ -32,6 +32,22 @@ logger = logging.getLogger("titanlike")
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
+class _CpuOnlyTorchaoLibs(logging.Filter):
+    """Drops torchao's import-time "Failed to load .../torchao/_C*.so" warnings where CUDA is not available: those
+    libraries hold CUDA kernels (mxfp8, CUTLASS) a CPU-only run never calls, and each failure is a long line per
+    process. With CUDA they stay, since there they mean a torchao build that does not match torch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("Failed to load ") and "torchao" in msg and not torch.cuda.is_available())
+
+
+# On the "torchao" logger before anything imports torchao (its __init__ logs through getLogger("torchao")).
+_torchao_log = logging.getLogger("torchao")
+if not any(isinstance(f, _CpuOnlyTorchaoLibs) for f in _torchao_log.filters):
+    _torchao_log.addFilter(_CpuOnlyTorchaoLibs())
+
+
 @dataclasses.dataclass
 class Float8Converter:
     """What `convert` did, and the per-step hook that goes with it."""

@@ -109,7 +109,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     # cast activations to bf16 before the all-gather) made torch 2.11's dynamo fail to build its guards
     # ("Error while creating guard ... _forward_pre_hooks ... NoneType"), seen on 2xH200 on 2026-11-22.
     parallelize_module(model, tp_mesh, present)
-    logger.info(f"tensor parallel {tp_mesh.size()} over {tp_mesh}:\n{describe_plan(present)}")
+    # The whole plan is one line per module: DEBUG, not on every run's console (the mesh is logged by the trainer).
+    logger.debug(f"tensor parallel {tp_mesh.size()} over {tp_mesh}:\n{describe_plan(present)}")
     return model
 
 

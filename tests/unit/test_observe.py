@@ -93,3 +93,55 @@ def test_wandb_missing_or_bad_mode_is_one_config_error(tmp_path, monkeypatch):
         _logger(tmp_path, job_config=_cfg(tmp_path, wandb_mode="offlne"), run_dir=str(tmp_path))
     # Off (the default): wandb is never imported.
     assert _logger(tmp_path, job_config=_cfg(tmp_path, enable_wandb=False)).wandb is None
+
+
+def test_tp_plan_logged_at_debug(records):
+    """The TP plan (one line per module) is a DEBUG record, not on every run's console."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from parallelize.tp import apply_tp
+
+    if dist.is_initialized():
+        pytest.skip("needs its own one-process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        apply_tp(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()})
+    finally:
+        dist.destroy_process_group()
+    plan = [r for r in records if r.getMessage().startswith("tensor parallel 1")]
+    assert len(plan) == 1 and plan[0].levelno == logging.DEBUG and "ColwiseParallel" in plan[0].getMessage()
+
+
+def test_log_level_from_env(monkeypatch):
+    """TITANLIKE_LOG_LEVEL=DEBUG shows DEBUG records (the TP plan) on rank 0; other ranks stay at WARNING."""
+    from titanlike.observe.log import setup_logging
+
+    log = logging.getLogger("titanlike")
+    saved = (list(log.handlers), log.level, log.propagate)
+    try:
+        monkeypatch.setenv("TITANLIKE_LOG_LEVEL", "debug")
+        assert setup_logging(0).level == logging.DEBUG and setup_logging(1).level == logging.WARNING
+        monkeypatch.setenv("TITANLIKE_LOG_LEVEL", "nonsense")
+        assert setup_logging(0).level == logging.INFO
+    finally:
+        log.handlers[:], log.level, log.propagate = saved
+
+
+def test_torchao_cpu_only_load_failures_filtered():
+    """float8 filters torchao's import-time "Failed to load ..._C*.so" lines where CUDA is absent, nothing else."""
+    import subprocess
+
+    import float8  # noqa: F401 - installs the filter on the "torchao" logger
+
+    torchao_log = logging.getLogger("torchao")
+    failed = logging.makeLogRecord({"msg": "Failed to load /site/torchao/_C_mxfp8.so: Could not load this library",
+                                    "levelno": logging.WARNING})
+    other = logging.makeLogRecord({"msg": "Detected no triton", "levelno": logging.WARNING})
+    assert bool(torchao_log.filter(failed)) == torch.cuda.is_available() and torchao_log.filter(other)
+    # The real import, in a fresh process (torchao logs through logging's last-resort handler: stderr).
+    err = subprocess.run([sys.executable, "-c", "import float8, torchao.float8"], capture_output=True, text=True,
+                         timeout=120).stderr
+    assert torch.cuda.is_available() or "Failed to load" not in err, err
