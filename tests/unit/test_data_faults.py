@@ -60,6 +60,13 @@ def _iterate_dataset(path):  # no start-up check: the iteration itself must stop
     next(iter(StreamingTextDataset([str(path)], TOK, SEQ, shuffle=False)))
 
 
+def test_the_config_and_the_data_package_name_the_same_datasets():
+    from titanlike.config.validate_data import DATASET_NAMES
+    from titanlike.data import DATASETS
+
+    assert tuple(DATASETS) == DATASET_NAMES  # the config accepts exactly the kinds the loader builds
+
+
 # ------------------------------------------------------------------------------------- 1. no usable document
 
 @pytest.mark.parametrize("name, content, expect", [
@@ -149,7 +156,8 @@ def test_idx_header_errors_say_file_found_expected_and_fix(tmp_path, patch, expe
 
 # ------------------------------------------------------------------------------------- 3. every JSON line bad
 
-def _preprocess(*argv) -> int:
+def _preprocess(*argv, tokenizer=("--tokenizer-type", "NullTokenizer", "--vocab-size", "1000")) -> int:
+    """scripts/preprocess_data.py's main(), as its users run it (the script is not a package module)."""
     import importlib.util
 
     from tests.launch import REPO_ROOT
@@ -157,8 +165,7 @@ def _preprocess(*argv) -> int:
     spec = importlib.util.spec_from_file_location("_preprocess_cli", REPO_ROOT / "scripts" / "preprocess_data.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    return script.main([str(a) for a in argv] + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                                                 "--no-progress"])
+    return script.main([str(a) for a in (*argv, *tokenizer, "--no-progress")])
 
 
 @pytest.mark.parametrize("lines, expect, fix", [
@@ -229,17 +236,10 @@ def test_garbage_gpt2_files(tmp_path):
 
 
 def test_garbage_tokenizer_in_preprocessing_names_its_flags(tmp_path, capsys):
-    import importlib.util
-
-    from tests.launch import REPO_ROOT
-
     (tmp_path / "tokenizer.json").write_bytes(GARBAGE)
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
-    spec = importlib.util.spec_from_file_location("_preprocess_cli2", REPO_ROOT / "scripts" / "preprocess_data.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"),
-                        "--tokenizer-model", str(tmp_path / "tokenizer.json"), "--no-progress"]) == 2
+    assert _preprocess("--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "out",
+                       tokenizer=("--tokenizer-model", tmp_path / "tokenizer.json")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face tokenizer.json") and "\n" not in err
     assert "point --tokenizer-model at" in err and "set --tokenizer-type to" in err and "data." not in err, err

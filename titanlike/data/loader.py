@@ -10,6 +10,10 @@ under D ranks resumes under D' ranks at the same global sample, as long as the g
 Endless indexed datasets shuffle inside themselves, so their sampler walks them in order. The streaming text dataset
 shards and batches itself; its state differs per rank, so `state_dict()` gathers every DP rank's into one dict
 (a collective: call it on all ranks together, as a checkpoint save does) and each rank loads its own part.
+
+Every state also records what the loader was built with (titanlike/data/loader_state.py), so a resume with other
+data, seq_len or global batch is refused at load_state_dict in one line; and every loader logs the data summary
+(titanlike/data/summary.py) when it is built.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlike.config.errors import ConfigError
 from titanlike.data import loader_state, summary
 from titanlike.data.dataset import build_dataset
 from titanlike.data.gpt_dataset import ENDLESS, dataset_fingerprint
@@ -89,16 +94,16 @@ class DataLoader(StatefulDataLoader):
                 self.batch_sampler.check_state(sampler)
         if "per_dp_rank" in state:
             if self.dp_rank not in state["per_dp_rank"]:
-                raise ValueError(f"the streaming data state holds data-parallel ranks {sorted(state['per_dp_rank'])}, "
-                                 f"not this rank's {self.dp_rank}: resume streaming data with the same DP degree "
-                                 "(or preprocess it to .bin/.idx, whose position reshards)")
+                raise ConfigError(f"the streaming data state holds data-parallel ranks {sorted(state['per_dp_rank'])}, "
+                                  f"not this rank's {self.dp_rank}: resume streaming data with the same DP degree "
+                                  "(or preprocess it to .bin/.idx, whose position reshards)")
             state = dict(state["per_dp_rank"][self.dp_rank])
         sampler = state.pop("global_sampler", None)
         if _saved_workers(state) == self.num_workers:
             return super().load_state_dict(state)
         if sampler is None or not isinstance(self.batch_sampler, GlobalBatchSampler):
-            raise ValueError(f"data loader state was saved with data.num_workers={_saved_workers(state)}, this "
-                             f"run has {self.num_workers}: resume this dataset with the same number of workers")
+            raise ConfigError(f"data loader state was saved with data.num_workers={_saved_workers(state)}, this "
+                              f"run has {self.num_workers}: resume this dataset with the same number of workers")
         self.batch_sampler.resume_state = sampler
 
 
