@@ -1,13 +1,19 @@
 """Look inside titanlike checkpoints, and load one on a single device.
 
-    python scripts/checkpoint.py inspect PATH [--step N] [--filter PREFIX] [--no-tensors] [--no-config]
+    python scripts/checkpoint.py inspect PATH [--step N] [--verify] [--filter PREFIX] [--no-tensors] [--no-config]
+    python scripts/checkpoint.py verify PATH [--step N]
     python scripts/checkpoint.py load PATH [--device cuda] [--dtype bfloat16] [--seq 2048]
 
-PATH is a checkpoint folder (holding step-N/ folders) or one step folder. `inspect` lists every step (complete or
-partial), then for one step (default: the newest complete) every tensor with shape, dtype and size, the small saved
-states (trainer counters, data position, LR schedule) and the config that wrote it. `load` rebuilds the model from
-the step's meta.json on one device, loads its weights whatever layout wrote them (e.g. FSDP 2 -> 1 GPU for
-evaluation), times that, and runs one forward pass on random tokens.
+PATH is a checkpoint folder (holding step-N/ folders) or one step folder. `inspect` lists every step with its
+state, then for one step (default: the newest complete) every tensor with shape, dtype and size, the small saved
+states (trainer counters, data position, LR schedule) and the config that wrote it. States: complete (committed,
+every file has its recorded size), verified (and every checksum in MANIFEST.json matches: `--verify` or `verify`),
+truncated (a file is shorter than recorded, or missing), corrupt (a checksum or a file's size does not match),
+corrupt-marker (the COMMITTED marker itself is damaged), interrupted (no marker: the save never finished).
+`verify` checks every checksum of every step (or --step N), with a progress bar for big steps: exit 0 when all is
+well, else 1 with one line per damaged file. `load` rebuilds the model from the step's meta.json on one device,
+loads its weights whatever layout wrote them (e.g. FSDP 2 -> 1 GPU for evaluation), times that, and runs one
+forward pass on random tokens.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import sys
 import time
 
 
-from titanlike.checkpoint import layout
+from titanlike.checkpoint import integrity, layout
 from titanlike.checkpoint.layout import CONFIG, CheckpointError
 from titanlike.checkpoint.states import EXTRA, read_meta_json, read_metadata, unpack
 
@@ -38,16 +44,32 @@ def _is_step_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, layout.MARKER))
 
 
-def list_steps(folder: str) -> list[str]:
+def _check(info: layout.StepInfo, checksums: bool, progress=None) -> tuple[str, list[str]]:
+    """(state, one line per damaged file); damage to the marker or manifest alone counts as a damaged file."""
+    if not info.loadable:
+        return "interrupted", []
+    found = layout.check_step(info, checksums, threads=integrity.threads_for("load"), progress=progress)
+    return found.state(info), [p[2] for p in found.problems] + found.notes
+
+
+def list_steps(folder: str, checksums: bool = False) -> list[str]:
     lines = [f"checkpoint folder {os.path.abspath(folder)}"]
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     for prefix in ("step", "export-step"):
         for step, info in sorted(layout.scan(folder, prefix).items()):
             m = info.marker or {}
-            state = (f"complete  world {m.get('world_size')}  {'model only' if m.get('model_only') else 'full state'}"
-                     f"{'  ' + m['dtype'] if m.get('dtype') else ''}  saved {m.get('committed_at', '?')}"
-                     if info.complete else f"PARTIAL (no {layout.MARKER} marker: its save was interrupted)")
-            lines.append(f"  {os.path.basename(info.path):<22} {_size(_folder_size(info.path)):>10}  {state}")
+            state, bad = _check(info, checksums)
+            if state == "interrupted":
+                detail = f"(no {layout.MARKER} marker: its save was interrupted; never loaded)"
+            else:
+                detail = (f"world {m.get('world_size')}  {'model only' if m.get('model_only') else 'full state'}"
+                          f"{'  ' + m['dtype'] if m.get('dtype') else ''}  saved {m.get('committed_at', '?')}"
+                          if m else "")
+                if state == "complete" and not os.path.isfile(os.path.join(info.path, integrity.MANIFEST)):
+                    detail += "  (no checksums: saved before manifests)"
+                detail += "".join(f"\n      {line}" for line in bad)
+            lines.append(f"  {os.path.basename(info.path):<22} {_size(_folder_size(info.path)):>10}  {state:<14}"
+                         f" {detail}".rstrip())
     for name in names:
         if name.endswith(".tmp"):
             lines.append(f"  {name:<22} {'':>10}  unfinished save (never loaded)")
@@ -124,20 +146,59 @@ def inspect(args) -> int:
         raise CheckpointError(f"{path} is not a folder")
     if _is_step_folder(path):
         step_dir = path
-        print("\n".join(list_steps(os.path.dirname(os.path.abspath(path)))))
+        print("\n".join(list_steps(os.path.dirname(os.path.abspath(path)), args.verify)))
     else:
-        print("\n".join(list_steps(path)))
+        print("\n".join(list_steps(path, args.verify)))
         if args.step is not None:
             info = layout.scan(path).get(args.step)
             if info is None:
                 raise CheckpointError(f"no step-{args.step} in {path}")
-        else:
-            info = layout.choose_step(path, -1)
+        else:  # the newest whose file sizes are right (the listing above shows what is wrong with the others)
+            info = layout.choose_step(path, -1, checksums=False)
             if info is None:
                 return 0
         step_dir = info.path
     print("\n".join(describe_step(step_dir, args.filter, tensors=not args.no_tensors, config=not args.no_config)))
     return 0
+
+
+def verify(args) -> int:
+    """Every checksum of every step (or --step N) of PATH: one line per step, one per damaged file; exit 1 if any."""
+    from tqdm import tqdm
+
+    path = args.path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a folder")
+    if _is_step_folder(path):
+        infos = layout.candidates(path)
+    else:
+        infos = [i for prefix in ("step", "export-step") for _, i in sorted(layout.scan(path, prefix).items())]
+        if args.step is not None:
+            infos = [i for i in infos if i.step == args.step and os.path.basename(i.path).startswith("step-")]
+            if not infos:
+                raise CheckpointError(f"no step-{args.step} in {path}")
+    bad = 0
+    for info in infos:
+        name = os.path.basename(info.path)
+        total = _folder_size(info.path)
+        t0 = time.perf_counter()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=name, leave=False, file=sys.stderr,
+                  disable=total < (256 << 20)) as bar:
+            state, lines = _check(info, True, progress=bar.update)
+        if state == "interrupted":
+            print(f"{name}: interrupted (no {layout.MARKER} marker: its save never finished; loading skips it)")
+            continue
+        if lines:
+            bad += len(lines)
+            print(f"{name}: {state}")
+            print("\n".join(f"  {line}" for line in lines))
+        else:
+            how = ("every checksum matches" if state == "verified"
+                   else "sizes match (no checksums: saved before manifests)")
+            print(f"{name}: {state}: {how} ({_size(total)} in {time.perf_counter() - t0:.1f} s)")
+    if not infos:
+        print(f"{path}: no checkpoint steps")
+    return 1 if bad else 0
 
 
 def load(args) -> int:
@@ -181,9 +242,13 @@ def main(argv: list[str]) -> int:
     i = sub.add_parser("inspect", help="steps, tensors, saved states and config of a checkpoint")
     i.add_argument("path")
     i.add_argument("--step", type=int, default=None, help="which step to detail (default: newest complete)")
+    i.add_argument("--verify", action="store_true", help="also check every checksum (reads every step)")
     i.add_argument("--filter", default="", help="only tensors whose key starts with this, e.g. model.layers.0")
     i.add_argument("--no-tensors", action="store_true")
     i.add_argument("--no-config", action="store_true")
+    v = sub.add_parser("verify", help="check every file of every step against its checksums (exit 1 if damaged)")
+    v.add_argument("path")
+    v.add_argument("--step", type=int, default=None, help="only this step")
     ld = sub.add_parser("load", help="time a model-only load on one device and run one forward pass")
     ld.add_argument("path")
     ld.add_argument("--device", default="cpu")
@@ -191,7 +256,7 @@ def main(argv: list[str]) -> int:
     ld.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
     try:
-        return inspect(args) if args.cmd == "inspect" else load(args)
+        return {"inspect": inspect, "verify": verify, "load": load}[args.cmd](args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

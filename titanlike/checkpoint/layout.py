@@ -1,15 +1,19 @@
 """On-disk layout of a checkpoint folder, and the commit protocol that makes a step count.
 
     <folder>/step-<N>/            DCP files (.metadata, __<rank>_<i>.distcp) + meta.json, config.toml
+    <folder>/step-<N>/MANIFEST.json  a CRC32 per 64 MiB chunk of every file (integrity.py). Written before the marker.
     <folder>/step-<N>/COMMITTED   JSON marker: step, world size, every file with its size. Written last.
     <folder>/step-<N>.tmp/        a save in progress (or abandoned by a crash): never loaded
     <folder>/export-step-<N>/     model-only release export (same format, not subject to keep-last-k)
 
-A save writes into `step-N.tmp`; once every rank finished, rank 0 renames it to `step-N` and only then writes the
-marker (atomically: temp file, fsync, rename). So a folder without a marker is at worst a partial step, which
-loading skips with a warning, and nothing a failed save touched was ever a complete step. Replacing an existing
-complete `step-N` (a run rewound to an earlier step) first renames the old one to `step-N.superseded`, which
-still counts as step N until the new one is committed, and is deleted only after that.
+A save writes into `step-N.tmp`; once every rank finished (and checksummed its own files, in the background for
+async saves), rank 0 writes the manifest into it, renames it to `step-N` and only then writes the marker (each
+file atomically: temp file, fsync, rename). So a folder without a marker is at worst a partial step (state
+"interrupted"), which loading skips with a warning, and nothing a failed save touched was ever a complete step. A
+marker that exists but cannot be parsed was damaged after the commit ("corrupt-marker"): the step's data is checked
+against its manifest (or DCP's .metadata) and used, with a warning, when it verifies; keep-last-k never deletes
+it. Replacing an existing committed `step-N` (a run rewound to an earlier step) first renames the old one to
+`step-N.superseded`, which still counts as step N until the new one is committed, and is deleted only after that.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+
+from titanlike.checkpoint import integrity
 
 logger = logging.getLogger("titanlike")
 
@@ -37,8 +43,20 @@ class CheckpointError(RuntimeError):
 class StepInfo:
     step: int
     path: str
-    complete: bool
+    complete: bool  # the commit marker parses
     marker: dict | None = None
+    state: str = ""  # complete | corrupt-marker (a marker file that does not parse) | interrupted (no marker)
+
+    def __post_init__(self):
+        self.state = self.state or ("complete" if self.complete else "interrupted")
+
+    @property
+    def loadable(self) -> bool:
+        """Worth checking for a load: committed, even if the marker itself was damaged later."""
+        return self.state in ("complete", CORRUPT_MARKER)
+
+
+CORRUPT_MARKER = "corrupt-marker"
 
 
 def step_path(folder: str, step: int, prefix: str = "step") -> str:
@@ -46,13 +64,21 @@ def step_path(folder: str, step: int, prefix: str = "step") -> str:
 
 
 def read_marker(path: str) -> dict | None:
-    """The commit marker of a step folder, or None when absent or unreadable (then the step is partial)."""
+    """The commit marker of a step folder, or None when absent or unreadable."""
+    return marker_state(path)[0]
+
+
+def marker_state(path: str) -> tuple[dict | None, str]:
+    """(marker, state): a parsed marker is "complete"; none at all "interrupted" (the save never finished); a file
+    that does not parse "corrupt-marker" (damaged after the commit: markers are written atomically)."""
     try:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
-        return marker if isinstance(marker, dict) else None
+    except FileNotFoundError:
+        return None, "interrupted"
     except (OSError, ValueError):
-        return None
+        return None, CORRUPT_MARKER
+    return (marker, "complete") if isinstance(marker, dict) else (None, CORRUPT_MARKER)
 
 
 def scan(folder: str, prefix: str = "step") -> dict[int, StepInfo]:
@@ -69,12 +95,13 @@ def scan(folder: str, prefix: str = "step") -> dict[int, StepInfo]:
         if m is None or m.group(1) != prefix or not os.path.isdir(path):
             continue
         step, superseded = int(m.group(2)), bool(m.group(3))
-        marker = read_marker(path)
-        info = StepInfo(step, path, marker is not None, marker)
+        marker, state = marker_state(path)
+        info = StepInfo(step, path, marker is not None, marker, state)
         if superseded and not info.complete:
             continue
         old = found.get(step)
-        if old is None or (info.complete and not old.complete) or (not superseded and info.complete):
+        rank = {"interrupted": 0, CORRUPT_MARKER: 1, "complete": 2}
+        if old is None or rank[info.state] > rank[old.state] or (not superseded and info.complete):
             found[step] = info
     return found
 
@@ -131,13 +158,22 @@ def prepare_tmp(folder: str, step: int, prefix: str = "step") -> str:
     return tmp
 
 
-def commit(tmp: str, final: str, marker: dict) -> None:
-    """Rank 0, after every rank finished writing into `tmp`: move it to `final` and write the marker last."""
+def commit(tmp: str, final: str, marker: dict, checksums: dict[str, dict] | None = None) -> None:
+    """Rank 0, after every rank finished writing into `tmp`: write the manifest (the ranks' `checksums` of the files
+    they wrote; rank 0 hashes any file they did not claim, e.g. a single-process import), move `tmp` to `final`
+    and write the marker last. A crash before the marker leaves an interrupted step, whatever else it left."""
+    claimed = checksums or {}
+    sizes = {rel: n for rel, n in list_files(tmp).items() if rel != integrity.MANIFEST and ".tmp-" not in rel}
+    sums = {rel: v for rel, v in claimed.items() if sizes.get(rel) == v.get("size")}
+    rest = sorted(set(sizes) - set(sums))
+    if rest:  # nothing for a normal save (every file is claimed); on the critical path when it happens
+        sums.update(integrity.checksum_files(tmp, rest, integrity.threads_for("load")))
+    atomic_write(os.path.join(tmp, integrity.MANIFEST), integrity.manifest_text(int(marker.get("step", 0)), sums))
     marker = dict(marker, files=list_files(tmp), committed_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
     superseded = final + ".superseded"
     if os.path.exists(final):
         if os.path.exists(superseded):
-            if read_marker(final) is None:  # final is partial: the superseded copy is the real step; keep it
+            if marker_state(final)[1] == "interrupted":  # final is partial: the superseded copy is the real step
                 shutil.rmtree(final)
             else:
                 shutil.rmtree(superseded)
@@ -153,14 +189,17 @@ def commit(tmp: str, final: str, marker: dict) -> None:
         shutil.rmtree(superseded)
 
 
-def prune(folder: str, keep: int, just_saved: int) -> list[int]:
-    """Delete complete steps beyond the `keep` highest ones (0 = keep all). Never deletes the step just saved (the
-    newest by time, even if higher steps from an abandoned branch exist) nor partial folders. Returns deleted steps."""
+def prune(folder: str, keep: int, just_saved: int, protect: tuple[int, ...] = (), bad: tuple[int, ...] = ()
+          ) -> list[int]:
+    """Delete committed steps beyond the `keep` highest good ones (0 = keep all). Never deletes the step just saved
+    (the newest by time, even if higher steps from an abandoned branch exist), the `protect`ed ones (the newest
+    step this run verified), steps found damaged (`bad`: they neither count as kept nor are deleted, so a corrupt
+    newer step cannot push the last good one out), nor interrupted or corrupt-marker folders. Returns deleted steps."""
     if keep <= 0:
         return []
     steps = scan(folder)
-    done = sorted((s for s, i in steps.items() if i.complete), reverse=True)
-    keep_set = set(done[:keep]) | {just_saved}
+    done = sorted((s for s, i in steps.items() if i.complete and s not in bad), reverse=True)
+    keep_set = set(done[:keep]) | {just_saved} | set(protect)
     deleted = []
     for s in done:
         if s not in keep_set:
@@ -169,62 +208,137 @@ def prune(folder: str, keep: int, just_saved: int) -> list[int]:
     return deleted
 
 
-def choose_step(folder: str, want: int = -1) -> StepInfo | None:
-    """The step folder to load: `want` (-1 = the newest complete one; None if there is none), checked with
-    verify_files. `folder` may also be a step folder itself. Partial steps are skipped with a warning."""
+# ---------------------------------------------------------------------------------------------- choosing a step
+@dataclass
+class Check:
+    """What checking a step found: `problems` (kind, file, line, offset: integrity.verify) make it unloadable; `notes` are damage that
+    leaves the data usable (an unreadable marker or manifest); state: verified (every checksum matches) |
+    complete (sizes only: no manifest, or checksums not asked for) | corrupt-marker | truncated | corrupt."""
+    problems: list
+    notes: list
+    hashed: bool = False
+
+    def state(self, info: StepInfo) -> str:
+        if self.problems:  # a missing file: the step lost data, like a truncated one
+            return integrity.CORRUPT if any(p[0] == integrity.CORRUPT for p in self.problems) else \
+                integrity.TRUNCATED
+        if info.state == CORRUPT_MARKER:
+            return CORRUPT_MARKER
+        return "verified" if self.hashed else "complete"
+
+
+def check_step(info: StepInfo, checksums: bool = True, share: tuple[int, int] = (0, 1), threads: int = 8,
+               progress=None) -> Check:
+    """Check a committed step's files: against MANIFEST.json (sizes, and every chunk's CRC32 unless checksums is
+    False), else the marker's sizes (steps saved before manifests: no note), else, with an unreadable marker and
+    manifest, the sizes DCP's .metadata implies. `share=(r, n)`: this rank's part of the work (merge the problems)."""
+    notes, path = [], info.path
+    try:
+        manifest = integrity.read_manifest(path)
+    except integrity.ManifestUnreadable as e:
+        manifest = None
+        notes.append(f"{e}: only file sizes were checked")
+    kw = dict(share=share, threads=threads, progress=progress)
+    if manifest is not None:
+        sizes = {rel: v["size"] for rel, v in manifest["files"].items()}
+        problems = integrity.verify(path, sizes, manifest["files"] if checksums else None, manifest["chunk_bytes"],
+                                    **kw)
+        check = Check(problems, notes, hashed=checksums)
+    elif info.marker is not None:
+        check = Check(integrity.verify(path, dict(info.marker.get("files", {})), **kw), notes)
+    else:
+        try:
+            sizes = integrity.metadata_sizes(path)
+        except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything
+            return Check([(integrity.CORRUPT, ".metadata", f"{os.path.join(path, '.metadata')} is unreadable "
+                                                           f"({type(e).__name__})", -1)], notes)
+        check = Check(integrity.verify(path, sizes, at_least=True, **kw), notes)
+    if info.state == CORRUPT_MARKER and not check.problems:
+        against = integrity.MANIFEST if manifest is not None else "the sizes in DCP's .metadata"
+        check.notes.insert(0, f"{os.path.join(path, MARKER)} is unreadable ({CORRUPT_MARKER}: damaged after the "
+                              f"commit), but the files of step {info.step} match {against}: the step is usable, "
+                              f"and is kept as it is")
+    return check
+
+
+def candidates(folder: str, want: int = -1) -> list[StepInfo]:
+    """The committed steps to try, in order: `want` alone (CheckpointError when it is missing or interrupted), or for
+    -1 every committed step, newest first (interrupted newer ones are named in a warning). `folder` may be a step
+    folder itself. Checking them is the caller's (check_step: rank 0 alone, or every rank its share)."""
     if os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isfile(os.path.join(folder, MARKER)):
-        marker = read_marker(folder)
-        info = StepInfo(int((marker or {}).get("step", 0)), folder, marker is not None, marker)
-        verify_files(info)
-        return info
+        marker, state = marker_state(folder)
+        if state == "interrupted":
+            raise CheckpointError(f"{folder} has no {MARKER} marker: its save never finished (or another tool "
+                                  f"wrote it); point at a committed step folder")
+        return [StepInfo(int((marker or {}).get("step", 0)), folder, marker is not None, marker, state)]
     steps = scan(folder)
-    done = sorted(s for s, i in steps.items() if i.complete)
-    newer_partial = [s for s, i in sorted(steps.items()) if not i.complete and (not done or s > done[-1])]
+    done = sorted(s for s, i in steps.items() if i.loadable)
     if want == -1:
+        newer_partial = [s for s, i in sorted(steps.items()) if not i.loadable and (not done or s > done[-1])]
         if newer_partial:
             logger.warning(f"checkpoint: ignoring partial steps {newer_partial} in {folder} (no {MARKER} marker: "
                            f"their save was interrupted)")
-        if not done:
-            return None
-        # Newest first; a committed step whose files no longer match its marker (truncated or lost after the
-        # save, e.g. a node died before the page cache reached the disk) is passed over for the previous one.
-        # Loading deletes nothing (the run's own later save of that step number replaces it, whole).
-        first_error = None
-        for s in reversed(done):
-            try:
-                verify_files(steps[s])
-            except CheckpointError as e:
-                first_error = first_error or e
-                logger.warning(f"checkpoint: skipping damaged step {s} ({e}); trying the previous complete step")
-                continue
-            return steps[s]
-        raise first_error
-    elif want in steps and steps[want].complete:
-        info = steps[want]
-    elif want in steps:
+        return [steps[s] for s in reversed(done)]
+    if want in steps and steps[want].loadable:
+        return [steps[want]]
+    if want in steps:
         raise CheckpointError(f"checkpoint step {want} in {folder} is partial (no {MARKER} marker: its save was "
                               f"interrupted); complete steps: {done or 'none'}")
-    else:
-        raise CheckpointError(f"checkpoint.load_step={want}: no step-{want} in {folder}; complete steps: "
-                              f"{done or 'none'} (-1 = the newest)")
-    verify_files(info)
-    return info
+    raise CheckpointError(f"checkpoint.load_step={want}: no step-{want} in {folder}; complete steps: "
+                          f"{done or 'none'} (-1 = the newest)")
 
 
-def verify_files(info: StepInfo) -> None:
-    """Every file the marker recorded exists with its recorded size; else CheckpointError naming the file."""
-    if not info.complete:
-        raise CheckpointError(f"{info.path} has no {MARKER} marker: the save of step {info.step} never finished")
-    for rel, size in sorted((info.marker or {}).get("files", {}).items()):
-        full = os.path.join(info.path, rel)
-        if not os.path.isfile(full):
-            raise CheckpointError(f"checkpoint file {full} is missing (the commit marker lists it with {size} "
-                                  f"bytes); step {info.step} is damaged: load another step")
-        actual = os.path.getsize(full)
-        if actual != size:
-            what = "truncated" if actual < size else "larger than written"
-            raise CheckpointError(f"checkpoint file {full} is {what}: {actual} bytes, the commit marker recorded "
-                                  f"{size}; step {info.step} is damaged: load another step")
+def pick(folder: str, tried: list[StepInfo], want: int, check, warn=logger.warning
+         ) -> tuple[StepInfo | None, list[int]]:
+    """The first of `tried` (candidates()) whose check(info) -> Check finds no problem, and the steps found damaged.
+    A damaged explicit step (or step folder) fails; for -1 a damaged step is skipped with a warning naming the file,
+    and when none is left the error says what exists and what to do. Loading deletes nothing."""
+    bad: list[tuple[StepInfo, str]] = []
+    for info in tried:
+        found = check(info)
+        if not found.problems:
+            for note in found.notes:
+                warn(f"checkpoint: {note}")
+            return info, [b.step for b, _ in bad]
+        order = (integrity.MISSING, integrity.TRUNCATED, integrity.CORRUPT)  # lost data first
+        first = min(found.problems, key=lambda p: (order.index(p[0]) if p[0] in order else 3, p[1]))
+        line = first[2] + (f" (and {len(found.problems) - 1} more damaged files)" if len(found.problems) > 1 else "")
+        if info.path == folder:  # a step folder named directly (initial_load_path, a tool's argument)
+            raise CheckpointError(f"checkpoint {folder} is damaged: {line}; point at another step folder")
+        if want != -1:
+            others = sorted(s for s, i in scan(folder).items() if i.loadable and s != info.step)
+            fix = (f"load another with --checkpoint.load_step (complete steps: {others}; -1 = the newest that "
+                   f"verifies)" if others else _start_over(folder, [info]))
+            raise CheckpointError(f"checkpoint.load_step={want}: step {info.step} in {folder} is damaged: {line}; "
+                                  f"{fix}")
+        bad.append((info, line))
+        if info is not tried[-1]:
+            warn(f"checkpoint: skipping damaged step {info.step} ({line}); trying the previous complete step")
+    if bad:
+        raise CheckpointError(_all_damaged(folder, bad))
+    return None, []
+
+
+def _start_over(folder: str, infos: list[StepInfo]) -> str:
+    which = infos[0].path if len(infos) == 1 else f"the step folders of {folder}"
+    return (f"no other step exists in {folder}: move {which} elsewhere to start this run from scratch (nothing is "
+            f"deleted for you), or set checkpoint.initial_load_path to another run's checkpoint")
+
+
+def _all_damaged(folder: str, bad: list[tuple[StepInfo, str]]) -> str:
+    if len(bad) == 1:
+        info, line = bad[0]
+        return f"checkpoint step {info.step} in {folder} is damaged: {line}; {_start_over(folder, [info])}"
+    listed = "; ".join(f"step {i.step}: {line}" for i, line in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+    return (f"every committed checkpoint step in {folder} is damaged ({listed}); "
+            f"{_start_over(folder, [i for i, _ in bad])}")
+
+
+def choose_step(folder: str, want: int = -1, checksums: bool = True) -> StepInfo | None:
+    """The step folder to load, in this process: `want` (-1 = the newest committed one that verifies; None if
+    there is none). `folder` may also be a step folder itself."""
+    return pick(folder, candidates(folder, want), want,
+                lambda info: check_step(info, checksums, threads=integrity.threads_for("load")))[0]
 
 
 def describe_error(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from titanlike.checkpoint import layout
+from titanlike.checkpoint import integrity, layout
 from titanlike.checkpoint.layout import CheckpointError
 from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state, unpack
 
@@ -28,18 +28,54 @@ class LoadMixin:
             return 0
         if self.cfg.enable:
             want = self.cfg.load_step if step is None else step
-            info = self._rank0_do(layout.choose_step, self.folder, want)
+            info = self._choose(self.folder, want)
             if info is not None:
+                self.verified_step = info.step  # keep-last-k keeps it until a newer step is committed
                 return self._load_step(info, model_only=False)
         initial = self.cfg.initial_load_path
         if initial:
-            info = self._rank0_do(layout.choose_step, initial, -1)
+            info = self._choose(initial, -1, own=False)
             if info is None:
                 raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
             return self._load_step(info, model_only=self.cfg.initial_load_model_only)
         if self.cfg.enable:
             logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
         return 0
+
+    def load_newest_saved(self) -> int | None:
+        """Load the newest complete step this run saved itself (never initial_load_path); None if there is none."""
+        info = self._choose(self.folder, -1) if self.cfg.enable else None
+        return None if info is None else self._load_step(info, model_only=False)
+
+    def _choose(self, folder: str, want: int, own: bool = True) -> layout.StepInfo | None:
+        """The step to load (layout.candidates / pick), its files checked by every rank at once: each rank hashes
+        an interleaved share of the chunks (checkpoint.verify_checksums; else sizes only) and the problems are
+        merged, so every rank takes the same decision. `own`: the run's own folder (damaged steps found there are
+        left out of keep-last-k)."""
+        tried = self._rank0_do(layout.candidates, folder, want)
+        warn = logger.warning if self.rank == 0 else (lambda msg: None)
+        info, bad = layout.pick(folder, tried, want, self._check_shared, warn=warn)
+        if own:
+            self.bad_steps.update(bad)
+        return info
+
+    def _check_shared(self, info: layout.StepInfo) -> layout.Check:
+        t0 = time.perf_counter()
+        try:
+            found = layout.check_step(info, self.cfg.verify_checksums, share=(self.rank, self.world),
+                                      threads=integrity.threads_for("load"))
+        except Exception as e:  # noqa: BLE001 - this rank must still reach the gather below
+            found = layout.Check([(integrity.CORRUPT, "?", f"checking {info.path} failed on rank {self.rank}: "
+                                                           f"{layout.describe_error(e)}", -1)], [])
+        if self._ctl is not None:
+            lists = [None] * self.world
+            dist.all_gather_object(lists, found.problems, group=self._ctl)
+            found.problems = integrity.merge(lists)
+        elapsed = self._all_max([time.perf_counter() - t0])[0]
+        if found.hashed and not found.problems:
+            logger.info(f"checkpoint: step {info.step}'s files match their {integrity.ALGORITHM} checksums "
+                        f"(checked in {elapsed:.2f} s by {self.world} rank(s))")
+        return found
 
     def _agree(self, fn, *args):
         """Run a check on every rank; if it fails on any rank, raise on all of them (no rank may enter DCP's
@@ -117,7 +153,7 @@ def load_model_weights(path: str, model, strict: bool = True) -> int:
 
     from titanlike.checkpoint.states import quiet_dcp
 
-    info = layout.choose_step(path, -1)
+    info = layout.choose_step(path, -1)  # checked against its manifest, in this process
     if info is None:
         raise CheckpointError(f"{path} holds no complete checkpoint step")
     md = read_metadata(info.path)

@@ -37,11 +37,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from titanlike.checkpoint import layout
+from titanlike.checkpoint import layout, preflight
 from titanlike.checkpoint.layout import CONFIG, META, CheckpointError
+from titanlike.checkpoint.committing import CommitMixin
 from titanlike.checkpoint.loading import LoadMixin
 from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, quiet_dcp, rng_state
-from titanlike.checkpoint.staging import KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process
+from titanlike.checkpoint.staging import (
+    KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process,
+)
 from titanlike.distributed.timeouts import keep_own_timeout
 
 logger = logging.getLogger("titanlike")
@@ -62,7 +65,7 @@ class _Pending:
     wait: float = 0.0  # time a later save (not close) waited for this write
 
 
-class CheckpointManager(LoadMixin):
+class CheckpointManager(CommitMixin, LoadMixin):
     """Save/load the training state under `folder` (usually <run dir>/<checkpoint.folder>).
 
     `model` is a module or a list of model parts (pipeline stages: their FQNs are the whole model's); `optimizer`
@@ -104,6 +107,11 @@ class CheckpointManager(LoadMixin):
         self._async_pg = None
         self._stager = None
         self._prestaged: Prestage | None = None  # checkpoint.prestage, while it runs
+        self._hasher = None  # the thread that checksums an async save's files after DCP wrote them (committing.py)
+        # Keep-last-k never removes the newest step this run verified (loaded or wrote), and steps found damaged
+        # neither count as kept nor are removed (layout.prune).
+        self.verified_step: int | None = None
+        self.bad_steps: set[int] = set()
         if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
             self._async_pg = dist.new_group(backend="gloo")
         for pg in (self._ctl, self._async_pg):
@@ -136,12 +144,24 @@ class CheckpointManager(LoadMixin):
             raise CheckpointError(value)
         return value
 
-    def _all_max(self, values: list[float]) -> list[float]:
+    def _all_max(self, values: list[float], sum_: bool = False) -> list[float]:
         if self._ctl is None:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if sum_ else dist.ReduceOp.MAX, group=self._ctl)
         return t.tolist()
+
+    def preflight(self) -> None:
+        """Before step 1 (the Trainer calls it; every rank): refuse to start when the checkpoint folder is not
+        writable or its disk lacks room for the checkpoints this run keeps (preflight.py). Rank 0 checks the
+        folder; the state size is summed over ranks; every rank gets the verdict."""
+        if not self.cfg.enable:
+            return
+        model, optim = preflight.state_bytes(self._model_sd(), self.optimizers)
+        model, optim = self._all_max([model, optim], sum_=True)
+        export = (getattr(torch, self.cfg.export_dtype).itemsize / 4
+                  if self.cfg.model_only_export or self.cfg.last_save_model_only else 0.0)
+        self._rank0_do(preflight.check_folder, self.folder, model, optim, self.cfg.keep_latest_k, export)
 
     # ------------------------------------------------------------------------------------------ state
     def _model_sd(self) -> dict:
@@ -219,8 +239,9 @@ class CheckpointManager(LoadMixin):
         marker = self._marker(step, False, None)
         if self.mode == "disabled":
             self._write_sync(sd, tmp, step)
+            checked = self._checksum_own(tmp)
             write = time.perf_counter() - t0
-            self._commit(step, tmp, final, marker, stall=write, write=write)
+            self._commit(step, tmp, final, marker, stall=write, write=write, checked=checked)
             return
         try:
             # The writer process joins its own process group, so it needs one to exist (torchrun); a lone
@@ -236,6 +257,7 @@ class CheckpointManager(LoadMixin):
             self._fail(step, tmp, e)
         upload, staging = (ret.upload_completion, ret.staging_completion) if hasattr(ret, "upload_completion") \
             else (ret, None)
+        upload = self._then_checksum(upload, tmp)  # this rank's checksums, on a thread of ours after the write
         self._staging_done = staging is None
         self._pending = _Pending(step, tmp, final, upload, staging, t0, time.perf_counter() - t0, marker)
 
@@ -247,9 +269,10 @@ class CheckpointManager(LoadMixin):
         tmp = self._rank0_do(self._prepare, step, "export-step")
         self._barrier()
         self._write_sync(self._state_dict(model_only=True, dtype=dtype), tmp, step)
+        checked = self._checksum_own(tmp)
         write = time.perf_counter() - t0
         self._commit(step, tmp, layout.step_path(self.folder, step, "export-step"),
-                     self._marker(step, True, dtype), stall=write, write=write, prune=False)
+                     self._marker(step, True, dtype), stall=write, write=write, checked=checked, prune=False)
 
     def save_seed(self) -> None:
         """--checkpoint.create_seed_checkpoint: this process's freshly initialised weights as step-0 (weights
@@ -265,9 +288,10 @@ class CheckpointManager(LoadMixin):
         t0 = time.perf_counter()
         tmp = self._prepare(0, "step")
         self._write_sync(self._state_dict(model_only=True, dtype=None), tmp, 0)
+        checked = self._checksum_own(tmp)
         write = time.perf_counter() - t0
         self._commit(0, tmp, layout.step_path(self.folder, 0), self._marker(0, True, None), stall=write,
-                     write=write, prune=False)
+                     write=write, checked=checked, prune=False)
 
     def _prepare(self, step: int, prefix: str) -> str:
         try:
@@ -291,110 +315,15 @@ class CheckpointManager(LoadMixin):
                 raise
             self._fail(step, tmp, e)
 
-    def _fail(self, step: int, tmp: str, exc: BaseException) -> None:
-        """A save failed: drop its own unfinished folder (never anything else) and say why, on every rank."""
-        why = layout.describe_error(exc)
-        self._pending = None
-        try:
-            self._barrier()
-        except Exception:  # noqa: BLE001 - a peer may be gone; the error below is what matters
-            pass
-        if self.rank == 0:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = layout.complete_steps(self.folder)
-        raise CheckpointError(f"checkpoint: saving step {step} failed: {why}. Earlier checkpoints are untouched "
-                              f"(complete steps in {self.folder}: {kept or 'none'})") from None
-
-    def _commit(self, step: int, tmp: str, final: str, marker: dict, *, stall: float, write: float,
-                prune: bool = True, wait: float = 0.0) -> None:
-        self._barrier()  # every rank's files are written
-        stall, write, wait = self._all_max([stall, write, wait])
-        self._rank0_do(layout.commit, tmp, final, dict(marker, stall_s=round(stall, 3), write_s=round(write, 3),
-                                                       wait_s=round(wait, 3)))
-        deleted = self._rank0_do(layout.prune, self.folder, self.cfg.keep_latest_k, step) if prune else []
-        self.stats.append({"step": step, "mode": marker["mode"], "stall_s": stall, "wait_s": wait, "write_s": write})
-        if marker["mode"] == "disabled" or marker["model_only"]:
-            msg = f"saved in {write:.2f} s (the training loop waited for all of it)"
-        else:
-            msg = (f"training loop stalled {stall:.2f} s, written in the background in {write:.2f} s"
-                   + (f" (a later save waited {wait:.2f} s for it: saves come faster than the disk writes)"
-                      if wait > 0.005 else ""))
-        logger.info(f"checkpoint: step {step} committed to {final}: {msg}"
-                    + (f"; removed old steps {deleted}" if deleted else ""))
-        newer = [s for s in layout.complete_steps(self.folder) if s > step] if self.rank == 0 else []
-        if newer and prune:
-            logger.warning(f"checkpoint: {self.folder} holds steps {newer} beyond this run's step {step} (from "
-                           f"before it went back): load_step=-1 would resume from {newer[-1]}; move them away if "
-                           f"this run supersedes them")
-
-    def wait_for_staging(self) -> None:
-        """Call before optimizer.step(): the pinned-memory copy of the last save must finish before the weights
-        change. The wait counts as that save's stall (also done by the next save / close if not called)."""
-        p = self._pending
-        if p is None or self._staging_done or p.staging is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            p.staging.result()
-        except Exception as e:  # noqa: BLE001
-            self._fail(p.step, p.tmp, e)
-        p.stall += time.perf_counter() - t0
-        self._staging_done = True
-
-    def _finish_pending(self, block: bool, count_stall: bool = True) -> None:
-        """Commit the async save in flight once every rank's write is done. block=False: only if all are done
-        already (one small all-reduce). A blocking wait is logged as that save's `wait` unless count_stall=False
-        (close(): training is over)."""
-        p = self._pending
-        if p is None:
-            return
-        if not block:
-            done = torch.tensor([1.0 if p.upload.done() else 0.0])
-            if self._ctl is not None:
-                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._ctl)
-            if done.item() < 1:
-                return
-        if p.staging is not None and not self._staging_done and block and count_stall:
-            self.wait_for_staging()  # the staging part of a blocking wait is still this save's own stall
-        t0 = time.perf_counter()
-        err = None
-        for fut in ([p.staging] if p.staging is not None and not self._staging_done else []) + [p.upload]:
-            try:
-                fut.result()
-            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                err = err or e
-        self._staging_done = True
-        if block and count_stall:
-            p.wait += time.perf_counter() - t0
-        errs = [None if err is None else layout.describe_error(err)]
-        if self._ctl is not None:
-            errs = [None] * self.world
-            dist.all_gather_object(errs, None if err is None else layout.describe_error(err), group=self._ctl)
-        bad = [(r, e) for r, e in enumerate(errs) if e]
-        if bad:
-            self._fail(p.step, p.tmp, err or RuntimeError(f"rank {bad[0][0]}: {bad[0][1]}"))
-        self._pending = None
-        self._commit(p.step, p.tmp, p.final, p.marker, stall=p.stall, write=time.perf_counter() - p.t_start,
-                     wait=p.wait)
-
-    def flush(self) -> None:
-        """Wait for (and commit) an async save still in flight."""
-        if self.enabled:
-            self._finish_pending(block=True, count_stall=False)
-
-    def load_newest_saved(self) -> int | None:
-        """Load the newest complete step this run saved itself (never initial_load_path); None if there is none."""
-        info = self._rank0_do(layout.choose_step, self.folder, -1) if self.cfg.enable else None
-        return None if info is None else self._load_step(info, model_only=False)
-
     def close(self) -> None:
         """Finish (and commit) an async save still in flight; release staging buffers."""
-        if self.enabled:
-            self._finish_pending(block=True, count_stall=False)
+        try:
+            if self.enabled:
+                self._finish_pending(block=True, count_stall=False)
+        finally:
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True)
+                self._hasher = None
         self._prestaged = None  # stager.close() below waits for it
         if self._stager is not None:
             self._stager.close()
