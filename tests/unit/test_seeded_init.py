@@ -120,6 +120,14 @@ def test_direct_random_ops_on_parameters_are_routed_and_others_warn(mesh_of_one)
     assert sum(DTENSOR_RNG_WARNING in m for m in messages) == 1, messages  # only the unrouted one
 
 
+def test_out_of_place_random_ops_on_parameters_leave_them_alone():
+    lin = nn.Linear(4, 3, bias=False)
+    before = lin.weight.detach().clone()
+    with torch.no_grad(), si.seeded_init(lin, 0):
+        out = torch.normal(lin.weight, 1.0)  # reads the parameter, writes a new tensor: not an init
+    assert torch.equal(lin.weight, before) and out.shape == before.shape and not torch.equal(out, before)
+
+
 def test_nn_init_is_restored_even_after_an_error():
     before = {name: getattr(nn.init, name) for name in si.RANDOM_INITS}
     with pytest.raises(RuntimeError, match="boom"), si.seeded_init(nn.Linear(2, 2), 0):

@@ -11,15 +11,16 @@ global RNG — on a plain tensor of the parameter's GLOBAL shape, and this rank 
 The one-process run goes through the same code, so it is the reference by construction; FQNs are the whole model's
 under PP too (`parallelize/pp.py`), so a stage draws the same values as the whole model.
 
-Two routes, because `nn.init.trunc_normal_` does not dispatch `__torch_function__` and, since torch 2.12, draws by
+Two routes, because `nn.init.trunc_normal_` does not dispatch `__torch_function__` and, in torch 2.13, draws by
 rejection on temporaries (`empty_like(tensor).normal_()` in a loop ended by `.any()`), so no mode sees it whole:
 - `torch.nn.init`'s random functions (`RANDOM_INITS`) are replaced, for the duration, by wrappers: on a parameter of
   the module they run the original function on plain tensors with the seeded generator; on anything else they call
   the original (so another thread's `nn.init` call is unaffected).
 - A TorchDispatchMode routes a random in-place aten op (`param.normal_()`, `param.uniform_()`, ...) issued directly on
   a parameter of the module the same way, and warns once per op about any other random op on a DTensor (its
-  values would depend on the layout: e.g. a function imported as `from torch.nn.init import trunc_normal_` before
-  the patch, or a random tensor copied into a parameter).
+  values would depend on the layout: e.g. the rejection redraws of a `trunc_normal_` imported by name before the
+  patch, `torch.randn_like(param)`, or a random op on a slice of a parameter). Random tensors made from no DTensor
+  and copied into a parameter go unnoticed: they are the caller's business.
 Non-random init (`zeros_`, `ones_`, `constant_`, `copy_`) is untouched: it gives the same values on any layout.
 
 Which elements a rank holds is asked of DTensor itself: for each tensor dimension, `distribute_tensor` of
@@ -29,7 +30,8 @@ Which elements a rank holds is asked of DTensor itself: for each tensor dimensio
 Memory: shape-independent functions (`ELEMENTWISE`: trunc_normal_, normal_, uniform_, and random aten ops) draw in
 blocks along dim 0 of about `BLOCK_NUMEL` elements (the block's rows depend on the global shape only, so the values
 do not depend on the layout) and a rank draws only the blocks holding some of its rows: the temporary is one block,
-and FSDP/EP ranks draw only their share. Functions that read the shape (xavier/kaiming fans, orthogonal's QR,
+and FSDP/EP ranks draw only their share; a rank holding the whole parameter (one process, a replicated parameter)
+draws into it in place, with no temporary. Functions that read the shape (xavier/kaiming fans, orthogonal's QR,
 sparse_'s columns) draw the whole parameter at once: a temporary of the full parameter's size.
 
 The values depend on the torch version and the device type (CPU and CUDA generators differ), not on the layout.
@@ -215,8 +217,12 @@ def _patched_nn_init(router: _Router) -> Iterator[None]:
             setattr(nn.init, name, original)
 
 
-def _takes_generator(func) -> bool:
-    return any(a.name == "generator" for a in func._schema.arguments)
+def _routable(func) -> bool:
+    """An aten op that writes random values into its first argument and takes a generator (uniform_, normal_, ...)."""
+    schema = func._schema
+    first = schema.arguments[0] if schema.arguments else None
+    return (first is not None and first.alias_info is not None and first.alias_info.is_write
+            and any(a.name == "generator" for a in schema.arguments))
 
 
 class _RandomOpRouter(TorchDispatchMode):
@@ -233,7 +239,7 @@ class _RandomOpRouter(TorchDispatchMode):
             return func(*args, **kwargs)
         target = args[0] if args else None
         others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if self.router.fqn(target) is not None and not others and _takes_generator(func):
+        if self.router.fqn(target) is not None and not others and _routable(func):
             self.router.fill(target, lambda t, g: func(t, *args[1:], **{**kwargs, "generator": g}),
                              elementwise=True)
             return target
