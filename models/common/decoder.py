@@ -56,7 +56,8 @@ class DecoderBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
     def init_weights(self) -> None:
-        # The order of the nn.init calls is the order of RNG draws: reordering changes every run's initial weights.
+        # Under the trainer each parameter draws from its own generator, seeded by its name (seeded_init), so the
+        # order of these calls does not change the weights; called bare, they draw from the global RNG in order.
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
