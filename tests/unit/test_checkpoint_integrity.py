@@ -305,6 +305,9 @@ def test_a_second_run_on_the_same_folder_refuses(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError):  # an unwritable dump folder: the OSError itself, naming the path
+        acquire_run_lock(str(tmp_path / "file" / "run"), 0, 1)
 
 
 def test_stale_locks_are_taken_over_with_a_warning(tmp_path, caplog):

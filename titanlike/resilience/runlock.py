@@ -27,7 +27,7 @@ import uuid
 
 import torch.distributed as dist
 
-from titanlike.checkpoint.layout import CheckpointError, describe_error
+from titanlike.checkpoint.layout import CheckpointError
 
 logger = logging.getLogger("titanlike")
 LOCK = "RUN_LOCK.json"
@@ -123,18 +123,12 @@ class RunLock:
         return None
 
     def acquire(self) -> "RunLock":
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create the run folder {self.run_dir} ({describe_error(e)}): point "
-                                  f"job.dump_folder at a writable disk") from None
+        """Take the lock (CheckpointError naming the holder when a live run has it). A run folder that cannot be
+        created or written raises the OSError itself: it names the path (scripts/train.py prints it, exit 1)."""
+        os.makedirs(self.run_dir, exist_ok=True)
         for _ in range(5):
-            try:
-                if self._create():
-                    break
-            except OSError as e:
-                raise CheckpointError(f"the run folder {self.run_dir} is not writable ({describe_error(e)}): fix its "
-                                      f"permissions or mount, or point job.dump_folder at a writable disk") from None
+            if self._create():
+                break
             holder, mtime = self._read()
             if holder is None:
                 continue  # released meanwhile: try again
@@ -217,19 +211,22 @@ class _NoLock:
 
 def acquire_run_lock(run_dir: str, rank: int, world_size: int):
     """Every rank calls this after the process group exists: rank 0 creates the run folder and takes its lock;
-    its verdict (the one-line error, if any) is broadcast so every rank raises the same CheckpointError instead
-    of waiting in a later collective. Returns an object with release()."""
-    lock, err = _NoLock(), None
+    its verdict is broadcast so every rank raises the same error (CheckpointError, or the OSError of a folder that
+    cannot be written) instead of waiting in a later collective. Returns an object with release()."""
+    lock, err, exc = _NoLock(), None, None
     if rank == 0:
         try:
             lock = RunLock(run_dir).acquire()
         except CheckpointError as e:
-            err = str(e)
+            err, exc = ("lock", str(e)), e
+        except OSError as e:
+            err, exc = ("os", (e.errno, e.strerror, e.filename)), e
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         box = [err]
         dist.broadcast_object_list(box, src=0)
         err = box[0]
-    if err:
-        lock.release()
-        raise CheckpointError(err)
-    return lock
+    if err is None:
+        return lock
+    if exc is not None:
+        raise exc
+    raise CheckpointError(err[1]) if err[0] == "lock" else OSError(*err[1])
