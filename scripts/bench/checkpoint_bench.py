@@ -2,9 +2,9 @@
 
     python scripts/bench/checkpoint_bench.py [--gib 16] [--device auto] [--folder /tmp/ckpt_bench] [--io-threads 1]
 
-Builds `--gib` GiB of fp32 tensors on the device, shaped like Llama 3 8B's block matrices (the 8B model holds ~30
-GiB of fp32 weights; a rank of a sharded run writes a share of that, plus 2x for AdamW's moments), then, one copy on
-disk at a time (the folder is deleted at the end, also on errors):
+Builds `--gib` GiB of fp32 tensors on the device, shaped like the block matrices of an 8B dense transformer (dim
+4096, FFN 14336: ~30 GiB of fp32 weights; a rank of a sharded run writes a share of that, plus 2x for AdamW's
+moments), then, one copy on disk at a time (the folder is deleted at the end, also on errors):
 
   save_s                  plain dcp.save (no checksums), fsynced, GB/s of it (the second of two: save_first_s also
                           pays for first-touch host memory)
@@ -31,7 +31,7 @@ import zlib
 
 import torch
 
-# One block of Llama 3 8B (dim 4096, 8 KV heads of 128, FFN 14336): wq, wk, wv, wo, w1, w2, w3.
+# One block of an 8B dense transformer (dim 4096, 8 KV heads of 128, FFN 14336): q, k, v, o, and the 3 FFN matrices.
 BLOCK = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (14336, 4096)]
 
 
