@@ -39,6 +39,8 @@ def main(argv: list[str]) -> int:
         return 0
     debug = "--debug" in flags
     logger = setup_logging()
+    from titanlike.checkpoint import CheckpointError
+
     trainer, cfg = None, None
     try:
         try:
@@ -51,9 +53,8 @@ def main(argv: list[str]) -> int:
             trainer = Trainer(cfg)
         except (ConfigError, ValueError) as e:
             return _fail(e, 2, debug)
-        except OSError as e:  # a folder, file or device at set-up: the message names it
+        except (OSError, CheckpointError) as e:  # a folder, file, lock or disk at set-up: the message names it
             return _fail(e, 1, debug)
-        from titanlike.checkpoint import CheckpointError
         from titanlike.resilience.comm_watch import CommError
         from titanlike.resilience.nonfinite import NonFiniteError
 

@@ -37,6 +37,21 @@ def test_signal_during_a_step_waits_for_the_boundary_and_a_second_one_does_not(s
         time.sleep(5)
 
 
+def test_a_wait_that_may_never_end_is_interrupted_after_its_patience(signals):
+    signals.enter("waiting for data", graceful=True, patience_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(Interrupted) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert e.value.phase == "waiting for data" and e.value.signame == "SIGTERM" and time.monotonic() - t0 < 3
+    signals.received = None
+    signals.enter("waiting for data", graceful=True, patience_s=0.3)
+    os.kill(os.getpid(), signal.SIGTERM)  # the wait ends in time: the signal waits for the step boundary
+    signals.enter("training", graceful=True)
+    time.sleep(0.6)
+    assert signals.should_stop(step=2)
+
+
 def test_sigint_always_interrupts(signals):
     signals.enter("training", graceful=True)
     with pytest.raises(Interrupted) as e:

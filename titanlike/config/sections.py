@@ -148,6 +148,9 @@ class Checkpoint:
     interval: int = 500
     keep_latest_k: int = 0  # 0 = keep all
     load_step: int = -1  # -1 = newest complete step
+    # On load, check every file against the CRC32s in its step's MANIFEST.json (reads the step once more, split
+    # over all ranks); false = file sizes only
+    verify_checksums: bool = True
     async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
     io_threads: int = 1  # writer threads per rank (DCP FileSystemWriter thread_count; one file per thread)
     # async_with_pinned_mem: allocate and pin the staging buffers in the background as training starts, not inside
@@ -193,7 +196,11 @@ class Data:
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
-    save_tb_folder: str = "tb"
+    save_tb_folder: str = "tb"  # each process writes <run>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/
+    enable_wandb: bool = False  # also log to Weights & Biases, rank 0 (pip install 'titanlike[wandb]')
+    wandb_project: str = "titanlike"
+    wandb_entity: str = ""  # "" = your W&B default entity
+    wandb_mode: str = ""  # "" = WANDB_MODE, else online | offline (no network; `wandb sync` later) | disabled
 
 
 @dataclass

@@ -57,6 +57,8 @@ class RunSignals:
         self.device = torch.device("cpu")
         self.received: str | None = None
         self.phase, self.graceful, self._grace = "set-up", False, SETUP_GRACE_S
+        self._patience: float | None = None
+        self._timer: threading.Timer | None = None
         self.timings: dict[str, float] = {}  # seconds spent per phase name (bounded: a few names)
         self._phase_start = time.monotonic()
         self._last_progress = time.monotonic()
@@ -72,25 +74,48 @@ class RunSignals:
         self._start_watchdog()
 
     # -- phases -------------------------------------------------------------------------------------------------
-    def enter(self, phase: str, graceful: bool = False, grace_s: float | None = None) -> None:
+    def enter(self, phase: str, graceful: bool = False, grace_s: float | None = None,
+              patience_s: float | None = None) -> None:
         """The run is now doing `phase`; the previous phase's duration is recorded. A signal that arrives during a
-        non-graceful phase interrupts it; one deferred earlier still waits for its step boundary."""
+        non-graceful phase interrupts it; one deferred earlier still waits for its step boundary. `patience_s`: a
+        graceful phase that may never end (a data wait) is interrupted if a signal is pending for that long in it."""
         now = time.monotonic()
         self._record(now)
         self.phase, self.graceful, self._phase_start = phase, graceful, now
         self._grace = grace_s if grace_s is not None else (self.train_grace_s if graceful else SETUP_GRACE_S)
+        self._patience = patience_s
+        self._arm()
         self.progress()
+
+    def _arm(self) -> None:
+        """(Re)start the patience timer of the current phase when a signal is pending; cancel any older one."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._patience is None or self.received is None or not self._previous:
+            return
+        phase = self.phase
+
+        def impatient():
+            if self.phase == phase:  # still stuck where the timer was armed: "a second signal", to the main
+                # thread itself so that a blocking call there returns EINTR and the handler runs
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+        self._timer = threading.Timer(self._patience, impatient)
+        self._timer.daemon = True
+        self._timer.start()
 
     @contextlib.contextmanager
     def during(self, phase: str, graceful: bool = False, grace_s: float | None = None):
         """`phase` for the duration of the block, then back to the enclosing one (whose clock goes on)."""
-        outer = (self.phase, self.graceful, self._grace)
+        outer = (self.phase, self.graceful, self._grace, self._patience)
         self.enter(phase, graceful, grace_s)
         try:
             yield
         finally:
             self._record(time.monotonic())
-            (self.phase, self.graceful, self._grace), self._phase_start = outer, time.monotonic()
+            (self.phase, self.graceful, self._grace, self._patience), self._phase_start = outer, time.monotonic()
+            self._arm()
             self.progress()
 
     def progress(self) -> None:
@@ -108,7 +133,8 @@ class RunSignals:
         if self._signal_time is None:
             self._signal_time = time.monotonic()
         if signum == signal.SIGINT or not self.graceful or not first:  # a second signal: stop now
-            raise Interrupted(name, self.phase)
+            raise Interrupted(self.received if signum != signal.SIGINT else name, self.phase)
+        self._arm()
 
     def should_stop(self, step: int) -> bool:
         """At a step boundary: True when this rank (or, multi-process, any rank) got SIGTERM/SIGUSR1."""
@@ -162,6 +188,8 @@ class RunSignals:
 
     def close(self) -> None:
         self._closed.set()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._wake_w is not None:
             with contextlib.suppress(ValueError, OSError):
                 signal.set_wakeup_fd(-1)

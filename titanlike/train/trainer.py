@@ -34,6 +34,7 @@ from titanlike.optim.master_weights import build_master_weight_adamw, mixed_prec
 from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
 from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector
+from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
@@ -69,8 +70,8 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self._seed(t.seed, t.deterministic)
 
-        if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
+        # One run per run folder (a second one refuses), created and probed writable (titanlike/resilience/runlock.py)
+        self.run_lock = acquire_run_lock(self.run_dir, self.rank, self.world_size)
         self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
@@ -118,9 +119,11 @@ class Trainer:
         else:
             self.model_parts = [plan(model, self.dims, cfg)]
         self.signals.enter("weights init")
+        from titanlike.distributed.seeded_init import seeded_init  # the same initial weights on every layout
+
         for part in self.model_parts:
             part.to_empty(device=self.device)
-            with torch.no_grad():
+            with torch.no_grad(), seeded_init(part, t.seed):
                 part.init_weights(buffer_device=self.device)
             part.train()
         # The whole model; None under PP, where this rank holds only its stages (self.model_parts, whose
@@ -170,10 +173,13 @@ class Trainer:
         self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
         loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
                          seq_len=t.seq_len, seed=t.seed, vocab_size=vocab)
-        self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", **loader_kw)
+        # global_batch_size: a resume with another global batch is refused (the loader's state records it)
+        self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", global_batch_size=global_bs,
+                                           steps=t.steps, **loader_kw)
         self.val_loader_kw = loader_kw
         # Built now so bad validation data (paths, split, vocabulary) fails at start-up, not at the first interval.
-        self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer, **loader_kw)
+        self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer,
+                                                       steps=cfg.validation.steps, **loader_kw)
                            if cfg.validation.enable else None)
         microbatches = self.grad_accum_steps * (self.pp.pipeline.n_microbatches if self.pp is not None else 1)
         self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
@@ -185,7 +191,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             log_dir=os.path.join(self.run_dir, cfg.metrics.save_tb_folder), device=self.device,
             flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
-            enable_tensorboard=cfg.metrics.enable_tensorboard)
+            enable_tensorboard=cfg.metrics.enable_tensorboard, job_config=cfg, run_dir=self.run_dir)
         self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
         self.signals.enter("checkpoint set-up")
         self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable, a seed or an initial_load_path
@@ -193,6 +199,7 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
             strict=self.pp is None)  # a pipeline rank holds only its stages' keys
+        self.checkpointer.preflight()  # checkpoint folder writable, room on its disk: now, not at the first save
         self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/resilience/ft.py)
         if cfg.fault_tolerance.enable:
             self.ft = FaultTolerance(cfg.fault_tolerance, cfg.comm, self.device, model_parts=self.model_parts,
@@ -307,7 +314,8 @@ class Trainer:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
             self.log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
-            self.signals.enter("waiting for data")  # a signal here interrupts at once: the wait may never end
+            # The data wait is normally instant; a signal pending in it for 10 s means it may never end: stop then.
+            self.signals.enter("waiting for data", graceful=self.step != first_step, patience_s=10.0)
             batches = self.next_batches(data_iter)
             self._enter_step(first=self.step == first_step)
             loss_sum, tokens, grad_norm = self.train_step(batches)
@@ -437,4 +445,5 @@ class Trainer:
                 self.checkpointer.close()  # commits an async save still in flight
         finally:
             self.metrics.close()
+            self.run_lock.release()
             destroy_distributed(barrier=not (self.hang.failed or self.interrupted))
