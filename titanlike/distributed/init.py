@@ -21,6 +21,17 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def pick_device(name: str, local_rank: int) -> torch.device:
+    """training.device ("auto" | "cuda" | "cpu") -> this rank's device."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("training.device='cuda' but no CUDA device is visible; use training.device='cpu'")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
 def init_distributed(
     device_type: str, timeout_s: float = 600.0, cpu_collectives_on_cuda: bool = False
 ) -> tuple[int, int, int]:

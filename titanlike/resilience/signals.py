@@ -122,6 +122,14 @@ class RunSignals:
         """A step or save finished: the watchdog's grace starts again."""
         self._last_progress = time.monotonic()
 
+    def setup_summary(self) -> str:
+        """One line: the set-up phases that took time and the first step (after it)."""
+        setup = [(p, s) for p, s in self.timings.items() if not p.startswith("first step") and p != "training"]
+        first = next(((p, s) for p, s in self.timings.items() if p.startswith("first step")), None)
+        parts = ", ".join(f"{p} {s:.1f} s" for p, s in setup if s >= 0.05)
+        return (f"set-up took {sum(s for _, s in setup):.1f} s ({parts})"
+                + (f"; {first[0]} {first[1]:.1f} s" if first else ""))
+
     def _record(self, now: float) -> None:
         self.timings[self.phase] = self.timings.get(self.phase, 0.0) + now - self._phase_start
 

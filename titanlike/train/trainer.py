@@ -23,7 +23,7 @@ from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.data.tokenizers import build_tokenizer
-from titanlike.distributed.init import destroy_distributed, init_distributed
+from titanlike.distributed.init import destroy_distributed, init_distributed, pick_device
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiling import StepProfiler
@@ -37,20 +37,12 @@ from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, Spike
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
+from titanlike.train.evaluate import validation_loss
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 
 logger = logging.getLogger("titanlike")
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("training.device='cuda' but no CUDA device is visible; use training.device='cpu'")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
 
 class Trainer:
     def __init__(self, cfg: JobConfig, config_name: str = "run"):
@@ -350,7 +342,7 @@ class Trainer:
             profiler.step(self.step)
             self.hang.step_done(self.step)  # heartbeat; after the first step the training timeout applies
             if self.step == first_step:
-                self._log_setup_timings()
+                logger.info(self.signals.setup_summary())
             if self.step < t.steps and self.signals.should_stop(self.step):
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
                     with self.signals.during("saving", graceful=True, grace_s=self.SAVE_GRACE_S):
@@ -376,14 +368,6 @@ class Trainer:
             logger.info(f"step {self.step}: compiling ({', '.join(c.components)}); the first step takes longer")
         self.signals.enter("first step (compiling)" if compiling else "first step")
 
-    def _log_setup_timings(self) -> None:
-        took = self.signals.timings
-        setup = [(p, s) for p, s in took.items() if not p.startswith("first step") and p != "training"]
-        first = next(((p, s) for p, s in took.items() if p.startswith("first step")), None)
-        parts = ", ".join(f"{p} {s:.1f} s" for p, s in setup if s >= 0.05)
-        logger.info(f"set-up took {sum(s for _, s in setup):.1f} s ({parts})"
-                    + (f"; {first[0]} {first[1]:.1f} s" if first else ""))
-
     def _rollback(self, err: NonFiniteError) -> None:
         """training.max_rollbacks: back to the newest complete checkpoint, keeping the data position, so the steps
         after it see new batches instead of the ones that went bad. Every rank gets here at the same step (the
@@ -402,31 +386,9 @@ class Trainer:
                        f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err.reason}; the data continues after "
                        f"step {bad_step}'s batches")
 
-    @torch.no_grad()
     def validate(self) -> float:
-        """Mean token loss over validation.steps batches of the held-out data (logged with perplexity)."""
-        for part in self.model_parts:
-            part.eval()
-        # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
-        loader = self.val_loader if self.val_loader is not None else build_validation_dataloader(
-            self.cfg.data, self.cfg.validation, self.tokenizer, **self.val_loader_kw)
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
-        for _, (inputs, labels) in zip(range(self.cfg.validation.steps), loader):
-            inputs, labels, kwargs = self.batch_layout(inputs.to(self.device), labels.to(self.device))
-            with self.amp, self._sdpa(), self._loss_ctx():
-                if self.pp is not None:  # forward-only schedule; the loss is summed on the last stage
-                    loss_sum += self.pp.eval_loss(inputs, labels, kwargs)
-                else:
-                    loss_sum += self._forward_loss(inputs, labels, kwargs)
-            tokens += (labels != IGNORE_INDEX).sum()
-        if self.pp is not None:
-            self.pp.reduce_over_pp(loss_sum)
-        loss = (self._all_reduce_sum(loss_sum) / self._all_reduce_sum(tokens)).item()
-        self.metrics.log_validation(self.step, loss)
-        for part in self.model_parts:
-            part.train()
-        return loss
+        """Mean token loss over validation.steps batches of the held-out data (titanlike/train/evaluate.py)."""
+        return validation_loss(self)
 
     def state_dict(self) -> dict:
         """The trainer's own counters, for checkpoints."""
