@@ -60,6 +60,19 @@ def test_sigint_always_interrupts(signals):
     assert e.value.exit_code == 130
 
 
+def test_a_new_owner_retires_the_previous_one():
+    """A run set up after another that was never closed (a failed set-up in a test process) takes the handlers and
+    the watchdog over: the old watchdog must never exit the process for a signal meant for the new one."""
+    old = RunSignals()
+    new = RunSignals()
+    try:
+        assert old._closed.is_set() and RunSignals._active is new
+        assert signal.getsignal(signal.SIGTERM) == new._on_signal
+    finally:
+        new.close()
+    assert signal.getsignal(signal.SIGTERM) not in (old._on_signal, new._on_signal)
+
+
 def test_phases_time_the_setup(signals):
     signals.enter("data")
     time.sleep(0.02)

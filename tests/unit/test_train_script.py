@@ -21,6 +21,7 @@ def _run(*args, timeout=120):
     (["--training.steps=many"], "training.steps"),
     (["--parallelism.tp=2"], "world"),  # 1 process cannot host tp 2
     (["--model.flavor=9B"], "model.flavor"),
+    (["--model.flavor=9B", "--print-config"], "model.flavor='9B' is not a llama3 flavor"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(args, expect):
     p = _run(*args)

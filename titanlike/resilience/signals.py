@@ -51,6 +51,9 @@ class RunSignals:
     agreed step boundary; every other phase is interrupted at once."""
 
     STOP = (signal.SIGTERM, signal.SIGUSR1)
+    # One owner of the handlers and the wakeup fd per process: a Trainer built after another one that was never
+    # closed (a failed set-up in a test process) takes over, so a stale watchdog can never act for it.
+    _active: RunSignals | None = None
 
     def __init__(self, check_freq: int = 10, train_grace_s: float = 160.0):
         self.check_freq, self.train_grace_s = check_freq, train_grace_s
@@ -69,6 +72,9 @@ class RunSignals:
         self._closed = threading.Event()
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be installed from the main thread (a test harness thread): signals off
+        if RunSignals._active is not None:
+            RunSignals._active.close()
+        RunSignals._active = self
         for sig in (*self.STOP, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self._start_watchdog()
@@ -195,6 +201,8 @@ class RunSignals:
                 os._exit(code)
 
     def close(self) -> None:
+        if RunSignals._active is self:
+            RunSignals._active = None
         self._closed.set()
         if self._timer is not None:
             self._timer.cancel()
