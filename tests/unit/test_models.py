@@ -395,7 +395,7 @@ def test_args_from_hf_config_llama31_8b():
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     }
     args = args_from_hf_config(cfg)
-    assert dataclasses.replace(args, max_seq_len=8192) == llama3_flavors["8B"]
+    assert dataclasses.replace(args, max_seq_len=131072) == llama3_flavors["8B"]
     cfg_32_1b = dict(cfg, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      rope_scaling=dict(cfg["rope_scaling"], factor=32.0))
     args_1b = args_from_hf_config(cfg_32_1b)

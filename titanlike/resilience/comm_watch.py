@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from titanlike.distributed.timeouts import set_collective_timeout
+from titanlike.resilience.runlock import process_running
 
 logger = logging.getLogger("titanlike")
 HEARTBEAT_DIR = "heartbeat"
@@ -138,17 +139,9 @@ def process_gone(rec: dict) -> bool:
     """True when the heartbeat's process ran on this host and no longer exists: it exited or was killed."""
     if rec.get("host") != socket.gethostname() or not rec.get("pid"):
         return False  # another host: only the heartbeat's age can tell
-    pid = int(rec["pid"])
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError):
-        return False
-    try:  # killed but not yet reaped by its parent (torchrun): a zombie still answers kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
+        return not process_running(int(rec["pid"]))
+    except ValueError:
         return False
 
 

@@ -53,13 +53,25 @@ def _boot_id() -> str:
         return ""
 
 
-def _alive(pid: int, start: str | None) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this host runs. A killed process its parent has not reaped yet (a zombie) still
+    answers kill(pid, 0): it does not run."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
         pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    if not process_running(pid):
+        return False
     now = _proc_start(pid)
     return start is None or now is None or now == start
 
