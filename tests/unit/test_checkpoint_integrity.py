@@ -337,6 +337,22 @@ def test_stale_locks_are_taken_over_with_a_warning(tmp_path, caplog):
     assert "its holder on host elsewhere last refreshed it" in caplog.text
 
 
+def test_a_killed_holder_not_yet_reaped_is_not_running(tmp_path, caplog):
+    """A killed run whose parent has not reaped it yet (a zombie, as right after kill -9 under a launcher) still
+    answers kill(pid, 0); its restart must take the lock over, not refuse."""
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir, seconds=0)  # exits at once; not waited for: a zombie until holder.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    try:
+        with caplog.at_level(logging.WARNING, logger="titanlike"):
+            RunLock(str(run_dir)).acquire().release()
+        assert f"pid {holder.pid} is no longer running on this host" in caplog.text
+    finally:
+        holder.wait()
+
+
 def test_the_lock_is_refreshed_while_held(tmp_path):
     lock = RunLock(str(tmp_path), refresh_s=0.05).acquire()
     old = time.time() - 600
