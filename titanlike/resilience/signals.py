@@ -4,7 +4,7 @@ Between steps of a running job a SIGTERM/SIGUSR1 only sets a flag: the ranks agr
 training.signal_check_freq steps), save a checkpoint at that step boundary and exit 0, so a requeue resumes. Anywhere
 else - set-up, checkpoint load, the first step (compilation), waiting for data - there is nothing worth finishing,
 so the signal raises `Interrupted` at once and the run exits with 128 + the signal number and one line. SIGINT always
-interrupts at once.
+interrupts at once; a repeated SIGTERM/SIGUSR1 during a graceful stop does not (launchers forward them twice).
 
 Python runs signal handlers only between bytecodes of the main thread, so a main thread blocked in C++ (a
 collective, a rendezvous, a stuck filesystem) would never see the signal. A watchdog thread wakes on the signal
@@ -62,6 +62,7 @@ class RunSignals:
         self.phase, self.graceful, self._grace = "set-up", False, SETUP_GRACE_S
         self._patience: float | None = None
         self._timer: threading.Timer | None = None
+        self._force = False  # the patience timer's own signal: interrupt even a graceful phase
         self.timings: dict[str, float] = {}  # seconds spent per phase name (bounded: a few names)
         self._phase_start = time.monotonic()
         self._last_progress = time.monotonic()
@@ -103,8 +104,9 @@ class RunSignals:
         phase = self.phase
 
         def impatient():
-            if self.phase == phase:  # still stuck where the timer was armed: "a second signal", to the main
+            if self.phase == phase:  # still stuck where the timer was armed: interrupt, through the main
                 # thread itself so that a blocking call there returns EINTR and the handler runs
+                self._force = True
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
         self._timer = threading.Timer(self._patience, impatient)
@@ -146,9 +148,14 @@ class RunSignals:
         self.received = self.received or name
         if self._signal_time is None:
             self._signal_time = time.monotonic()
-        if signum == signal.SIGINT or not self.graceful or not first:  # a second signal: stop now
+        if signum == signal.SIGINT or not self.graceful or self._force:
+            self._force = False
             raise Interrupted(self.received if signum != signal.SIGINT else name, self.phase)
-        self._arm()
+        # A repeated SIGTERM/SIGUSR1 during a graceful stop is not impatience: launchers forward the scheduler's
+        # signal to workers that already got it (torchrun's agent, a process-group kill), and the time limit's
+        # SIGTERM follows SLURM's USR1 warning. Stopping now would lose the save in progress; SIGINT stops now.
+        if first:
+            self._arm()
 
     def should_stop(self, step: int) -> bool:
         """At a step boundary: True when this rank (or, multi-process, any rank) got SIGTERM/SIGUSR1."""
