@@ -2,7 +2,7 @@
 adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
-from models import deepseek_v3, llama3
+from models import deepseek_v3, gpt, llama3
 from models import mixtral, qwen3
 from models.spec import ModelSpec
 
@@ -14,6 +14,7 @@ MODELS: dict[str, ModelSpec] = {
     deepseek_v3.SPEC.name: deepseek_v3.SPEC,
     qwen3.SPEC.name: qwen3.SPEC,
     mixtral.SPEC.name: mixtral.SPEC,
+    gpt.SPEC.name: gpt.SPEC,
 }
 
 

@@ -27,6 +27,8 @@ WORLD_SIZES = {
     "deepseek_v3_debug.toml": [1, 2],
     "deepseek_v3_16b.toml": [8],
     "deepseek_v3_671b.toml": [512],
+    "gpt2_debug.toml": [1, 2],
+    "gpt3_345m.toml": [1, 8],
 }
 
 

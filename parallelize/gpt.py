@@ -1,0 +1,110 @@
+"""The GPT parallelization plans. Order kept visible, as in parallelize/llama3.py: (TP) -> CP -> AC -> compile -> FSDP.
+
+Tied embeddings (models/gpt: output.weight is tok_embeddings.weight):
+- TP: the embedding is vocabulary-sharded by rows (Shard(0)) and so is the column-parallel output projection, so
+  the one parameter has one placement; parallelize_module distributes each module's parameters on its own, and
+  `tie_weights()` afterwards points output.weight back at the embedding's DTensor.
+- FSDP: a parameter must belong to one FSDP group, so tok_embeddings joins the final norm and output in the tail
+  group (unsharded from its forward use to the output's backward: one vocabulary table of memory).
+- PP: refused by the family's check (the embedding is on the first stage, the output on the last).
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+)
+
+from models.gpt import SPEC
+from parallelize.ac import apply_ac
+from parallelize.compile import apply_compile
+from parallelize.cp import maybe_cp
+from parallelize.fsdp import maybe_fsdp
+from parallelize.tp import (
+    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
+)
+
+
+def _refuse_unimplemented(dims, allow: tuple[str, ...] = ()) -> None:
+    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+        if name not in allow and degree > 1:
+            raise ValueError(f"parallelism.{name}={degree}: this gpt plan does not implement {name.upper()}; "
+                             f"set parallelism.{name}=1")
+
+
+def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Module path -> DTensor style (parallelize/tp.py). The token and position embeddings are summed on the whole
+    (replicated) sequence; the first block's input is then cut to this rank's sequence shard (no communication)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "pos_embeddings": ReplicateParallel(),
+        # (hidden, positions, mask): the replicated sum of the embeddings -> the residual stream's layout.
+        "layers.0": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                       desired_input_layouts=(seq, None, None), use_local_output=True),
+        "layers.*.attention_norm": SequenceParallel(),  # LayerNorm weight and bias replicated
+        "layers.*.attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.attention.wq": ColwiseParallel(),  # weight and bias sharded by heads
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),  # bias replicated, added once
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "norm": SequenceParallel(),
+        "output": SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else
+                                            Replicate(), use_local_output=not loss_parallel),
+    }
+    if not sequence_parallel:
+        plan = {k: ReplicateParallel() if isinstance(v, SequenceParallel) else v for k, v in plan.items()}
+    return plan
+
+
+def _maybe_tp(model: nn.Module, dims, cfg) -> None:
+    if not dims.tp_enabled:
+        return
+    par = cfg.parallelism
+    problems = SPEC.check(model.args, dims, cfg.model.flavor)
+    if problems:
+        raise ValueError(problems[0])
+    tp_mesh = dims.get_mesh("tp")
+    apply_tp(model, tp_mesh, gpt_tp_plan(sequence_parallel=par.enable_sequence_parallel,
+                                         loss_parallel=par.enable_loss_parallel))
+    model.tie_weights()  # both Shard(0) on the TP mesh: one DTensor parameter again
+    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
+                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
+
+
+def _fsdp_groups(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input_modules, output_modules) for apply_fsdp: a tied embedding goes into the output group."""
+    if getattr(model, "tied", False) and model.tok_embeddings is not None and model.output is not None:
+        rest = tuple(m for m in SPEC.input_modules if m != "tok_embeddings")
+        return rest, ("tok_embeddings", *SPEC.output_modules)
+    return SPEC.input_modules, SPEC.output_modules
+
+
+def parallelize_gpt(model: nn.Module, dims, cfg) -> nn.Module:
+    """Default plan: TP -> CP -> AC -> per-block compile -> FSDP2/HSDP."""
+    _refuse_unimplemented(dims, allow=("tp", "pp", "cp"))
+    _maybe_tp(model, dims, cfg)
+    maybe_cp(model, dims)
+    apply_ac(model, cfg.activation_checkpoint)
+    apply_compile(model, cfg.compile)
+    maybe_fsdp(model, dims, cfg, *_fsdp_groups(model))
+    return model
+
+
+def parallelize_gpt_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
+    """FSDP2/HSDP (and CP) only; ignores AC and compile."""
+    if dims.tp_enabled:
+        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
+                         f"model.plan='default' or set parallelism.tp=1")
+    _refuse_unimplemented(dims, allow=("pp", "cp"))
+    maybe_cp(model, dims)
+    maybe_fsdp(model, dims, cfg, *_fsdp_groups(model))
+    return model
+
+
+PLANS = {"default": parallelize_gpt, "fsdp_only": parallelize_gpt_fsdp_only}
