@@ -239,3 +239,16 @@ def test_flops_per_token_matches_flop_counter(tie):
     counted = counter.get_total_flops() / (batch * seq)
     one_d = sum(p.numel() for p in model.parameters() if p.ndim == 1)
     assert counted == SPEC.flops_per_token(args, seq) - 6 * one_d
+
+
+def test_from_hf_reads_hub_naming():
+    """The hub's GPT-2 files name GPT2Model's keys (no `transformer.` prefix, no lm_head) and older ones carry the
+    causal-mask buffers attn.bias / attn.masked_bias: the same titanlike state dict."""
+    args = TINY
+    sd = gpt_hf.to_hf(build(args).state_dict(), args)
+    hub = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    hub["h.0.attn.bias"] = hub["h.0.attn.masked_bias"] = torch.ones(1)
+    got, want = gpt_hf.from_hf(hub, args), gpt_hf.from_hf(sd, args)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(KeyError, match="unexpected HF key"):
+        gpt_hf.from_hf({**sd, "transformer.h.0.attn.c_attn.extra": torch.ones(1)}, args)
