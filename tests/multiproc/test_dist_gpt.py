@@ -1,6 +1,6 @@
 """The GPT family under TP 2 (sequence and loss parallel on and off) and FSDP 2, tied and untied embeddings, against
 one process (gloo, fp32, 1e-5: loss, gradients, parameters after 3 SGD steps; checks in gpt_worker.py), and the
-trainer under CP 2 and TP 2 logging one process's losses. About 30 s together on 2 cores."""
+trainer under CP 2, TP 2 and (untied) PP 2 logging one process's losses. About 45 s together on 2 cores."""
 import os
 import re
 import subprocess
@@ -29,22 +29,25 @@ def _losses(out: str) -> dict[int, float]:
 
 
 @pytest.mark.dist
-def test_gpt_trainer_cp2_and_tp2_follow_one_process(tmp_path):
-    """scripts/train.py on configs/gpt2_debug.toml (tied, fp32 CPU): context parallel 2 (position ids of the
-    load-balanced chunks) and TP 2 (the re-tied vocabulary-sharded embedding/output) log one process's losses
-    (4 decimals) from the same seed: the seeded initial weights and every step."""
+def test_gpt_trainer_layouts_follow_one_process(tmp_path):
+    """scripts/train.py on configs/gpt2_debug.toml (fp32 CPU): context parallel 2 (position ids of the load-balanced
+    chunks) and TP 2 (the re-tied vocabulary-sharded embedding/output) of the tied flavor, and PP 2 of the untied one
+    (pos_embeddings on the first stage), log one process's losses (4 decimals) from the same seed: the seeded initial
+    weights and every step."""
     common = ["--config", "configs/gpt2_debug.toml", "--training.device=cpu", "--training.steps=6",
               "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2"]
-    one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *common,
-                          f"--job.dump_folder={tmp_path / 'one'}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    want = _losses(one.stdout + one.stderr)
-    assert sorted(want) == list(range(1, 7)), want
-    for name, flags in (("cp2", ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
-                        ("tp2", ["--parallelism.tp=2", "--parallelism.dp_shard=1"])):
-        run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, args=[*common, *flags,
-                                                                   f"--job.dump_folder={tmp_path / name}"],
-                           timeout=180)
-        got = _losses(run.stdout + run.stderr)
-        assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
+    cases = {"debugmodel": [("cp2", ["--parallelism.cp=2"]), ("tp2", ["--parallelism.tp=2"])],
+             "debugmodel_untied": [("pp2", ["--parallelism.pp=2"])]}
+    for flavor, layouts in cases.items():
+        base = [*common, f"--model.flavor={flavor}"]
+        one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *base,
+                              f"--job.dump_folder={tmp_path / flavor}"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+        want = _losses(one.stdout + one.stderr)
+        assert sorted(want) == list(range(1, 7)), want
+        for name, flags in layouts:
+            run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
+                               args=[*base, *flags, "--parallelism.dp_shard=1", f"--job.dump_folder={tmp_path / name}"])
+            got = _losses(run.stdout + run.stderr)
+            assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
