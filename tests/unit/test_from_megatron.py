@@ -1,0 +1,188 @@
+"""scripts/from_megatron.py + titanlike/config/megatron.py: Megatron flag blocks -> TOML that load_config reads."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlike.config.load import load_config
+from titanlike.config.megatron import MegatronError, parse, to_toml, tokenize, translate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Megatron-LM examples/gpt3 "GPT-3 345M" (seed 004's 00_train_gpt3_345m.sh), one GPU
+GPT3_345M = r"""
+GPT_MODEL_ARGS=(
+    --num-layers 24
+    --hidden-size 1024
+    --num-attention-heads 16
+    --seq-length 1024
+    --max-position-embeddings 1024
+)
+TRAINING_ARGS="
+    --micro-batch-size 4 \
+    --global-batch-size 8 \
+    --train-iters 500000 \
+    --lr-decay-iters 320000 \
+    --lr 0.00015 \
+    --min-lr 1.0e-5 \
+    --lr-decay-style cosine \
+    --lr-warmup-fraction .01 \
+    --weight-decay 1e-2 \
+    --clip-grad 1.0 \
+    --fp16
+"
+DATA_ARGS="
+    --data-path 0.3 /data/wiki_text_document 0.7 /data/books_text_document \
+    --vocab-file /data/gpt2-vocab.json \
+    --merge-file /data/gpt2-merges.txt \
+    --split 949,50,1
+"
+OUTPUT_ARGS="
+    --log-interval 100 \
+    --save-interval 10000 \
+    --eval-interval 1000 \
+    --save /ckpt/gpt3-345m \
+    --load /ckpt/gpt3-345m \
+    --eval-iters 10
+"
+"""
+
+# Seed 004's GPT2-large (774M: 36 layers, 1280 hidden, 20 heads), TP 2 + sequence parallel, bf16
+GPT2_LARGE = """
+python pretrain_gpt.py --num-layers=36 --hidden-size=1280 --num-attention-heads=20 --seq-length=1024 \\
+  --max-position-embeddings=1024 --micro-batch-size=32 --global-batch-size=64 --tensor-model-parallel-size=2 \\
+  --sequence-parallel --use-distributed-optimizer --bf16 --use-flash-attn --train-iters=1000 --lr=6e-4 \\
+  --min-lr=6e-5 --lr-warmup-iters=100 --lr-decay-iters=1000 --adam-beta1=0.9 --adam-beta2=0.95 --adam-eps=1e-8 \\
+  --tokenizer-type=GPT2BPETokenizer --vocab-file=vocab.json --merge-file=merges.txt --data-path=/d/owt_text_document \\
+  --recompute-granularity=full --recompute-method=uniform --recompute-num-layers=1 --attention-dropout 0.1 \\
+  --hidden-dropout 0.1 --init-method-std 0.02 --seed 1234 --distributed-backend nccl --no-masked-softmax-fusion
+"""
+
+LLAMA = """
+--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --position-embedding-type rope --swiglu --normalization RMSNorm --seq-length 8192
+--max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 16 --tensor-model-parallel-size 2
+--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --context-parallel-size 2 --bf16
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model /tok/llama3 --lr 3e-4 --min-lr 3e-5 --train-iters 100
+--untie-embeddings-and-output-weights --disable-bias-linear
+"""
+
+
+def _load(t, tmp_path: Path, world_size: int):
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(t))
+    return load_config(["--config", str(path)], world_size=world_size)
+
+
+def _unmapped(t) -> dict[str, str]:
+    return dict(t.unmapped)
+
+
+def test_gpt3_345m(tmp_path: Path) -> None:
+    t = translate(parse(tokenize(GPT3_345M)))
+    cfg = _load(t, tmp_path, world_size=1)
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("gpt", "gpt2-medium", -1)
+    assert (cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len) == (4, 8, 1024)
+    assert cfg.training.steps == 500000 and cfg.training.max_norm == 1.0
+    assert cfg.lr_scheduler.min_lr_factor == pytest.approx(1e-5 / 1.5e-4)
+    assert cfg.lr_scheduler.warmup_steps == 5000 and cfg.lr_scheduler.decay_type == "cosine"
+    assert cfg.optimizer.weight_decay == 0.01
+    assert cfg.data.dataset == "indexed"
+    assert cfg.data.paths == ["0.3", "/data/wiki_text_document", "0.7", "/data/books_text_document"]
+    assert (cfg.data.vocab_file, cfg.data.split) == ("/data/gpt2-vocab.json", "949,50,1")
+    assert (cfg.metrics.log_freq, cfg.checkpoint.interval, cfg.checkpoint.enable) == (100, 10000, True)
+    assert (cfg.validation.enable, cfg.validation.interval, cfg.validation.steps) == (True, 1000, 10)
+    assert cfg.job.dump_folder == "/ckpt/gpt3-345m"
+    un = _unmapped(t)
+    assert "fp16 loss scaling" in un["--fp16"]
+    assert "320000" not in un["--lr-decay-iters"] and "training.steps" in un["--lr-decay-iters"]
+    assert "Megatron checkpoints" in un["--load"]
+
+
+def test_gpt2_large(tmp_path: Path) -> None:
+    t = translate(parse(tokenize(GPT2_LARGE)))
+    cfg = _load(t, tmp_path, world_size=4)  # tp 2 * dp 2
+    assert (cfg.model.name, cfg.model.flavor) == ("gpt", "gpt2-large")
+    assert (cfg.parallelism.tp, cfg.parallelism.enable_sequence_parallel) == (2, True)
+    assert cfg.training.mixed_precision_param == "bfloat16" and cfg.model.attn_backend == "flash"
+    assert cfg.optimizer.betas == [0.9, 0.95] and cfg.optimizer.eps == 1e-8 and cfg.training.seed == 1234
+    assert cfg.activation_checkpoint.mode == "full"
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.data.merge_file == "merges.txt"
+    notes = dict(t.notes)
+    assert "FSDP" in notes["--use-distributed-optimizer"] and "--lr-decay-iters" in notes
+    assert "--distributed-backend" in notes and "--no-masked-softmax-fusion" in notes
+    un = _unmapped(t)
+    for flag in ("--attention-dropout", "--hidden-dropout", "--init-method-std", "--recompute-method"):
+        assert un[flag]
+
+
+def test_llama_block(tmp_path: Path) -> None:
+    t = translate(parse(tokenize(LLAMA)))
+    cfg = _load(t, tmp_path, world_size=8)  # tp 2 * pp 2 * cp 2
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("llama3", "8B", -1)
+    assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.cp) == (2, 2, 2)
+    assert cfg.parallelism.pp_layers_per_stage == 4
+    assert (cfg.data.tokenizer_type, cfg.data.tokenizer_model) == ("HuggingFaceTokenizer", "/tok/llama3")
+    assert cfg.training.seq_len == 8192
+    assert "--untie-embeddings-and-output-weights" in _unmapped(t)
+
+
+def test_off_flavor_shape_names_the_closest() -> None:
+    t = translate(parse(["--num-layers", "30", "--hidden-size", "1300", "--num-attention-heads", "20"]))
+    assert t.values["model"] == {"name": "gpt", "flavor": "gpt2-large", "n_layers": 30}
+    un = _unmapped(t)
+    assert "closest is 'gpt2-large'" in un["--hidden-size"] and "--num-attention-heads" in un
+
+
+def test_unknown_and_unmappable_are_listed() -> None:
+    flags = ["--foo-bar", "3", "--no-async-tensor-model-parallel-allreduce", "--fp16", "--loss-scale", "128",
+             "--initial-loss-scale", "4096", "--min-loss-scale", "1", "--loss-scale-window", "1000",
+             "--hysteresis", "2", "--num-experts", "8", "--moe-router-topk", "2", "$EXTRA_ARGS",
+             "--tensorboard-dir", "tb"]
+    t = translate(parse(flags))
+    un = _unmapped(t)
+    for flag in [f for f in flags if f.startswith(("--", "$"))]:
+        assert un.get(flag), flag
+    assert "unknown" in un["--foo-bar"] and "fp16 loss scaling" in un["--hysteresis"]
+    assert "# unmapped: --foo-bar:" in to_toml(t)
+
+
+def test_missing_value_is_an_error() -> None:
+    with pytest.raises(MegatronError, match="--lr needs a value"):
+        parse(["--lr", "--bf16"])
+
+
+def test_script_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
+    script = [sys.executable, str(ROOT / "scripts" / "from_megatron.py")]
+    flags = tmp_path / "flags.sh"
+    flags.write_text(GPT3_345M)
+    out = tmp_path / "run.toml"
+    r = subprocess.run(script + [str(flags), "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "unmapped: --fp16: titanlike has no fp16 loss scaling" in r.stderr and r.stdout == ""
+    assert load_config(["--config", str(out)], world_size=1).model.flavor == "gpt2-medium"
+    spec = importlib.util.spec_from_file_location("from_megatron", ROOT / "scripts" / "from_megatron.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # the other two ways in, without another interpreter start (torch import: ~4 s)
+    assert mod.main(["--", "--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12"]) == 0
+    assert 'flavor = "gpt2"' in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("--micro-batch-size 2 --seq-length"))
+    assert mod.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "from_megatron: --seq-length needs a value"
+
+
+def test_docs_table_is_true_to_the_code() -> None:
+    from titanlike.config import megatron as m
+    doc = (ROOT / "docs" / "megatron.md").read_text()
+    for flag, (key, _) in m._PLAIN.items():
+        assert f"| `{flag}` | `{key}` |" in doc, flag
+    for flag, (key, _) in m._SWITCHES.items():
+        assert f"| `{flag}` | `{key} = " in doc, flag
+    for flag in [*m._NOTED, *m._WHY]:
+        assert f"| `{flag}` |" in doc, flag
