@@ -126,7 +126,7 @@ def test_llama_block(tmp_path: Path) -> None:
     cfg = _load(t, tmp_path, world_size=8)  # tp 2 * pp 2 * cp 2
     assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("llama3", "8B", -1)
     assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.cp) == (2, 2, 2)
-    assert cfg.parallelism.pp_layers_per_stage == 4
+    assert cfg.parallelism.pp_layers_per_stage == 4 and cfg.parallelism.pp_schedule == "Interleaved1F1B"
     assert (cfg.data.tokenizer_type, cfg.data.tokenizer_model) == ("HuggingFaceTokenizer", "/tok/llama3")
     assert cfg.training.seq_len == 8192
     assert "--untie-embeddings-and-output-weights" in _unmapped(t)

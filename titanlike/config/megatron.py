@@ -265,6 +265,8 @@ def translate(flags: dict[str, list[str]]) -> Translation:
         elif name not in _MODEL and name not in _MODEL_SWITCHES and name not in _SCHED:
             t.unmapped.append((name, "turns off a Megatron feature or fusion titanlike has no key for" if
                                name.startswith("--no-") else "unknown to this translator: no titanlike key"))
+    if "--num-layers-per-virtual-pipeline-stage" in flags:  # several stages per rank: Megatron's interleaved 1F1B
+        t.set("parallelism.pp_schedule", "Interleaved1F1B")
     _model(flags, t)
     _schedule(flags, t)
     return t
