@@ -1,6 +1,6 @@
 """What checkpoint checksums cost (titanlike/checkpoint/integrity.py): one JSON line for docs/benchmarks.md.
 
-    python scripts/bench/checkpoint_bench.py [--gib 16] [--device auto] [--folder /tmp/ckpt_bench] [--io-threads 1]
+    python scripts/bench/checkpoint_bench.py [--gib 16] [--device auto] [--folder DIR] [--io-threads 1]
 
 Builds `--gib` GiB of fp32 tensors on the device, shaped like the block matrices of an 8B dense transformer (dim
 4096, FFN 14336: ~30 GiB of fp32 weights; a rank of a sharded run writes a share of that, plus 2x for AdamW's
@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 
@@ -156,7 +157,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=16.0, help="state size in GiB (<= 32 fits the 64 GiB disk)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--folder", default="/tmp/ckpt_bench", help="scratch folder, deleted at the end")
+    p.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "ckpt_bench"),
+                   help="scratch folder (default: ckpt_bench in the system's temp folder), deleted at the end")
     p.add_argument("--io-threads", type=int, default=1, help="DCP writer threads (checkpoint.io_threads)")
     args = p.parse_args(argv)
     if os.path.exists(args.folder):
