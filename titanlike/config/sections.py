@@ -62,6 +62,17 @@ class Training:
 
 
 @dataclass
+class LossScaling:
+    """fp16 loss scaling (training.mixed_precision_param="float16"; Megatron's --fp16 flags, titanlike/optim/loss_scale.py).
+    The loss is multiplied by the scale before backward; a step whose gradients overflow is skipped."""
+    static_scale: float = 0.0  # > 0: this fixed scale (--loss-scale); 0 = dynamic
+    initial_scale: float = 4294967296.0  # dynamic: the first scale, 2**32 (--initial-loss-scale)
+    min_scale: float = 1.0  # dynamic: never below this (--min-loss-scale)
+    window: int = 1000  # dynamic: this many steps without overflow double the scale (--loss-scale-window)
+    hysteresis: int = 2  # dynamic: overflowing steps (since the last growth) before the scale halves (--hysteresis)
+
+
+@dataclass
 class Optimizer:
     name: str = "AdamW"
     lr: float = 3e-4
@@ -195,6 +206,9 @@ class Data:
 @dataclass
 class Metrics:
     log_freq: int = 10
+    # titanlike | megatron (also print Megatron-LM's iteration line: "iteration N/ M | consumed samples: ... | lm loss:
+    # ... | loss scale: ... | grad norm: ... | number of skipped iterations: ..." for log parsers written for it)
+    log_format: str = "titanlike"
     enable_tensorboard: bool = True
     save_tb_folder: str = "tb"  # each process writes <run>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/
     enable_wandb: bool = False  # also log to Weights & Biases, rank 0 (pip install 'titanlike[wandb]')
@@ -254,6 +268,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -30,6 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_impl": ("auto", "autocast", "master_weights"),
     "optimizer.name": ("AdamW",),
+    "metrics.log_format": ("titanlike", "megatron"),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
     "parallelism.fsdp_reshard_after_forward": RESHARD_MODES,
