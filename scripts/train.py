@@ -2,6 +2,13 @@
 
     python scripts/train.py --config configs/debug_model.toml [--section.key=value ...] [--print-config] [--debug]
     torchrun --nproc_per_node 8 scripts/train.py --config CONFIG.toml   # any file in configs/
+    python scripts/train.py --megatron-args "--num-layers 24 --hidden-size 1024 ..." [--section.key=value ...]
+
+--megatron-args takes a Megatron-LM pretrain_gpt.py flag block as one argument (quoted, or @FILE to read it from a
+file; backslash continuations, comments and the words before the first flag are fine): it is translated as by
+scripts/from_megatron.py (docs/megatron.md), the flags it cannot map are listed, the TOML is written to
+<run folder>/megatron_args.toml, and the run trains as if that TOML were given with --config; --section.key=value
+overrides after it win, and a --config FILE given too is the base the flags are applied over.
 
 Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
 key means: the comments in titanlike/config/sections.py.
@@ -28,6 +35,8 @@ for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # before the impor
 
 from titanlike.config import ConfigError, config_to_toml, load_config
 from titanlike.config.load import split_flags
+from titanlike.config.megatron import MegatronError
+from titanlike.config.megatron_args import load_with_megatron_args, take_block
 from titanlike.observe.log import setup_logging
 from titanlike.resilience.signals import Interrupted
 
@@ -41,17 +50,25 @@ def main(argv: list[str]) -> int:
     logger = setup_logging()
     from titanlike.checkpoint import CheckpointError
 
-    trainer, cfg = None, None
+    trainer, cfg, megatron = None, None, None
     try:
         try:
-            cfg = load_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            argv, block = take_block(argv)
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            if block is None:
+                cfg = load_config(argv, world_size=world_size)
+            else:
+                cfg, megatron = load_with_megatron_args(argv, block, world_size)
+                _report_megatron(megatron, logger)
             if "--print-config" in flags:
                 print(config_to_toml(cfg), end="")
                 return 0
             from titanlike.train.trainer import Trainer
 
             trainer = Trainer(cfg)
-        except (ConfigError, ValueError) as e:
+            if megatron is not None and trainer.rank == 0:
+                _write_megatron_toml(megatron, trainer.run_dir, logger)
+        except (ConfigError, MegatronError, ValueError) as e:
             return _fail(e, 2, debug)
         except (OSError, CheckpointError) as e:  # a folder, file, lock or disk at set-up: the message names it
             return _fail(e, 1, debug)
@@ -78,6 +95,22 @@ def main(argv: list[str]) -> int:
         if trainer is not None:
             trainer.close()
     return _finished(trainer, cfg, logger)
+
+
+def _report_megatron(megatron, logger) -> None:
+    """Every flag the translation could not map, with why (never dropped silently); once per job."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        for flag, why in megatron.translation.unmapped:
+            logger.warning(f"--megatron-args: unmapped: {flag}: {why}")
+
+
+def _write_megatron_toml(megatron, run_dir: str, logger) -> None:
+    path = os.path.join(run_dir, "megatron_args.toml")
+    flags = "\n".join(f"# {line}" for line in megatron.block.strip().splitlines())
+    with open(path + ".tmp", "w") as f:  # the TOML that was run, then the flag block it came from
+        f.write(f"{megatron.toml}\n# The flag block given to --megatron-args:\n{flags}\n")
+    os.replace(path + ".tmp", path)
+    logger.info(f"--megatron-args: the equivalent TOML is {path} (train it again: --config that file and the same overrides)")
 
 
 def _fail(e: BaseException, code: int, debug: bool) -> int:

@@ -98,8 +98,10 @@ def test_gpt3_345m(tmp_path: Path) -> None:
     assert (cfg.metrics.log_freq, cfg.checkpoint.interval, cfg.checkpoint.enable) == (100, 10000, True)
     assert (cfg.validation.enable, cfg.validation.interval, cfg.validation.steps) == (True, 1000, 10)
     assert cfg.job.dump_folder == "/ckpt/gpt3-345m"
+    assert cfg.training.mixed_precision_param == "float16" and cfg.loss_scaling.static_scale == 0  # dynamic
+    assert cfg.metrics.log_format == "megatron" and cfg.training.seed == 1234  # Megatron's default seed
     un = _unmapped(t)
-    assert "fp16 loss scaling" in un["--fp16"]
+    assert "--fp16" not in un
     assert "320000" not in un["--lr-decay-iters"] and "training.steps" in un["--lr-decay-iters"]
     assert "Megatron checkpoints" in un["--load"]
 
@@ -140,16 +142,52 @@ def test_off_flavor_shape_names_the_closest() -> None:
 
 
 def test_unknown_and_unmappable_are_listed() -> None:
-    flags = ["--foo-bar", "3", "--no-async-tensor-model-parallel-allreduce", "--fp16", "--loss-scale", "128",
-             "--initial-loss-scale", "4096", "--min-loss-scale", "1", "--loss-scale-window", "1000",
-             "--hysteresis", "2", "--num-experts", "8", "--moe-router-topk", "2", "$EXTRA_ARGS",
-             "--tensorboard-dir", "tb"]
+    flags = ["--foo-bar", "3", "--no-async-tensor-model-parallel-allreduce", "--num-experts", "8",
+             "--moe-router-topk", "2", "$EXTRA_ARGS", "--tensorboard-dir", "tb"]
     t = translate(parse(flags))
     un = _unmapped(t)
     for flag in [f for f in flags if f.startswith(("--", "$"))]:
         assert un.get(flag), flag
-    assert "unknown" in un["--foo-bar"] and "fp16 loss scaling" in un["--hysteresis"]
+    assert "unknown" in un["--foo-bar"] and "a shell variable" in un["$EXTRA_ARGS"]
     assert "# unmapped: --foo-bar:" in to_toml(t)
+    assert {f for f, _ in t.required()} == {"$EXTRA_ARGS", "--num-experts", "--moe-router-topk"}
+
+
+def test_fp16_loss_scaling_flags(tmp_path: Path) -> None:
+    flags = ["--fp16", "--loss-scale", "128", "--initial-loss-scale", "65536", "--min-loss-scale", "2",
+             "--loss-scale-window", "500.0", "--hysteresis", "3"]
+    t = translate(parse(flags))
+    assert t.values["loss_scaling"] == {"static_scale": 128.0, "initial_scale": 65536.0, "min_scale": 2.0,
+                                        "window": 500, "hysteresis": 3}
+    assert t.unmapped == [] and t.values["training"]["mixed_precision_param"] == "float16"
+    cfg = _load(t, tmp_path, world_size=1)
+    assert (cfg.loss_scaling.static_scale, cfg.loss_scaling.window) == (128.0, 500)
+    notes = dict(translate(parse(["--bf16", "--loss-scale", "8"])).notes)
+    assert "only acts with --fp16" in notes["--loss-scale"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ("--fp16 --bf16", "--fp16 and --bf16 contradict each other"),
+    ("--fp16 --loss-scale 0", "--loss-scale 0 must be > 0; leave it out for dynamic loss scaling"),
+    ("--fp16 --loss-scale -4", "--loss-scale -4 must be > 0"),
+    ("--fp16 --min-loss-scale 1e12", "--min-loss-scale 1e+12 is above --initial-loss-scale 4.29497e+09"),
+    ("--fp16 --min-loss-scale 64 --initial-loss-scale 32", "--min-loss-scale 64 is above --initial-loss-scale 32"),
+    ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
+    ("--fp16 --loss-scale-window 0", "--loss-scale-window 0 must be >= 1"),
+])
+def test_contradictions_are_one_line_errors(flags: str, message: str) -> None:
+    with pytest.raises(MegatronError) as e:
+        translate(parse(tokenize(flags)))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatron_defaults_fill_flags_left_out() -> None:
+    t = translate(parse(["--lr", "1e-3", "--adam-beta1", "0.8"]))
+    assert t.values["lr_scheduler"] == {"decay_type": "linear", "min_lr_factor": 0.0, "warmup_steps": 0}
+    assert t.values["optimizer"] == {"lr": 1e-3, "betas": [0.8, 0.999], "weight_decay": 0.01}
+    assert (t.values["training"]["seed"], t.values["metrics"]["log_freq"]) == (1234, 100)
+    t = translate(parse(["--lr-warmup-fraction", "0.1", "--train-iters", "50", "--min-lr", "0", "--lr", "1"]))
+    assert t.values["lr_scheduler"]["warmup_steps"] == 5 and t.values["lr_scheduler"]["min_lr_factor"] == 0.0
 
 
 def test_missing_value_is_an_error() -> None:
@@ -164,7 +202,7 @@ def test_script_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     out = tmp_path / "run.toml"
     r = subprocess.run(script + [str(flags), "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "unmapped: --fp16: titanlike has no fp16 loss scaling" in r.stderr and r.stdout == ""
+    assert "unmapped: --load: Megatron checkpoints" in r.stderr and r.stdout == ""
     assert load_config(["--config", str(out)], world_size=1).model.flavor == "gpt2-medium"
     spec = importlib.util.spec_from_file_location("from_megatron", ROOT / "scripts" / "from_megatron.py")
     mod = importlib.util.module_from_spec(spec)
@@ -186,3 +224,5 @@ def test_docs_table_is_true_to_the_code() -> None:
         assert f"| `{flag}` | `{key} = " in doc, flag
     for flag in [*m._NOTED, *m._WHY]:
         assert f"| `{flag}` |" in doc, flag
+    for flag, (key, value) in m.DEFAULTS.items():
+        assert f"| `{flag}` | `{key} = {m._toml_value(value)}` |" in doc, flag

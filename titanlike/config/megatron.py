@@ -11,15 +11,23 @@ from dataclasses import dataclass, field, fields
 
 from models import DEFAULT_MODEL, get_spec
 from titanlike.config.load import _toml_value
-from titanlike.config.sections import JobConfig
+from titanlike.config.sections import JobConfig, LossScaling
 
 
 class MegatronError(ValueError):
-    """A flag block that cannot be read (a flag without its value)."""
+    """A flag block that cannot be read or that contradicts itself (a flag without its value, --fp16 with --bf16)."""
 
 
 def _num(v: str) -> float:
     return float(v)
+
+
+def _whole(v: str) -> int:
+    """Megatron parses some counts as floats (--loss-scale-window 1000.0): accept those when they are whole."""
+    x = float(v)
+    if x != int(x):
+        raise ValueError(v)
+    return int(x)
 
 
 _PLAIN = {  # Megatron flag -> (section.key, converter from the flag's text)
@@ -47,10 +55,21 @@ _PLAIN = {  # Megatron flag -> (section.key, converter from the flag's text)
     "--eval-iters": ("validation.steps", int),
     "--log-interval": ("metrics.log_freq", int),
     "--save": ("job.dump_folder", str),
+    "--virtual-pipeline-model-parallel-size": ("parallelism.pp_stages_per_rank", int),
+    "--num-workers": ("data.num_workers", int),
+    "--wandb-project": ("metrics.wandb_project", str),
+    "--wandb-entity": ("metrics.wandb_entity", str),
+    "--wandb-exp-name": ("job.run_name", str),
+    "--loss-scale": ("loss_scaling.static_scale", _num),
+    "--initial-loss-scale": ("loss_scaling.initial_scale", _num),
+    "--min-loss-scale": ("loss_scaling.min_scale", _num),
+    "--loss-scale-window": ("loss_scaling.window", _whole),
+    "--hysteresis": ("loss_scaling.hysteresis", int),
 }
 _SWITCHES = {  # flags without a value -> (section.key, value)
     "--sequence-parallel": ("parallelism.enable_sequence_parallel", True),
     "--bf16": ("training.mixed_precision_param", "bfloat16"),
+    "--fp16": ("training.mixed_precision_param", "float16"),
     "--reset-attention-mask": ("data.document_masking", True),
     "--reset-position-ids": ("data.reset_position_ids", True),
     "--eod-mask-loss": ("data.eod_mask_loss", True),
@@ -65,14 +84,11 @@ _NOTED = {  # flags titanlike already does by default: no key, a note
     "--no-bias-dropout-fusion": "no fusion knob; use compile.enable for fused kernels",
     "--no-gradient-accumulation-fusion": "no fusion knob",
     "--disable-bias-linear": "the RoPE/SwiGLU family has no linear biases (the gpt family keeps GPT-2's)",
+    "--overlap-grad-reduce": "FSDP overlaps the gradient reduce-scatter with backward by default",
+    "--overlap-param-gather": "FSDP prefetches the next block's parameters during compute by default",
+    "--transformer-impl": "titanlike has one implementation (torch); FP8 is float8.enable",
 }
 _WHY = {  # flags known to have no titanlike equivalent yet -> why
-    "--fp16": "titanlike has no fp16 loss scaling yet; use --bf16",
-    "--loss-scale": "titanlike has no fp16 loss scaling yet",
-    "--initial-loss-scale": "titanlike has no fp16 loss scaling yet",
-    "--min-loss-scale": "titanlike has no fp16 loss scaling yet",
-    "--loss-scale-window": "titanlike has no fp16 loss scaling yet",
-    "--hysteresis": "titanlike has no fp16 loss scaling yet",
     "--load": "Megatron checkpoints cannot be read yet; titanlike resumes from its own checkpoints by itself",
     "--init-method-std": "init std is a flavor field (models/*/args.py init_std), not a config key",
     "--attention-dropout": "dropout is a flavor field (gpt args attn_dropout), not a config key",
@@ -87,11 +103,28 @@ _MODEL = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidde
 _MODEL_SWITCHES = ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights")
 _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters",
           "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path")
-VALUED = set(_PLAIN) | set(_MODEL) | set(_SCHED) | {"--distributed-backend", "--loss-scale", "--initial-loss-scale",
-    "--min-loss-scale", "--loss-scale-window", "--hysteresis", "--load", "--init-method-std", "--attention-dropout",
-    "--hidden-dropout", "--num-experts", "--moe-router-topk", "--recompute-method", "--tensorboard-dir"}
+VALUED = set(_PLAIN) | set(_MODEL) | set(_SCHED) | {"--distributed-backend", "--transformer-impl", "--load",
+    "--init-method-std", "--attention-dropout", "--hidden-dropout", "--num-experts", "--moe-router-topk",
+    "--recompute-method", "--tensorboard-dir"}
+# Megatron's defaults where titanlike's differ: set when the block leaves the flag out, so the run is the one Megatron
+# would have trained (flag -> key, Megatron's default; --adam-beta1/2 are read together in _schedule).
+DEFAULTS = {
+    "--lr-decay-style": ("lr_scheduler.decay_type", "linear"),
+    "--min-lr": ("lr_scheduler.min_lr_factor", 0.0),
+    "--lr-warmup-iters": ("lr_scheduler.warmup_steps", 0),
+    "--weight-decay": ("optimizer.weight_decay", 0.01),
+    "--adam-beta2": ("optimizer.betas", [0.9, 0.999]),
+    "--seed": ("training.seed", 1234),
+    "--log-interval": ("metrics.log_freq", 100),
+}
 _LAUNCHER = {"nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend"}
 FLAG_TABLE = {**{k: v[0] for k, v in _PLAIN.items()}, **{k: v[0] for k, v in _SWITCHES.items()}}
+
+
+# Unmapped flags that change *what* is trained (the model's shape, MoE, an unexpanded $VAR that may hold anything):
+# a TOML can still be written and edited by hand, but `scripts/train.py --megatron-args` refuses to train without them.
+_REQUIRED = {"--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups", "--num-layers",
+             "--num-experts", "--moe-router-topk"}
 
 
 @dataclass
@@ -99,6 +132,10 @@ class Translation:
     values: dict[str, dict[str, object]] = field(default_factory=dict)
     unmapped: list[tuple[str, str]] = field(default_factory=list)
     notes: list[tuple[str, str]] = field(default_factory=list)
+
+    def required(self) -> list[tuple[str, str]]:
+        """The unmapped flags without which a run would train something else than the flag block asks for."""
+        return [(f, why) for f, why in self.unmapped if f in _REQUIRED or f.startswith("$") or "is not a" in why]
 
     def set(self, dotted: str, value: object) -> None:
         section, key = dotted.split(".")
@@ -251,7 +288,8 @@ def translate(flags: dict[str, list[str]]) -> Translation:
             try:
                 t.set(key, conv(" ".join(vals)))
             except ValueError:
-                t.unmapped.append((name, f"value {' '.join(vals)!r} is not a {conv.__name__}"))
+                kind = "number" if conv is _num else "whole number"
+                t.unmapped.append((name, f"value {' '.join(vals)!r} is not a {kind}"))
         elif name in _SWITCHES:
             t.set(*_SWITCHES[name])
             if vals:
@@ -265,11 +303,42 @@ def translate(flags: dict[str, list[str]]) -> Translation:
         elif name not in _MODEL and name not in _MODEL_SWITCHES and name not in _SCHED:
             t.unmapped.append((name, "turns off a Megatron feature or fusion titanlike has no key for" if
                                name.startswith("--no-") else "unknown to this translator: no titanlike key"))
-    if "--num-layers-per-virtual-pipeline-stage" in flags:  # several stages per rank: Megatron's interleaved 1F1B
+    # several stages per rank: Megatron's interleaved 1F1B
+    if "--num-layers-per-virtual-pipeline-stage" in flags or "--virtual-pipeline-model-parallel-size" in flags:
         t.set("parallelism.pp_schedule", "Interleaved1F1B")
+    if "--wandb-project" in flags:  # Megatron logs to W&B exactly when a project is named
+        t.set("metrics.enable_wandb", True)
+    # Megatron's iteration line ("iteration N/ M | ... | lm loss: ...") so log parsers written for it keep working
+    t.set("metrics.log_format", "megatron")
+    _precision(flags, t)
     _model(flags, t)
     _schedule(flags, t)
+    for flag, (key, value) in DEFAULTS.items():
+        section, name = key.split(".")
+        if flag not in flags and name not in t.values.get(section, {}):  # --lr-warmup-fraction also sets warmup
+            t.set(key, value)
     return t
+
+
+def _precision(f: dict[str, list[str]], t: Translation) -> None:
+    """fp16 and its loss scaling: contradictions are errors (Megatron's own checks), not unmapped flags."""
+    if "--fp16" in f and "--bf16" in f:
+        raise MegatronError("--fp16 and --bf16 contradict each other: keep one (--bf16 needs no loss scaling)")
+    ls = t.values.get("loss_scaling", {})
+    if "static_scale" in ls and not ls["static_scale"] > 0:
+        raise MegatronError(f"--loss-scale {ls['static_scale']:g} must be > 0; leave it out for dynamic loss scaling")
+    init, low = ls.get("initial_scale", LossScaling.initial_scale), ls.get("min_scale", LossScaling.min_scale)
+    if low > init:
+        raise MegatronError(f"--min-loss-scale {low:g} is above --initial-loss-scale {init:g}: the dynamic scale starts "
+                            f"at the initial one and never goes below the minimum; lower --min-loss-scale")
+    for flag, key in (("--hysteresis", "hysteresis"), ("--loss-scale-window", "window")):
+        if key in ls and ls[key] < 1:
+            raise MegatronError(f"{flag} {ls[key]} must be >= 1")
+    if ls and "--fp16" not in f:
+        for flag in ("--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"):
+            if flag in f:
+                t.notes.append((flag, "loss scaling only acts with --fp16 (training.mixed_precision_param = "
+                                      "\"float16\"); kept, but unused in this run"))
 
 
 def to_toml(t: Translation, header: str = "Translated from Megatron-LM flags by scripts/from_megatron.py") -> str:

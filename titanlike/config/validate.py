@@ -6,6 +6,7 @@ user fixes a config in one round trip. Types were already checked by the loader;
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from typing import Any
 
@@ -237,6 +238,29 @@ def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[s
                       f"(float16 would need loss scaling) or use mixed_precision_impl='autocast'")
 
 
+def check_loss_scaling(cfg: JobConfig, errors: list[str]) -> None:
+    """[loss_scaling] (fp16; Megatron's --loss-scale flags): checked whatever the precision, so a config that turns
+    fp16 on later does not start from a broken setting."""
+    ls = cfg.loss_scaling
+    if not (ls.static_scale >= 0 and math.isfinite(ls.static_scale)):
+        errors.append(f"loss_scaling.static_scale={ls.static_scale} must be >= 0 (0 = dynamic loss scaling, > 0 = "
+                      f"that fixed scale)")
+    for key in ("initial_scale", "min_scale"):
+        value = getattr(ls, key)
+        if not (value > 0 and math.isfinite(value)):
+            errors.append(f"loss_scaling.{key}={value} must be a finite number > 0 (e.g. initial_scale = 65536.0, "
+                          f"min_scale = 1.0)")
+    if 0 < ls.initial_scale < ls.min_scale:  # only between two valid scales: one mistake, one line
+        errors.append(f"loss_scaling.min_scale={ls.min_scale} must be <= loss_scaling.initial_scale="
+                      f"{ls.initial_scale} (the dynamic scale starts at initial_scale and never drops below "
+                      f"min_scale); lower min_scale or raise initial_scale")
+    for key, why in (("window", "steps without overflow before the scale doubles"),
+                     ("hysteresis", "overflowing steps tolerated before the scale halves")):
+        value = getattr(ls, key)
+        if value < 1:
+            errors.append(f"loss_scaling.{key}={value} must be >= 1 ({why})")
+
+
 def _check_global_batch(cfg: JobConfig, dp_shard: int | None, errors: list[str]) -> None:
     tr, par = cfg.training, cfg.parallelism
     gbs, lbs = tr.global_batch_size, tr.local_batch_size
@@ -286,6 +310,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     _check_features(cfg, errors)
     _check_global_batch(cfg, dp_shard, errors)
     check_mixed_precision(cfg, world_size, errors)
+    check_loss_scaling(cfg, errors)
     check_data(cfg, errors)
     if cfg.checkpoint.create_seed_checkpoint and world_size is not None and world_size > 1:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
