@@ -67,14 +67,27 @@ def stamped_folder(parent: str) -> str:
             path = f"{base}-{n}"
 
 
+def megatron_format(step: int, m: dict[str, float], ms_per_step: float, total_steps: int, global_batch: int) -> str:
+    """Megatron-LM's training log line (its `training_log`), field for field, so parsers written for it keep
+    working: consumed samples count whole global batches; bf16/fp32 runs print loss scale 1.0, as Megatron does."""
+    return (f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {step:8d}/{total_steps:8d} | consumed samples: "
+            f"{step * global_batch:12d} | elapsed time per iteration (ms): {ms_per_step:.1f} | learning rate: "
+            f"{m.get('lr', 0.0):.6E} | global batch size: {global_batch:5d} | lm loss: {m['loss']:.6E} | loss scale: "
+            f"{m.get('loss_scale', 1.0):.1f} | grad norm: {m.get('grad_norm', 0.0):.3f} | number of skipped "
+            f"iterations: {int(m.get('skipped_iters', 0)):3d} | number of nan iterations: "
+            f"{int(m.get('nan_iters', 0)):3d} |")
+
+
 class MetricsLogger:
     """Collects what the trainer reports at log steps; rank 0 prints and writes TensorBoard and W&B.
 
     `job_config` (the JobConfig) and `run_dir`: for W&B, which logs the whole config; without them (or with
-    metrics.enable_wandb false) only TensorBoard."""
+    metrics.enable_wandb false) only TensorBoard. megatron_line = (total steps, global batch size): print
+    Megatron-LM's iteration line instead of titanlike's (metrics.log_format = "megatron")."""
 
     def __init__(self, *, log_dir: str | None, device: torch.device, flops_per_token: float,
-                 is_rank0: bool, enable_tensorboard: bool, job_config=None, run_dir: str | None = None):
+                 is_rank0: bool, enable_tensorboard: bool, job_config=None, run_dir: str | None = None,
+                 megatron_line: tuple[int, int] | None = None):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = device_peak_flops(device)
@@ -100,9 +113,13 @@ class MetricsLogger:
                                          notes=job_config.job.description)
         self._t0 = time.perf_counter()
         self._tokens = 0  # tokens processed by this rank since the last log line
+        self._steps = 0  # steps since the last log line
+        self.megatron_line = megatron_line
 
     def add_tokens(self, n: int) -> None:
+        """Once per step: this rank's tokens of the step."""
         self._tokens += n
+        self._steps += 1
 
     def log(self, step: int, scalars: dict[str, float]) -> dict[str, float]:
         """`scalars` hold already-synced Python numbers (loss, grad_norm, lr); adds throughput and memory."""
@@ -114,9 +131,13 @@ class MetricsLogger:
         if self.peak:
             out["throughput/mfu_pct"] = 100 * tps * self.flops_per_token / self.peak
         out.update(memory_stats(self.device))
-        self._t0, self._tokens = time.perf_counter(), 0
+        ms_per_step = 1000 * elapsed / max(self._steps, 1)
+        self._t0, self._tokens, self._steps = time.perf_counter(), 0, 0
         if self.is_rank0:
-            logger.info(self.format_line(step, out))
+            if self.megatron_line is not None:
+                logger.info(megatron_format(step, out, ms_per_step, *self.megatron_line))
+            else:
+                logger.info(self.format_line(step, out))
             if self.writer is not None:
                 for k, v in out.items():
                     self.writer.add_scalar(k, v, step)
@@ -132,6 +153,9 @@ class MetricsLogger:
             parts.append(f"grad_norm {m['grad_norm']:7.3f}")
         if "lr" in m:
             parts.append(f"lr {m['lr']:.2e}")
+        if "loss_scale" in m:  # fp16: the scale, and the steps skipped for overflow since the last line
+            parts.append(f"loss_scale {m['loss_scale']:.0f}" + (f" (skipped {m['skipped_iters']})"
+                                                                 if m.get("skipped_iters") else ""))
         parts.append(f"tok/s {m['throughput/tokens_per_sec_per_device']:>9,.0f}")
         if "throughput/mfu_pct" in m:
             parts.append(f"mfu {m['throughput/mfu_pct']:5.1f}%")

@@ -86,26 +86,43 @@ def fused_clip_optimizers(optimizer) -> list[torch.optim.Optimizer] | None:
 
 @torch.no_grad()
 def clip_with_norm_(params: list[torch.Tensor], max_norm: float, total: torch.Tensor,
-                    fused_into: list[torch.optim.Optimizer] | None = None) -> None:
-    """Scale the gradients of `params` by min(max_norm / (total + 1e-6), 1), `total` being their global norm.
+                    fused_into: list[torch.optim.Optimizer] | None = None,
+                    loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale the gradients of `params` by min(max_norm / (norm + 1e-6), 1), `total` being their global norm, and
+    return the norm.
 
+    loss_scale (fp16, titanlike/optim/loss_scale.py): the gradients are that many times the true ones and `total`
+    is their norm; they are divided by it in the same pass, and the true norm is returned (clipping reads it).
     fused_into (from `fused_clip_optimizers`): leave the gradients as they are and have those optimizers' next
     step divide them by the inverse factor inside their kernel: the same update up to rounding (1 ulp)."""
+    if loss_scale is not None:
+        total = total / loss_scale
+    clip = max_norm > 0 and bool(params)
     if fused_into is not None:
-        scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0) if max_norm > 0 and params else None
+        scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0) if clip else None
+        if loss_scale is not None:
+            scale = loss_scale if scale is None else scale * loss_scale
         for opt in fused_into:
             opt.grad_scale = scale  # a 0-dim tensor: DTensor ops take it as replicated, like found_inf
-        return
-    if max_norm > 0 and params:
-        for idx in _placement_groups([p.grad for p in params]):  # foreach kernels want one mesh per call
-            torch.nn.utils.clip_grads_with_norm_([params[i] for i in idx], max_norm, total, foreach=True)
+        return total
+    if not (clip or loss_scale is not None and params):
+        return total
+    factor = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0) if clip else torch.ones_like(total.float())
+    if loss_scale is not None:
+        factor = factor / loss_scale
+    for idx in _placement_groups([p.grad for p in params]):  # foreach kernels want one mesh per call
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for i in idx:
+            by_dtype.setdefault(params[i].grad.dtype, []).append(params[i].grad)
+        for grads in by_dtype.values():
+            torch._foreach_mul_(grads, factor.to(grads[0].device))
+    return total
 
 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
-                    fused_into: list[torch.optim.Optimizer] | None = None) -> torch.Tensor:
+                    fused_into: list[torch.optim.Optimizer] | None = None,
+                    loss_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Clip by the global L2 norm (see `grad_norm`, `clip_with_norm_`) and return it, without a host sync."""
     params = [p for p in params if p.grad is not None]
-    total = grad_norm([p.grad for p in params])
-    clip_with_norm_(params, max_norm, total, fused_into)
-    return total
+    return clip_with_norm_(params, max_norm, grad_norm([p.grad for p in params]), fused_into, loss_scale)

@@ -17,6 +17,10 @@ Checkpoints never see the bf16 copy: the model's state_dict hands out the fp32 m
 first, then the bf16 copy), and the optimizer state has AdamW's keys with fp32 moments, so a checkpoint moves
 freely between this mode, autocast and FSDP layouts.
 
+fp16 (training.mixed_precision_param="float16", Megatron's --fp16) works the same way, except that fp16 shares no
+bits with fp32: the optimizer keeps the whole fp32 master (28 bytes per parameter moved), and the gradients arrive
+multiplied by the loss scale, which `grad_scale` divides out in the same pass (titanlike/optim/loss_scale.py).
+
 Gradient accumulation: bf16 gradients summed in bf16 over micro-batches would lose bits, so with accumulation each
 micro-batch's gradient is added into an fp32 buffer by a post-accumulate-grad hook (Megatron's main_grad) instead.
 """
@@ -52,16 +56,19 @@ def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
     if device.type != "cuda" or t.mixed_precision_param == "float32":
         return "none"
     compiled = cfg.compile.enable and "optimizer" in cfg.compile.components
-    if t.mixed_precision_impl == "auto" and compiled and t.mixed_precision_param == "bfloat16":
+    if t.mixed_precision_impl == "auto" and compiled and t.mixed_precision_param in ("bfloat16", "float16"):
         return "master_weights"
     return "autocast"
 
 
-def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_master(master: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 -> (bf16 rounded to nearest, ties away from zero; int16 remainder) with join_master(*split) == master.
+    fp16 (Megatron's --fp16) shares no bits with fp32: the "remainder" is then the whole fp32 master.
 
     On the int32 bit pattern: adding half a bf16 ulp (0x8000) and shifting rounds the magnitude (the sign bit is
     untouched: negative patterns are -2**31 + magnitude), and the remainder lies in [-0x8000, 0x7fff]."""
+    if dtype != torch.bfloat16:
+        return master.to(dtype), master
     bits = master.view(torch.int32)
     hi = (bits + 0x8000) >> 16
     lo = bits - hi * 65536
@@ -69,7 +76,9 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The fp32 master from the bf16 parameter (its top bits) and the int16 remainder."""
+    """The fp32 master from the bf16 parameter (its top bits) and the int16 remainder (or the fp32 master)."""
+    if lo.dtype == torch.float32:
+        return lo
     return (hi.view(torch.int16).to(torch.int32) * 65536 + lo.to(torch.int32)).view(torch.float32)
 
 
@@ -92,7 +101,7 @@ def adamw_update(params, grads, low_bits, exp_avgs, exp_avg_sqs, steps, group_lr
         bc1 = 1 - torch.pow(beta1, s_new)
         bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, s_new))
         w_new = w * (1 - lr * wd) - (lr / bc1) * m_new / (v_new.sqrt() / bc2_sqrt + eps)
-        hi_new, lo_new = split_master(torch.where(keep, w_new, w))  # split(join(p, lo)) == (p, lo): a no-op
+        hi_new, lo_new = split_master(torch.where(keep, w_new, w), p.dtype)  # split(join(p, lo)) == (p, lo): a no-op
         p.copy_(hi_new)
         lo.copy_(lo_new)
         m.copy_(torch.where(keep, m_new, m))
@@ -150,14 +159,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
                  compile: bool = False, accumulate_fp32: bool = False, overlap: bool = False,
-                 stable_state_dict: bool = False):
+                 stable_state_dict: bool = False, dtype: torch.dtype = torch.bfloat16):
         # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
         # both, and load into either.
         adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
         super().__init__(groups, {**adamw_keys, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
         self.low_bits: dict[nn.Parameter, torch.Tensor] = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
-            hi, self.low_bits[p] = split_master(p.detach().float())
+            hi, self.low_bits[p] = split_master(p.detach().float(), dtype)
             p.data = hi  # the same Parameter object: module, optimizer and hooks keep pointing at it
         names = {p: n for n, p in model.named_parameters()}
         buckets: dict[str, list] = {}
@@ -201,15 +210,15 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return main if main is not None else p.grad
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradients (per-tensor norms in fp32), clipping folded into the next step."""
+    def clip_grad_norm_(self, max_norm: float, loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Global L2 norm of the gradients (per-tensor norms in fp32), clipping (and the fp16 loss scale's division)
+        folded into the next step."""
         params = [p for p in self.low_bits if self.grad(p) is not None]
         if not params:
             return torch.zeros((), device=self._one.device)
         norms = torch._foreach_norm([self.grad(p) for p in params], 2.0, dtype=torch.float32)
         total = torch.linalg.vector_norm(torch.stack(norms))
-        clip_with_norm_(params, max_norm, total, fused_into=[self])
-        return total
+        return clip_with_norm_(params, max_norm, total, fused_into=[self], loss_scale=loss_scale)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -299,7 +308,7 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
         for name, (p, lo) in parts.items():
             value = state_dict.get(prefix + name)
             if value is not None and value.shape == lo.shape:
-                hi, low = split_master(value.to(device=lo.device, dtype=torch.float32))
+                hi, low = split_master(value.to(device=lo.device, dtype=torch.float32), p.dtype)
                 lo.copy_(low)
                 state_dict[prefix + name] = hi  # copied into the parameter as is: no second rounding
 
@@ -308,9 +317,9 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
 
 
 def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool, overlap: bool = False,
-                              stable_state_dict: bool = False) -> MasterWeightAdamW:
+                              stable_state_dict: bool = False, dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become bf16 here.
     (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
     return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                              compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap,
-                             stable_state_dict=stable_state_dict)
+                             stable_state_dict=stable_state_dict, dtype=dtype)

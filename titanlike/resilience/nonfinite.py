@@ -23,6 +23,13 @@ class NonFiniteError(RuntimeError):
         self.reason = reason or message
 
 
+def skips_on_device(optimizer) -> bool:
+    """Whether every optimizer (a PP container's too) skips an update itself where its `found_inf` is 1: fused
+    AdamW, or one that declares it (titanlike/optim/master_weights.py). Others need the host to decide."""
+    return all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
+               for o in getattr(optimizer, "optimizers", [optimizer]))
+
+
 class NonFiniteGuard:
     """Skips every optimizer update whose gradient norm is NaN/Inf.
 
@@ -36,35 +43,52 @@ class NonFiniteGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
         self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
-        # fused AdamW, or an optimizer that declares it reads found_inf (titanlike/optim/master_weights.py)
-        self.on_device = all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
-                             for o in self.optimizers)
+        self.on_device = skips_on_device(optimizer)
         self.max_consecutive = max_consecutive
         z = lambda: torch.zeros((), device=device)  # noqa: E731
         self.skipped, self.consecutive, self.first_bad, self.last_bad = z(), z(), z(), z()
         self.bad_microbatches = z()  # bit i set: micro-batch i of the last bad step had a non-finite local loss
+        self.nan_steps = z()  # steps with a non-finite loss on this rank (Megatron's "number of nan iterations")
         self._reported = 0
 
     def before_optimizer_step(self, step: int, microbatch_losses: list[torch.Tensor],
-                              grad_norm: torch.Tensor) -> bool:
-        """Records the step; returns False when the host must skip optimizer.step() (host mode only)."""
+                              grad_norm: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
+        """Records the step; returns False when the host must skip optimizer.step() (host mode only).
+
+        bad: under fp16 loss scaling the scaler skips overflowing steps itself, and only those it can no longer
+        answer by lowering the scale count here (LossScaler.at_floor, the same on every rank)."""
+        if bad is not None:
+            self._record(step, microbatch_losses, bad.float())
+            return True
         bad = (~torch.isfinite(grad_norm)).float()
-        self.skipped += bad
-        self.consecutive = (self.consecutive + 1) * bad
-        self.first_bad = torch.where(self.consecutive == 1, float(step), self.first_bad)
-        self.last_bad = torch.where(bad > 0, float(step), self.last_bad)
-        mask = sum(((~torch.isfinite(x)).float() * 2.0**i for i, x in enumerate(microbatch_losses)), bad * 0)
-        self.bad_microbatches = torch.where(bad > 0, mask, self.bad_microbatches)
+        self._record(step, microbatch_losses, bad)
         if self.on_device:
             for opt in self.optimizers:
                 opt.found_inf = bad  # fused AdamW skips the update where this is 1
             return True
         return not bool(bad.item())
 
+    def _record(self, step: int, microbatch_losses: list[torch.Tensor], bad: torch.Tensor) -> None:
+        self.skipped += bad
+        self.consecutive = (self.consecutive + 1) * bad
+        self.first_bad = torch.where(self.consecutive == 1, float(step), self.first_bad)
+        self.last_bad = torch.where(bad > 0, float(step), self.last_bad)
+        mask = sum(((~torch.isfinite(x)).float() * 2.0**i for i, x in enumerate(microbatch_losses)), bad * 0)
+        self.bad_microbatches = torch.where(bad > 0, mask, self.bad_microbatches)
+        self.nan_steps += (mask > 0).float()
+
     def reset(self) -> None:
         """Forget the current streak (after a rollback); the total of skipped updates stays."""
         self.consecutive.zero_()
         self.first_bad.zero_()
+
+    def interval_counts(self) -> dict[str, int]:
+        """Skipped updates and steps with a non-finite loss on this rank since the last call (log steps; a host
+        sync), as Megatron's log line counts them."""
+        now = (int(self.skipped.item()), int(self.nan_steps.item()))
+        last = getattr(self, "_interval_mark", (0, 0))
+        self._interval_mark = now
+        return {"skipped_iters": now[0] - last[0], "nan_iters": now[1] - last[1]}
 
     def check(self) -> int:
         """Host-side report on a log step; returns the number of skipped updates so far."""

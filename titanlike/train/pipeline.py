@@ -134,19 +134,17 @@ class PipelineRunner:
         return x
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, fused_into=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, fused_into=None, loss_scale=None) -> torch.Tensor:
         """Clip by the L2 norm over all stages and shards; returns it (identical on every rank, no host sync).
 
         Each rank holds different parameters: its local norm (full_tensor() reduces DTensor shards over the
         FSDP/TP mesh) is squared, summed over the pp group, and square-rooted. fused_into: see
-        titanlike.optim.clip_with_norm_."""
+        titanlike.optim.clip_with_norm_ (which also divides by an fp16 loss_scale and returns the true norm)."""
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         # titanlike.optim.grad_norm: DTensor grads on several meshes/placements (FSDP x TP) reduce group by group
         sq = grad_norm([p.grad for p in params]).to(self.device).float() ** 2
         dist.all_reduce(sq, group=self.pp_group)
-        total = sq.sqrt()
-        clip_with_norm_(params, max_norm, total, fused_into)
-        return total
+        return clip_with_norm_(params, max_norm, sq.sqrt(), fused_into, loss_scale)
 
 
 def _forget_metadata_pass(part: nn.Module) -> None:

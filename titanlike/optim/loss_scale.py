@@ -1,0 +1,97 @@
+"""fp16 loss scaling, as Megatron-LM's `--fp16` does it (training.mixed_precision_param = "float16", [loss_scaling]).
+
+fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. The loss is multiplied by a large scale before
+backward so the gradients live in fp16's range; the optimizer divides them back (the division is folded into the
+clip factor the update already applies, titanlike/optim/adamw.py: no extra pass over the gradients). A step whose
+gradients overflowed (a non-finite global grad norm, the same on every rank) is skipped and counts against the
+scale:
+
+* dynamic (default): an overflow lowers the hysteresis counter; when it reaches 0 the scale halves (never below
+  min_scale). `window` clean steps in a row double the scale and refill the counter. A clean step does not refill
+  it: overflows since the last growth add up, as in Megatron's DynamicGradScaler.
+* static (static_scale > 0): the scale never changes; overflowing steps are still skipped.
+
+Everything stays on the device (no host sync per step); the counters are read on log steps. The state (scale,
+growth and hysteresis counters, skip totals) is checkpointed with the trainer's, so a resumed run continues with the
+same scale. On CPU the model computes in fp32, but the scaling and skipping behave the same (tests run there).
+"""
+from __future__ import annotations
+
+import torch
+
+from titanlike.config.sections import LossScaling
+
+
+class LossScaler:
+    def __init__(self, cfg: LossScaling, device: torch.device):
+        self.dynamic = cfg.static_scale <= 0
+        self.min_scale = cfg.min_scale
+        self.window = cfg.window
+        self.hysteresis = cfg.hysteresis
+        z = lambda v=0.0: torch.full((), float(v), device=device)  # noqa: E731
+        self.scale = z(cfg.initial_scale if self.dynamic else cfg.static_scale)
+        self.growth_tracker = z()  # clean steps since the last overflow or growth
+        self.hysteresis_tracker = z(cfg.hysteresis)  # overflows left before the scale halves
+        self.skipped = z()  # overflowing steps skipped, in total
+        self.nan_steps = z()  # steps whose loss was non-finite on this rank, in total
+        self._overflow = z()
+        self._reported = (0, 0)  # (skipped, nan) at the last log step: Megatron logs per-interval counts
+
+    def backward_scale(self) -> torch.Tensor:
+        """Multiply the loss by this before backward (a device tensor: the scale changes without a recompile)."""
+        return self.scale
+
+    def overflow(self, scaled_grad_norm: torch.Tensor) -> torch.Tensor:
+        """1.0 where the (scaled) global grad norm is not finite, else 0.0; remembered for `update`."""
+        self._overflow = (~torch.isfinite(scaled_grad_norm)).float()
+        return self._overflow
+
+    def overflowed(self) -> bool:
+        """The last step's overflow on the host (a sync): the LR schedule does not advance past a skipped step."""
+        return bool(self._overflow.item())
+
+    @torch.no_grad()
+    def update(self, loss_sum: torch.Tensor | None = None) -> None:
+        """After the step: count it, and move the scale (dynamic). loss_sum: this rank's summed loss of the step."""
+        over = self._overflow
+        self.skipped += over
+        if loss_sum is not None:
+            self.nan_steps += (~torch.isfinite(loss_sum)).float()
+        if not self.dynamic:
+            return
+        clean = 1.0 - over
+        hyst = self.hysteresis_tracker - over
+        halve = (over > 0) & (hyst <= 0)
+        growth = (self.growth_tracker + 1) * clean  # an overflow restarts the window
+        grow = growth >= self.window
+        self.scale.copy_(torch.where(halve, torch.clamp(self.scale * 0.5, min=self.min_scale),
+                                     torch.where(grow, self.scale * 2.0, self.scale)))
+        self.growth_tracker.copy_(torch.where(grow, 0.0, growth))
+        self.hysteresis_tracker.copy_(torch.where(grow, float(self.hysteresis), torch.clamp(hyst, min=0.0)))
+
+    def at_floor(self) -> torch.Tensor:
+        """True on a step that overflowed with nothing left to lower: the scale is static or already min_scale.
+        Such steps are what the non-finite guard counts (an fp16 run that keeps overflowing there is broken)."""
+        floor = (self.scale <= self.min_scale) if self.dynamic else torch.ones_like(self.scale, dtype=torch.bool)
+        return (self._overflow > 0) & floor
+
+    def log_metrics(self) -> dict[str, float]:
+        """Host values for a log step: the scale, and the skipped / NaN-loss steps since the last log step."""
+        skipped, nan = int(self.skipped.item()), int(self.nan_steps.item())
+        out = {"loss_scale": self.scale.item(), "skipped_iters": skipped - self._reported[0],
+               "nan_iters": nan - self._reported[1]}
+        self._reported = (skipped, nan)
+        return out
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale.item(), "growth_tracker": self.growth_tracker.item(),
+                "hysteresis_tracker": self.hysteresis_tracker.item(), "skipped": self.skipped.item(),
+                "nan_steps": self.nan_steps.item()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """A static scale is the config's (a resumed run may change it); the counters always come back."""
+        keys = ("growth_tracker", "hysteresis_tracker", "skipped", "nan_steps") + (("scale",) if self.dynamic else ())
+        for k in keys:
+            if k in state:
+                getattr(self, k).fill_(float(state[k]))
+        self._reported = (int(self.skipped.item()), int(self.nan_steps.item()))
