@@ -83,9 +83,7 @@ def shard_files(hf_dir: str) -> dict[str, list[str]]:
 
 def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
     """HF folder -> out_dir/step-0 (+ out_dir/tokenizer). Returns {"path", "model_args", "flavor"}."""
-    import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
-    from torch.distributed.checkpoint import FileSystemWriter
 
     config, model_name = read_hf_config(hf_dir)
     spec = models.get_spec(model_name)
@@ -113,27 +111,10 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
     except KeyError as e:
         raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
     del hf_sd
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
-    missing = sorted(set(expected) - set(sd))
-    if missing:
-        raise CheckpointError(f"{hf_dir} lacks the tensors for titanlike's {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''} (config.json says {args.n_layers} layers)")
-    for k, shape in expected.items():
-        if tuple(sd[k].shape) != shape:
-            raise CheckpointError(f"{hf_dir}: {k} has shape {tuple(sd[k].shape)} but config.json implies {shape}")
-    if dtype:
-        sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
-    tmp = layout.prepare_tmp(out_dir, 0)
-    meta = {"model_name": model_name, "model_args": _asdict(args), "hf_source": os.path.abspath(hf_dir)}
-    with open(os.path.join(tmp, META), "w") as f:
-        json.dump(meta, f, indent=1)
-    shutil.copy(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "hf_config.json"))
-    with quiet_dcp():
-        dcp.save({MODEL: sd}, storage_writer=FileSystemWriter(tmp), no_dist=True)
-    saved_dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
-    layout.commit(tmp, final, {"step": 0, "world_size": 1, "model_only": True, "dtype": saved_dtype,
-                               "mode": "hf_import"})
+    meta = {"hf_source": os.path.abspath(hf_dir)}
+    final = write_model_step(out_dir, model_name, args, sd, meta, "hf_import", hf_dir, "config.json", dtype=dtype,
+                             extra=lambda tmp: shutil.copy(os.path.join(hf_dir, "config.json"),
+                                                           os.path.join(tmp, "hf_config.json")))
     tok = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))]
     if tok:
         os.makedirs(os.path.join(out_dir, "tokenizer"), exist_ok=True)
@@ -144,6 +125,42 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
                     None)
     flavor = spec.find_flavor(args)
     return {"path": final, "model": model_name, "model_args": args, "flavor": flavor, "tokenizer": tok_file}
+
+
+def write_model_step(out_dir: str, model_name: str, args, sd: dict[str, torch.Tensor], meta: dict, mode: str,
+                     src: str, args_from: str, dtype: str | None = None, extra=None) -> str:
+    """A converted state dict -> out_dir/step-0: a committed, model-only DCP step with meta.json, which
+    checkpoint.initial_load_path=out_dir loads under any layout. Every tensor the model has must be there with its
+    shape (CheckpointError naming `src` and where the shapes came from, `args_from`, otherwise). `extra(tmp)` may add
+    files before the commit. Shared by every importer (HF, Megatron). Returns the step's path."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    spec = models.get_spec(model_name)
+    final = layout.step_path(out_dir, 0)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"{src} lacks the tensors for titanlike's {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''} ({args_from} says {args.n_layers} layers)")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise CheckpointError(f"{src}: {k} has shape {tuple(sd[k].shape)} but {args_from} implies {shape}")
+    if dtype:
+        sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
+    tmp = layout.prepare_tmp(out_dir, 0)
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump({"model_name": model_name, "model_args": _asdict(args), **meta}, f, indent=1)
+    if extra is not None:
+        extra(tmp)
+    with quiet_dcp():
+        dcp.save({MODEL: sd}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    saved_dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    layout.commit(tmp, final, {"step": 0, "world_size": 1, "model_only": True, "dtype": saved_dtype, "mode": mode})
+    return final
 
 
 def _asdict(args) -> dict:
