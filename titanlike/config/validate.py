@@ -223,8 +223,12 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
 
 
 def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[str]) -> None:
-    """training.mixed_precision_impl="master_weights" (titanlike/optim/master_weights.py): one device, bf16 weights."""
+    """training.mixed_precision_impl="master_weights" (titanlike/optim/master_weights.py): one device, bf16 or fp16
+    weights; fp16 loss scaling is not wired into torchft's replica groups."""
     t = cfg.training
+    if t.mixed_precision_param == "float16" and cfg.fault_tolerance.enable:
+        errors.append("training.mixed_precision_param='float16' (loss scaling) is not supported with "
+                      "fault_tolerance.enable yet; use 'bfloat16'")
     if t.mixed_precision_impl != "master_weights":
         return
     ft = cfg.fault_tolerance.enable
@@ -232,10 +236,10 @@ def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[s
         errors.append(f"training.mixed_precision_impl='master_weights' is for runs on one device (this one has "
                       f"{world_size} processes{' and torchft' if ft else ''}); FSDP casts sharded weights itself: "
                       f"use mixed_precision_impl='auto'")
-    if t.mixed_precision_param != "bfloat16":
-        errors.append(f"training.mixed_precision_impl='master_weights' keeps bf16 weights, but "
-                      f"training.mixed_precision_param={t.mixed_precision_param!r}; set it to 'bfloat16' "
-                      f"(float16 would need loss scaling) or use mixed_precision_impl='autocast'")
+    if t.mixed_precision_param == "float32":
+        errors.append("training.mixed_precision_impl='master_weights' keeps bf16 or fp16 weights, but "
+                      "training.mixed_precision_param='float32'; set it to 'bfloat16' or 'float16', or use "
+                      "mixed_precision_impl='auto'")
 
 
 def check_loss_scaling(cfg: JobConfig, errors: list[str]) -> None:
