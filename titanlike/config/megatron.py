@@ -135,7 +135,7 @@ class Translation:
 
     def required(self) -> list[tuple[str, str]]:
         """The unmapped flags without which a run would train something else than the flag block asks for."""
-        return [(f, why) for f, why in self.unmapped if f in _REQUIRED or f.startswith("$") or "is not a" in why]
+        return [(f, why) for f, why in self.unmapped if f in _REQUIRED or "shell variable" in why or "is not a" in why]
 
     def set(self, dotted: str, value: object) -> None:
         section, key = dotted.split(".")
@@ -152,17 +152,27 @@ def tokenize(text: str) -> list[str]:
     return out
 
 
+_COMMAND_ENDS = {"|", "||", "&&", ";", "&"}
+STRAY = "(stray words)"  # parse()'s key for words after a --flag=value
+
+
 def parse(tokens: list[str]) -> dict[str, list[str]]:
     """{flag: values} ([] for a switch). Tokens before the first flag (python, pretrain_gpt.py) are skipped."""
     flags: dict[str, list[str]] = {}
     current = None
     for tok in tokens:
+        if tok in _COMMAND_ENDS:  # `... | tee log`, `... && echo done`: the rest is another command
+            break
+        if ">" in tok:  # a redirect (2>&1, >log): shell plumbing, not a flag value
+            continue
         if tok.startswith("$"):
             flags[tok], current = [], None
         elif tok.startswith("--"):
             name, eq, val = tok.partition("=")
             flags[name] = [val] if eq else []
-            current = name
+            current = None if eq else name  # --flag=value is complete: words after it are strays
+        elif current is None and flags and not tok.endswith(".py") and tok not in ("python", "python3"):  # launcher
+            flags.setdefault(STRAY, []).append(tok)
         elif current is not None:
             flags[current].append(tok)
     for name, vals in flags.items():
@@ -283,6 +293,10 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     for name, vals in flags.items():
         if name.startswith("$"):
             t.unmapped.append((name, "a shell variable: expand it first"))
+        elif name == STRAY:
+            t.unmapped.append((" ".join(vals), "stray words, not after a flag that takes them"))
+        elif any("$" in v for v in vals):  # --data-path=$DATA_DIR/x: the value is not known here
+            t.unmapped.append((name, f"{' '.join(vals)!r} holds a shell variable: expand it first"))
         elif name in _PLAIN:
             key, conv = _PLAIN[name]
             try:

@@ -1,0 +1,36 @@
+# Seed 000 "Pattern 2: Multi-Node Training with SLURM": "GPT-3 70B" (80 layers, 8192 hidden, 64 heads: no GPT-3
+# size, so the translator names the closest flavor), 16 nodes x 8 GPUs = 128, TP 8 x PP 4 x DP 4
+srun --mpi=pmix python pretrain_gpt.py \
+    --num-layers=80 \
+    --hidden-size=8192 \
+    --num-attention-heads=64 \
+    --seq-length=2048 \
+    --max-position-embeddings=2048 \
+    --micro-batch-size=1 \
+    --global-batch-size=128 \
+    --tensor-model-parallel-size=8 \
+    --pipeline-model-parallel-size=4 \
+    --sequence-parallel \
+    --use-distributed-optimizer \
+    --train-iters=100000 \
+    --lr=1.0e-4 \
+    --min-lr=1.0e-5 \
+    --lr-decay-style=cosine \
+    --lr-warmup-iters=2000 \
+    --weight-decay=0.1 \
+    --clip-grad=1.0 \
+    --bf16 \
+    --data-path=/scratch/data/pile_text_document \
+    --split=949,50,1 \
+    --tokenizer-type=GPT2BPETokenizer \
+    --vocab-file=/data/vocab/gpt2-vocab.json \
+    --merge-file=/data/vocab/gpt2-merges.txt \
+    --save=/scratch/checkpoints/gpt-70b \
+    --load=/scratch/checkpoints/gpt-70b \
+    --save-interval=500 \
+    --eval-interval=100 \
+    --eval-iters=10 \
+    --log-interval=1 \
+    --tensorboard-dir=/scratch/logs/gpt-70b \
+    --wandb-project=gpt-70b-training \
+    --distributed-backend=nccl
