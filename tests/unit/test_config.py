@@ -29,6 +29,15 @@ WORLD_SIZES = {
     "deepseek_v3_671b.toml": [512],
     "gpt2_debug.toml": [1, 2],
     "gpt3_345m.toml": [1, 8],
+    "gpt2_large.toml": [1],
+    "gpt2_large_dp2.toml": [2],
+    "gpt2_large_tp2.toml": [2],
+    "gpt2_large_sp2.toml": [2],
+    "gpt2_large_cp2.toml": [2],
+    "gpt3_2.7b.toml": [8],
+    "gpt3_175b.toml": [256],
+    "llama3_70b_tp4_pp4.toml": [64],
+    "llama3_70b_tp8_pp2.toml": [64],
 }
 
 
