@@ -40,6 +40,21 @@ class HFAdapter(Protocol):
     def hf_config(self, args: Any, dtype: Any, max_position_embeddings: int | None = None) -> dict: ...
 
 
+class MegatronAdapter(Protocol):
+    """What a family's models/<name>/megatron.py provides for Megatron-LM checkpoint import and export. Its dicts are
+    the canonical Megatron state dict of models/common/megatron_utils.py (whole tensors, global layer numbers);
+    titanlike/checkpoint/megatron.py reads and writes the on-disk formats around them."""
+
+    POSITION_EMBEDDING_TYPES: tuple[str, ...]  # Megatron --position-embedding-type values that mean this family
+    TP_SPLIT: dict[str, str]  # Megatron key or per-layer suffix -> "col" | "row" | "rep" | "glu" (how TP shards it)
+
+    def args_from_megatron(self, margs: dict) -> Any: ...  # ValueError naming the Megatron flag it cannot follow
+    def notes(self, margs: dict) -> list[str]: ...  # what imports but computes slightly differently
+    def from_megatron(self, msd: dict, args: Any, margs: dict | None = None) -> dict: ...
+    def to_megatron(self, state_dict: dict, args: Any) -> dict: ...
+    def megatron_args(self, args: Any) -> dict: ...  # Megatron-LM argument names -> values
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -61,6 +76,7 @@ class ModelSpec:
     input_modules: tuple[str, ...]
     output_modules: tuple[str, ...]
     hf: HFAdapter | None = None
+    megatron: MegatronAdapter | None = None
     # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
     run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
 

@@ -3,7 +3,7 @@ one ModelSpec."""
 from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
-from models.gpt import hf
+from models.gpt import hf, megatron
 from models.gpt.args import ModelArgs
 from models.gpt.counts import flops_per_token, param_counts, pp_costs
 from models.gpt.flavors import gpt_flavors
@@ -42,6 +42,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,
 )
 
 __all__ = ["SPEC", "Attention", "ModelArgs", "Transformer", "TransformerBlock", "gpt_flavors"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.ffn import ffn_hidden_dim
-from models.llama3 import hf
+from models.llama3 import hf, megatron
 from models.llama3.args import ModelArgs
 from models.llama3.counts import flops_per_token, param_counts, pp_costs
 from models.llama3.flavors import llama3_flavors
@@ -32,6 +32,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
 )
 
