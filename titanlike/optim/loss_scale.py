@@ -46,10 +46,6 @@ class LossScaler:
         self._overflow = (~torch.isfinite(scaled_grad_norm)).float()
         return self._overflow
 
-    def overflowed(self) -> bool:
-        """The last step's overflow on the host (a sync): the LR schedule does not advance past a skipped step."""
-        return bool(self._overflow.item())
-
     @torch.no_grad()
     def update(self, loss_sum: torch.Tensor | None = None) -> None:
         """After the step: count it, and move the scale (dynamic). loss_sum: this rank's summed loss of the step."""
@@ -95,3 +91,51 @@ class LossScaler:
             if k in state:
                 getattr(self, k).fill_(float(state[k]))
         self._reported = (int(self.skipped.item()), int(self.nan_steps.item()))
+
+
+class SkipAwareLR:
+    """The LR scheduler under fp16: a step that overflowed does not advance it, as in Megatron.
+
+    Reading the overflow at the end of its step would make the host wait for the backward every step. Instead the
+    flag goes to pinned host memory by a non-blocking copy, and the advance is settled just before the next update
+    (`settle`), when that copy has long finished. Whatever reads the schedule (the LR, a checkpoint) settles first,
+    so it never sees a pending step."""
+
+    def __init__(self, scheduler, scaler: LossScaler):
+        self.scheduler, self.scaler = scheduler, scaler
+        device = scaler.scale.device
+        self._flag = torch.zeros((), pin_memory=device.type == "cuda")
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def step(self) -> None:
+        """After an update (applied or skipped): the advance waits for `settle`."""
+        self.settle()
+        self._flag.copy_(self.scaler._overflow, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self._pending = True
+
+    def settle(self) -> None:
+        if not self._pending:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        self._pending = False
+        if not self._flag.item():
+            self.scheduler.step()
+
+    def get_last_lr(self):
+        self.settle()
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self):
+        self.settle()
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._pending = False
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name):  # everything else (optimizer, last_epoch, ...) is the scheduler's
+        return getattr(self.scheduler, name)

@@ -29,7 +29,7 @@ from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiling import StepProfiler
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
 from titanlike.optim.container import OptimizersContainer
-from titanlike.optim.loss_scale import LossScaler
+from titanlike.optim.loss_scale import LossScaler, SkipAwareLR
 from titanlike.optim.lr import build_lr_scheduler
 from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
 from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
@@ -141,8 +141,11 @@ class Trainer:
         self.fused_clip = fused_clip_optimizers(self.optimizer)
         self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
-        # fp16 (Megatron's --fp16): the loss is scaled before backward; overflowing steps are skipped
+        # fp16 (Megatron's --fp16): the loss is scaled before backward; overflowing steps are skipped, and do not
+        # advance the LR schedule
         self.scaler = LossScaler(cfg.loss_scaling, self.device) if t.mixed_precision_param == "float16" else None
+        if self.scaler is not None:
+            self.lr_scheduler = SkipAwareLR(self.lr_scheduler, self.scaler)
         self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
@@ -272,13 +275,12 @@ class Trainer:
                          else clip_grad_norm_(self.model.parameters(), max_norm, self.fused_clip, loss_scale))
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
+        self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the LR of this update (fp16: settles the last step)
         if commit and self._may_update(mb_losses, grad_norm):
             self.optimizer.step()  # with fused AdamW a non-finite step is skipped inside the kernel (found_inf)
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
-        # fp16: a skipped (overflowing) step does not advance the LR schedule, as in Megatron. The one host read
-        # per step waits for the gradient norm only; the update kernels are already queued.
-        if commit and (self.scaler is None or not self.scaler.overflowed()):
+        if commit:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None and commit:
@@ -332,7 +334,6 @@ class Trainer:
                 data_iter = iter(self.dataloader)
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
-            lr = self.lr_scheduler.get_last_lr()[0]
             self.log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
             # The data wait is normally instant; a signal pending in it for 10 s means it may never end: stop then.
             self.signals.enter("waiting for data", graceful=self.step != first_step, patience_s=10.0)
@@ -350,7 +351,7 @@ class Trainer:
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
                 counts = (self.scaler.log_metrics() if self.scaler is not None  # fp16: loss scale, skipped steps
                           else self.guard.interval_counts() if self.guard is not None else {})
-                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": self.step_lr,
                                                  **self.moe_metrics, **counts})
                 if self.guard is not None:
                     try:
