@@ -13,7 +13,6 @@ layers in torch_dist, local per-stage layer numbers, the local layer spec's norm
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -234,7 +233,7 @@ def write_torch_dist(out_dir: str, iteration: int, msd: dict[str, torch.Tensor],
     import argparse
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     n_layers = int(margs["num_layers"])
     flat: dict = {k: v.contiguous() for k, v in msd.items() if not k.startswith(LAYER_PREFIX)}
@@ -249,14 +248,14 @@ def write_torch_dist(out_dir: str, iteration: int, msd: dict[str, torch.Tensor],
         flat[LAYER_PREFIX + suffix] = torch.stack([layers[i] for i in range(n_layers)])
     for module in linear_modules:  # Megatron asks for these objects on load (TE keeps FP8 state in them)
         for i in range(n_layers):
-            buf = io.BytesIO()
-            torch.save(None, buf)
-            buf.seek(0)
-            flat[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{n_layers}"] = buf
+            # DCP pickles a non-tensor value as it is; Megatron reads a list of the objects' data (None: no state).
+            flat[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{n_layers}"] = [None]
     path = os.path.join(out_dir, f"iter_{iteration:07d}")
     os.makedirs(path)
     with quiet_dcp():
-        dcp.save(flat, storage_writer=FileSystemWriter(path), no_dist=True)
+        # Not flattened: the [None] lists must stay whole objects, and Megatron's own saves carry no planner data.
+        dcp.save(flat, storage_writer=FileSystemWriter(path), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
     torch.save({"args": argparse.Namespace(**margs), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
                os.path.join(path, "common.pt"))
     with open(os.path.join(path, "metadata.json"), "w") as f:
