@@ -106,3 +106,16 @@ def test_bad_tokenizer_settings(tmp_path):
     (tmp_path / "junk.model").write_bytes(b"\x00\x01junk")
     with pytest.raises(ValueError, match="not a sentencepiece model"):
         build_tokenizer(Data(tokenizer=str(tmp_path / "junk.model")))
+
+
+def test_mismatched_gpt2_files_name_both(tmp_path):
+    """A merges.txt from another vocabulary (a merge of tokens vocab.json lacks), or a damaged file: one error
+    naming both files and what to point the keys at."""
+    import json
+
+    json.dump({"a": 0, "b": 1, "<|endoftext|>": 2}, open(tmp_path / "vocab.json", "w"))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nx y\n")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"vocab.json / .*merges.txt: not GPT-2 BPE files .*data.vocab_file"):
+            build_tokenizer(Data(vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt")))
+        (tmp_path / "vocab.json").write_text("not json")

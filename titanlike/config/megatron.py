@@ -89,7 +89,9 @@ _NOTED = {  # flags titanlike already does by default: no key, a note
     "--transformer-impl": "titanlike has one implementation (torch); FP8 is float8.enable",
 }
 _WHY = {  # flags known to have no titanlike equivalent yet -> why
-    "--load": "Megatron checkpoints cannot be read yet; titanlike resumes from its own checkpoints by itself",
+    "--load": ("Megatron checkpoints are converted, not read by the trainer: python scripts/convert_megatron.py "
+               "import <--load folder> <out>, then checkpoint.initial_load_path=<out>; titanlike resumes from its "
+               "own checkpoints by itself"),
     "--init-method-std": "init std is a flavor field (models/*/args.py init_std), not a config key",
     "--attention-dropout": "dropout is a flavor field (gpt args attn_dropout), not a config key",
     "--hidden-dropout": "dropout is a flavor field (gpt args hidden_dropout), not a config key",
