@@ -136,7 +136,7 @@ def test_llama_block(tmp_path: Path) -> None:
 
 def test_off_flavor_shape_names_the_closest() -> None:
     t = translate(parse(["--num-layers", "30", "--hidden-size", "1300", "--num-attention-heads", "20"]))
-    assert t.values["model"] == {"name": "gpt", "flavor": "gpt2-large", "n_layers": 30}
+    assert t.values["model"] == {"name": "gpt", "flavor": "gpt2-large", "n_layers": 30, "vocab_pad_multiple": 128}
     un = _unmapped(t)
     assert "closest is 'gpt2-large'" in un["--hidden-size"] and "--num-attention-heads" in un
 
@@ -226,3 +226,26 @@ def test_docs_table_is_true_to_the_code() -> None:
         assert f"| `{flag}` |" in doc, flag
     for flag, (key, value) in m.DEFAULTS.items():
         assert f"| `{flag}` | `{key} = {m._toml_value(value)}` |" in doc, flag
+
+
+def test_vocab_padding_follows_megatron(tmp_path: Path) -> None:
+    """Megatron pads the vocabulary to --make-vocab-size-divisible-by (128) x TP: GPT-2's 50257 -> 50304 at TP 1;
+    the trainer rounds the tokenizer's size up to model.vocab_pad_multiple."""
+    t = translate(parse(["--tensor-model-parallel-size", "4", "--make-vocab-size-divisible-by", "64"]))
+    assert t.values["model"]["vocab_pad_multiple"] == 256
+    assert translate(parse(["--seq-length", "8"])).values["model"]["vocab_pad_multiple"] == 128
+    with pytest.raises(MegatronError, match="--make-vocab-size-divisible-by 0 must be >= 1"):
+        translate(parse(["--make-vocab-size-divisible-by", "0"]))
+    from titanlike.config.load import config_from_dict
+    from titanlike.train.trainer import Trainer
+
+    cfg = config_from_dict({"job": {"dump_folder": str(tmp_path)}, "model": {"vocab_pad_multiple": 128},
+                            "training": {"steps": 1, "seq_len": 16, "local_batch_size": 1, "device": "cpu"},
+                            "data": {"dataset": "stdlib", "tokenizer": "builtin"},
+                            "metrics": {"enable_tensorboard": False}})
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.model_args.vocab_size % 128 == 0
+        assert 0 <= trainer.model_args.vocab_size - trainer.tokenizer.vocab_size < 128
+    finally:
+        trainer.close()

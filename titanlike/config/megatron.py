@@ -104,7 +104,8 @@ _MODEL = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidde
           "--num-query-groups", "--position-embedding-type", "--normalization")
 _MODEL_SWITCHES = ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights")
 _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters",
-          "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path")
+          "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path",
+          "--make-vocab-size-divisible-by")
 VALUED = set(_PLAIN) | set(_MODEL) | set(_SCHED) | {"--distributed-backend", "--transformer-impl", "--load",
     "--init-method-std", "--attention-dropout", "--hidden-dropout", "--num-experts", "--moe-router-topk",
     "--recompute-method", "--tensorboard-dir"}
@@ -327,6 +328,7 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     # Megatron's iteration line ("iteration N/ M | ... | lm loss: ...") so log parsers written for it keep working
     t.set("metrics.log_format", "megatron")
     _precision(flags, t)
+    _vocab_padding(flags, t)
     _model(flags, t)
     _schedule(flags, t)
     for flag, (key, value) in DEFAULTS.items():
@@ -355,6 +357,19 @@ def _precision(f: dict[str, list[str]], t: Translation) -> None:
             if flag in f:
                 t.notes.append((flag, "loss scaling only acts with --fp16 (training.mixed_precision_param = "
                                       "\"float16\"); kept, but unused in this run"))
+
+
+def _vocab_padding(f: dict[str, list[str]], t: Translation) -> None:
+    """Megatron pads the tokenizer's vocabulary to a multiple of --make-vocab-size-divisible-by (default 128) times
+    the TP size (GPT-2's 50257 -> 50304): the same shapes, and checkpoints that convert row for row."""
+    text = " ".join(f.get("--make-vocab-size-divisible-by", ["128"]))
+    try:
+        n = int(text)
+    except ValueError:
+        raise MegatronError(f"--make-vocab-size-divisible-by {text!r} is not a whole number") from None
+    if n < 1:
+        raise MegatronError(f"--make-vocab-size-divisible-by {n} must be >= 1")
+    t.set("model.vocab_pad_multiple", n * int(t.values.get("parallelism", {}).get("tp", 1)))
 
 
 def to_toml(t: Translation, header: str = "Translated from Megatron-LM flags by scripts/from_megatron.py") -> str:

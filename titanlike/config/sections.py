@@ -23,6 +23,9 @@ class Model:
     flavor: str = "debugmodel"  # key into the model's flavors
     plan: str = "default"  # a registered plan name, or "package.module:function"
     vocab_size: int = -1  # -1 = take it from the tokenizer
+    # vocab_size=-1: round the tokenizer's vocabulary up to a multiple of this (Megatron pads to
+    # --make-vocab-size-divisible-by x TP: 50257 -> 50304); the extra rows are never a target
+    vocab_pad_multiple: int = 1
     n_layers: int = -1  # -1 = the flavor's; else that many blocks of the flavor's shape (Megatron's --num-layers)
     # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
     # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)

@@ -150,6 +150,7 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
         at_least("model.vocab_size", 1, " (or -1 to take it from the tokenizer)")
     if cfg.model.n_layers != -1:
         at_least("model.n_layers", 1, " (or -1 for the flavor's)")
+    at_least("model.vocab_pad_multiple", 1, " (1 = no padding)")
 
     for dotted in ("lr_scheduler.decay_ratio", "lr_scheduler.min_lr_factor"):
         value = _get(cfg, dotted)

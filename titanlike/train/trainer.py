@@ -71,7 +71,8 @@ class Trainer:
         self.signals.enter("tokenizer and model build")
         self.tokenizer = build_tokenizer(cfg.data)
         self.spec = spec = models.get_spec(cfg.model.name)
-        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
+        pad = cfg.model.vocab_pad_multiple  # Megatron's vocabulary padding (model.vocab_pad_multiple)
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else -(-self.tokenizer.vocab_size // pad) * pad
         flavor = spec.flavor_args(cfg.model.flavor)
         n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
         run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
