@@ -27,14 +27,9 @@ from titanlike.distributed.init import destroy_distributed, init_distributed, pi
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiling import StepProfiler
-from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
-from titanlike.optim.container import OptimizersContainer
-from titanlike.optim.loss_scale import LossScaler, SkipAwareLR
-from titanlike.optim.lr import build_lr_scheduler
-from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
 from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
 from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
-from titanlike.resilience.nonfinite import NonFiniteError, NonFiniteGuard, SpikeDetector, skips_on_device
+from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
@@ -42,6 +37,7 @@ from titanlike.train.evaluate import validation_loss
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
+from titanlike.train.update import Updater
 
 logger = logging.getLogger("titanlike")
 
@@ -124,29 +120,12 @@ class Trainer:
         # parameter FQNs are the whole model's).
         self.model = None if self.pp else self.model_parts[0]
 
-        # Who casts weights to bf16: FSDP's policy, autocast, or bf16 weights + fp32 masters (one device only).
+        # The update half of a step: precision mode, optimizer, LR, clip, non-finite guard, fp16 loss scaling
         self.signals.enter("optimizer")
-        self.precision = mixed_precision_mode(cfg, self.dims, self.device)
-        if self.precision == "master_weights":
-            self.optimizer = build_master_weight_adamw(
-                self.model_parts[0], cfg.optimizer, accumulate_fp32=t.global_batch_size > t.local_batch_size,
-                compile=cfg.compile.enable and "optimizer" in cfg.compile.components and self.device.type == "cuda",
-                overlap=cfg.optimizer.overlap_with_forward,
-                stable_state_dict=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem",
-                dtype=getattr(torch, t.mixed_precision_param))
-        else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
-            optimizers = [build_optimizer(part, cfg.optimizer, self.device) for part in self.model_parts]
-            self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        # Fused AdamW clips inside its kernel (titanlike/optim/adamw.py): one pass over the fp32 gradients less.
-        self.fused_clip = fused_clip_optimizers(self.optimizer)
-        self.guard = (NonFiniteGuard(self.optimizer, self.device, t.max_consecutive_bad_steps)
-                      if t.skip_nonfinite_steps else None)
-        # fp16 (Megatron's --fp16): the loss is scaled before backward; overflowing steps are skipped, and do not
-        # advance the LR schedule
-        self.scaler = LossScaler(cfg.loss_scaling, self.device) if t.mixed_precision_param == "float16" else None
-        if self.scaler is not None:
-            self.lr_scheduler = SkipAwareLR(self.lr_scheduler, self.scaler)
+        self.update = Updater(cfg, self.dims, self.device, self.model_parts)
+        self.precision, self.optimizer, self.lr_scheduler = (self.update.precision, self.update.optimizer,
+                                                             self.update.lr_scheduler)
+        self.guard = self.update.guard  # (the rollback resets its streak)
         self.rollbacks = 0  # training.max_rollbacks: how many times this run went back to a checkpoint
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
@@ -254,14 +233,12 @@ class Trainer:
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in batches)
         global_tokens = self._all_reduce_sum(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
-        loss_scale = self.scaler.scale if self.scaler is not None else None  # fp16: divided out again in the clip
-        if loss_scale is not None:
-            scale = scale * loss_scale
+        if self.update.loss_scale is not None:  # fp16: divided out again in the clip
+            scale = scale * self.update.loss_scale
         if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
             with self._sdpa(), self._loss_ctx(), self.amp:
                 loss_sum = self.pp.step(batches, scale)
             mb_losses = [loss_sum]
-            grad_norm = self.pp.clip_grad_norm_(self.cfg.training.max_norm, self.fused_clip, loss_scale)  # all stages
         else:
             loss_sum, mb_losses = torch.zeros((), device=self.device), []
             for inputs, labels, kwargs in batches:
@@ -271,38 +248,14 @@ class Trainer:
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())
-            max_norm = self.cfg.training.max_norm
-            grad_norm = (self.optimizer.clip_grad_norm_(max_norm, loss_scale) if self.precision == "master_weights"
-                         else clip_grad_norm_(self.model.parameters(), max_norm, self.fused_clip, loss_scale))
+        grad_norm = self.update.clip(self.model, self.pp)
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone
-        self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the LR of this update (fp16: settles the last step)
-        if commit and self._may_update(mb_losses, grad_norm):
-            self.optimizer.step()  # with fused AdamW a non-finite step is skipped inside the kernel (found_inf)
+        self.update.apply(self.step, mb_losses, loss_sum, grad_norm, commit)  # optimizer, LR, zero_grad
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
-        if commit:
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None and commit:
-            self.scaler.update(loss_sum)
         self.moe_metrics = self.moe.after_step(log=self.log_now)  # expert-bias balancing; load stats on log steps
         return loss_sum, global_tokens, grad_norm
-
-    def _may_update(self, mb_losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
-        """False when the host must skip optimizer.step(); on the device the optimizers' found_inf does it. A
-        non-finite grad norm skips the step: under fp16 as an overflow (the scaler lowers the scale; the guard
-        counts only overflows at the lowest scale), else through the guard."""
-        if self.scaler is None:
-            return self.guard is None or self.guard.before_optimizer_step(self.step, mb_losses, grad_norm)
-        overflow = self.scaler.overflow(grad_norm)
-        if self.guard is not None:
-            self.guard.before_optimizer_step(self.step, mb_losses, grad_norm, bad=self.scaler.at_floor())
-        if skips_on_device(self.optimizer):
-            for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
-                opt.found_inf = overflow
-            return True
-        return not bool(overflow.item())
 
     def train(self) -> list[dict]:
         """Runs to training.steps; returns the logged metrics (one dict per log step). A collective that times
@@ -350,10 +303,9 @@ class Trainer:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
-                counts = (self.scaler.log_metrics() if self.scaler is not None  # fp16: loss scale, skipped steps
-                          else self.guard.interval_counts() if self.guard is not None else {})
-                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": self.step_lr,
-                                                 **self.moe_metrics, **counts})
+                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(),
+                                                 "lr": self.update.step_lr, **self.moe_metrics,
+                                                 **self.update.log_counts()})  # fp16 scale, skipped steps
                 if self.guard is not None:
                     try:
                         m["skipped_steps"] = self.guard.check()  # raises after too many non-finite steps in a row
@@ -424,15 +376,11 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The trainer's own counters, for checkpoints."""
-        state = {"step": self.step, "tokens_seen": self.tokens_seen}
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **self.update.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
-        if self.scaler is not None and "loss_scaler" in state:  # (a bf16 checkpoint starts at the initial scale)
-            self.scaler.load_state_dict(state["loss_scaler"])
+        self.update.load_state_dict(state)
 
     def close(self) -> None:
         try:
