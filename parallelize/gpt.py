@@ -6,7 +6,10 @@ Tied embeddings (models/gpt: output.weight is tok_embeddings.weight):
   `tie_weights()` afterwards points output.weight back at the embedding's DTensor.
 - FSDP: a parameter must belong to one FSDP group, so tok_embeddings joins the final norm and output in the tail
   group (unsharded from its forward use to the output's backward: one vocabulary table of memory).
-- PP: refused by the family's check (the embedding is on the first stage, the output on the last).
+- PP: the embedding is on the first stage, the output on the last: each stage module keeps its own copy (the
+  model's `tied_parameters`), initialised equal and kept equal by summing their gradients after each backward
+  (parallelize/tied.py, titanlike/train/pipeline.py), as Megatron's embedding group does. On a stage the plan sees
+  an untied model: TP shards both copies alike (Shard(0) over tp), FSDP puts each in its stage's input / output group.
 """
 from __future__ import annotations
 

@@ -19,13 +19,8 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
     """What the parallel degrees of `par` require of `args`."""
     problems = attention_head_checks(args.n_heads, args.n_heads, par, flavor) or ffn_checks(args.hidden_dim, par,
                                                                                             flavor)
-    if args.tie_embeddings and par.pp > 1:
-        # The embedding lives on the first stage and the output projection on the last: one shared parameter
-        # cannot sit on two stages (keeping them equal would need a gradient all-reduce between the stages).
-        problems.append(f"model.flavor {flavor!r} ties the output projection to the embedding, which pipeline "
-                        f"parallel (parallelism.pp={par.pp}) cannot keep across stages; untie them "
-                        f"(a flavor with tie_embeddings=False, such as 'debugmodel_untied') or set "
-                        f"parallelism.pp=1")
+    # Tied embeddings under pipeline parallel: the last stage holds its own copy of the embedding as the output
+    # weight, kept equal to the first stage's by summing the two gradients (parallelize/tied.py, tied_parameters).
     return problems + dense_checks(par, "gpt")
 
 

@@ -16,7 +16,8 @@ def _gpt3(dim: int, n_layers: int, n_heads: int) -> ModelArgs:
 gpt_flavors: dict[str, ModelArgs] = {
     # Tiny model for CPU tests and smoke runs.
     "debugmodel": ModelArgs(dim=128, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=512),
-    # The same with a separate output matrix: what pipeline parallel needs (models/gpt/__init__.py's check).
+    # The same with a separate output matrix (its own weights, untied: also Megatron's
+    # --untie-embeddings-and-output-weights).
     "debugmodel_untied": ModelArgs(dim=128, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=512,
                                    tie_embeddings=False),
     "gpt2": _gpt2(768, 12, 12),  # 124M

@@ -5,6 +5,9 @@
 
 Learned absolute positions, pre-LayerNorm with bias, tanh-approximated GELU MLP (HF's gelu_new), biases on every
 projection but the output, and `output.weight` tied to `tok_embeddings.weight` by default (args.tie_embeddings).
+`tied_parameters` names the tie as FQN pairs (source, copy): a pipeline split that puts the two on different stages
+gives the copy's stage its own parameter, initialised as the source and kept equal by summing the two gradients
+(parallelize/tied.py, as Megatron does with the word embeddings of the first and last stage).
 
 The skeleton is models/common/decoder.py: the pipeline-stage conventions (modules set to None are skipped), the mask
 for packed documents and context parallel, and the `rope_cache` buffer -- which here holds position *ids*
@@ -120,6 +123,10 @@ class Transformer(Decoder):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.tied = args.tie_embeddings
+        # (source FQN, copy FQN): one parameter here; on a pipeline stage without the source the copy is its own
+        # parameter, initialised (seeded_init) and updated (parallelize/tied.py) as the source.
+        self.tied_parameters: list[tuple[str, str]] = (
+            [("tok_embeddings.weight", "output.weight")] if args.tie_embeddings else [])
 
     def _rope_cache(self, device: torch.device | str | None) -> torch.Tensor:
         """Position ids [max_seq_len] (int64): the decoder selects their rows as it would RoPE's."""
@@ -147,7 +154,9 @@ class Transformer(Decoder):
                 layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None and not self.tied:
+        if self.output is not None and self.output.weight is not getattr(self.tok_embeddings, "weight", None):
+            # Untied, or a pipeline stage's copy of the tied embedding: drawn as the embedding (under seeded_init
+            # the copy draws from the embedding's FQN, tied_parameters, so it starts equal to the first stage's).
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,

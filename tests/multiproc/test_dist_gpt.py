@@ -1,6 +1,7 @@
 """The GPT family under TP 2 (sequence and loss parallel on and off) and FSDP 2, tied and untied embeddings, against
 one process (gloo, fp32, 1e-5: loss, gradients, parameters after 3 SGD steps; checks in gpt_worker.py), and the
-trainer under CP 2, TP 2 and (untied) PP 2 logging one process's losses. About 45 s together on 2 cores."""
+trainer under CP 2, TP 2, PP 2 (untied) and tied PP 2 (1F1B, Interleaved1F1B, ZBVZeroBubble; its checkpoint loads
+into one process) logging one process's losses. About 80 s together on 2 cores."""
 import os
 import re
 import subprocess
@@ -31,26 +32,62 @@ def _losses(out: str) -> dict[int, float]:
 @pytest.mark.dist
 def test_gpt_trainer_layouts_follow_one_process(tmp_path):
     """scripts/train.py on configs/gpt2_debug.toml (fp32 CPU): context parallel 2 (position ids of the load-balanced
-    chunks) and TP 2 (the re-tied vocabulary-sharded embedding/output) of the tied flavor, and PP 2 of the untied one
-    (pos_embeddings on the first stage), log one process's losses (4 decimals) from the same seed: the seeded initial
-    weights and every step."""
+    chunks) and TP 2 (the re-tied vocabulary-sharded embedding/output) of the tied flavor, PP 2 of the untied one
+    (pos_embeddings on the first stage), and PP 2 of the tied one (4 layers; the last stage's own copy of the
+    embedding, gradients summed with the first stage's: parallelize/tied.py) under 1F1B, Interleaved1F1B (4 stages,
+    the copy on the other rank) and ZBVZeroBubble (first and last stage on rank 0: summed locally), log one
+    process's losses (4 decimals) from the same seed: the seeded initial weights and every step. The tied 1F1B run's
+    checkpoint holds the one-process keys with the two copies equal, and loads into one process (pp=1, strict) with
+    the one-process run's final weights."""
     common = ["--config", "configs/gpt2_debug.toml", "--training.device=cpu", "--training.steps=6",
               "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2"]
-    cases = {"debugmodel": [("cp2", ["--parallelism.cp=2"]), ("tp2", ["--parallelism.tp=2"])],
-             "debugmodel_untied": [("pp2", ["--parallelism.pp=2"])]}
-    for flavor, layouts in cases.items():
-        base = [*common, f"--model.flavor={flavor}"]
+    # Tied PP: both copies must decay alike (the embedding is not decayed by default, a Linear is: refused).
+    tied_pp = ["--model.flavor=debugmodel", "--model.n_layers=4", "--optimizer.decay_embeddings=true",
+               "--checkpoint.enable=true", "--checkpoint.interval=6"]
+    cases = {"debugmodel": (["--model.flavor=debugmodel"], [("cp2", ["--parallelism.cp=2"]),
+                                                           ("tp2", ["--parallelism.tp=2"])]),
+             "debugmodel_untied": (["--model.flavor=debugmodel_untied"], [("pp2", ["--parallelism.pp=2"])]),
+             "tied_pp": (tied_pp, [("tied_pp2", ["--parallelism.pp=2"]),
+                                   ("tied_pp2_interleaved", ["--parallelism.pp=2",
+                                                             "--parallelism.pp_schedule=Interleaved1F1B"]),
+                                   ("tied_pp2_zbv", ["--parallelism.pp=2",
+                                                     "--parallelism.pp_schedule=ZBVZeroBubble"])])}
+    for ref, (flags, layouts) in cases.items():
+        base = [*common, *flags]
         one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *base,
-                              f"--job.dump_folder={tmp_path / flavor}"], cwd=REPO_ROOT, capture_output=True,
+                              f"--job.dump_folder={tmp_path / ref}"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
         want = _losses(one.stdout + one.stderr)
         assert sorted(want) == list(range(1, 7)), want
-        for name, flags in layouts:
+        for name, layout_flags in layouts:
             run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
-                               args=[*base, *flags, "--parallelism.dp_shard=1", f"--job.dump_folder={tmp_path / name}"])
+                               args=[*base, *layout_flags, "--parallelism.dp_shard=1",
+                                     f"--job.dump_folder={tmp_path / name}"])
             got = _losses(run.stdout + run.stderr)
             assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
+    _check_tied_checkpoint(tmp_path / "tied_pp2", tmp_path / "tied_pp")
+
+
+def _check_tied_checkpoint(pp_dir: Path, one_dir: Path) -> None:
+    """The PP 2 checkpoint of a tied model: the keys of one process's, tok_embeddings.weight == output.weight, and
+    a strict load into the one-process (tied) model gives the one-process run's final weights."""
+    import torch
+
+    from titanlike.checkpoint.loading import load_model_weights
+    from titanlike.checkpoint.states import full_model_state, model_from_meta
+
+    pp_step, one_step = (next(d.glob("*/checkpoint/step-6")) for d in (pp_dir, one_dir))
+    saved, ref = full_model_state(str(pp_step)), full_model_state(str(one_step))
+    assert saved.keys() == ref.keys() and "output.weight" in saved, sorted(set(saved) ^ set(ref))
+    assert torch.equal(saved["tok_embeddings.weight"], saved["output.weight"]), "the two copies drifted apart"
+    model, _ = model_from_meta(str(pp_step))
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    assert load_model_weights(str(pp_step), model, strict=True) == 6
+    assert model.output.weight is model.tok_embeddings.weight
+    for name, p in model.state_dict().items():
+        assert torch.allclose(p, ref[name], atol=1e-5, rtol=0), (name, (p - ref[name]).abs().max())
 
 
 @pytest.mark.dist

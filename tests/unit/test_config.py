@@ -34,6 +34,7 @@ WORLD_SIZES = {
     "gpt2_large_tp2.toml": [2],
     "gpt2_large_sp2.toml": [2],
     "gpt2_large_cp2.toml": [2],
+    "gpt2_large_pp2.toml": [2],
     "gpt3_2.7b.toml": [8],
     "gpt3_175b.toml": [256],
     "llama3_70b_tp4_pp4.toml": [64],

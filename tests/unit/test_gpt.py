@@ -92,14 +92,42 @@ def test_tied_gradient_reaches_the_embedding():
         len(dict(model.named_parameters()))
 
 
-def test_check_refuses_tie_with_pp():
+def test_check_allows_tie_with_pp():
     class Par:
         tp, cp, ep, pp = 1, 1, 1, 2
 
-    assert any("untie" in p and "pp" in p for p in SPEC.check(SPEC.flavors["debugmodel"], Par, "debugmodel"))
+    assert SPEC.check(SPEC.flavors["debugmodel"], Par, "debugmodel") == []  # the last stage keeps a copy
     assert SPEC.check(SPEC.flavors["debugmodel_untied"], Par, "debugmodel_untied") == []
     Par.pp, Par.tp = 1, 3
     assert SPEC.check(SPEC.flavors["debugmodel"], Par, "debugmodel")
+
+
+def test_pipeline_stage_copy_of_the_tied_embedding_starts_equal():
+    """PP 2 of a tied model: the last stage keeps output.weight as its own parameter (parallelize/tied.py pairs it
+    with the first stage's embedding), and seeded_init draws it as the embedding: both equal the one-process tie."""
+    from parallelize.pp import stage_module
+    from parallelize.tied import tied_pairs
+    from titanlike.distributed.seeded_init import seeded_init
+
+    whole = Transformer(TINY)
+    with torch.no_grad(), seeded_init(whole, 7):
+        whole.init_weights()
+    with torch.device("meta"):
+        meta = Transformer(TINY)
+    layout = [["tok_embeddings", "pos_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    assert [(p.source, p.copy, p.source_stage, p.copy_stage) for p in tied_pairs(meta, layout)] == \
+        [("tok_embeddings.weight", "output.weight", 0, 1)]
+    top = (*SPEC.input_modules, *SPEC.output_modules)
+    first, last = (stage_module(meta, names, top) for names in layout)
+    for part in (first, last):
+        part.to_empty(device="cpu")
+        with torch.no_grad(), seeded_init(part, 7):
+            part.init_weights(buffer_device="cpu")
+    assert last.tok_embeddings is None and "output.weight" in dict(last.named_parameters())
+    assert torch.equal(last.output.weight, whole.tok_embeddings.weight)
+    assert torch.equal(first.tok_embeddings.weight, whole.tok_embeddings.weight)
+    assert torch.equal(last.layers["1"].attention.wq.weight, whole.layers["1"].attention.wq.weight)
+    assert tied_pairs(Transformer(dataclasses.replace(TINY, tie_embeddings=False)), layout) == []
 
 
 def test_flops_per_token():

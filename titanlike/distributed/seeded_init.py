@@ -9,7 +9,8 @@ distributed in `models/`). While it is active, a random init of one of the modul
 `torch.Generator` seeded by (seed, the parameter's FQN, how many draws this parameter had, the block) — not from the
 global RNG — on a plain tensor of the parameter's GLOBAL shape, and this rank keeps the elements its shard holds.
 The one-process run goes through the same code, so it is the reference by construction; FQNs are the whole model's
-under PP too (`parallelize/pp.py`), so a stage draws the same values as the whole model.
+under PP too (`parallelize/pp.py`), so a stage draws the same values as the whole model; a stage's own copy of a
+tied parameter (the model's `tied_parameters`, e.g. a last stage's output.weight) draws as its source.
 
 Two routes, because `nn.init.trunc_normal_` does not dispatch `__torch_function__` and, in torch 2.13, draws by
 rejection on temporaries (`empty_like(tensor).normal_()` in a loop ended by `.any()`), so no mode sees it whole:
@@ -97,6 +98,12 @@ class _Router:
         self.params: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (param, FQN); holds the param: ids stay
         for name, p in module.named_parameters():
             self.params[id(p)] = (p, clean_fqn(name))
+        # A model's `tied_parameters` (source FQN, copy FQN): where a pipeline stage holds the copy without its
+        # source, the copy draws the source's values (parallelize/tied.py keeps the two equal after that).
+        names = {fqn for _, fqn in self.params.values()}
+        alias = {dst: src for src, dst in getattr(module, "tied_parameters", ()) if src not in names}
+        for key, (p, fqn) in self.params.items():
+            self.params[key] = (p, alias.get(fqn, fqn))
         self.draws: Counter[str] = Counter()
         self._indices: dict[tuple, torch.Tensor] = {}
 

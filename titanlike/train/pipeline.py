@@ -9,6 +9,10 @@ it returns sum-of-token-CE * (FSDP divide factor / global token count), the sche
 the accumulated gradients are exactly those of the global token-mean loss. The logged CE sum is the schedule's
 losses divided by that scale again (device tensors: no host sync); `reduce_over_pp` brings it from the last
 stage to every rank, on log steps only.
+
+Tied parameters (the model's `tied_parameters`, e.g. an output projection tied to the embedding) split over two
+stages: each stage holds its copy; after the schedule's backward the two gradients are summed over the ranks holding
+them, and the grad norm counts the copy's stage out (parallelize/tied.py, Megatron's embedding group).
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
-from parallelize.pp import Pipeline, build_pipeline
-from titanlike.optim.adamw import clip_with_norm_, grad_norm
+from parallelize.pp import Pipeline, build_pipeline, stage_module
+from parallelize.tied import TiedParameters, tied_pairs
+from titanlike.optim.adamw import clip_with_norm_, grad_norm, param_groups
 
 
 class PipelineRunner:
@@ -44,6 +49,11 @@ class PipelineRunner:
         if hasattr(PipelineStage, "_forward_metadata_inference"):
             for part in self.model_parts:
                 _forget_metadata_pass(part)
+        # Ties split over stages: the copies' gradients summed with their sources' after each backward.
+        pairs = tied_pairs(model, self.pipeline.layout)
+        _check_tied_decay(model, spec, pairs, self.pipeline.layout, cfg)
+        self.tied = TiedParameters(pairs, {s.stage_index: s.submod for s in self.pipeline.stages},
+                                   self.pipeline.owners, dims.world_mesh)
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -74,6 +84,8 @@ class PipelineRunner:
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels, kwargs in batches:
             loss_sum = loss_sum + self._schedule_step(inputs, labels, kwargs)
+        if self.tied:
+            self.tied.sync_grads()  # after every micro-batch's backward (gradients are linear), before clipping
         return loss_sum
 
     @torch.no_grad()
@@ -139,12 +151,35 @@ class PipelineRunner:
 
         Each rank holds different parameters: its local norm (full_tensor() reduces DTensor shards over the
         FSDP/TP mesh) is squared, summed over the pp group, and square-rooted. fused_into: see
-        titanlike.optim.clip_with_norm_ (which also divides by an fp16 loss_scale and returns the true norm)."""
+        titanlike.optim.clip_with_norm_ (which also divides by an fp16 loss_scale and returns the true norm).
+
+        A tied parameter split over two stages counts once: its copy (equal gradient, after sync_grads) is left out
+        of the norm, and clipped by the same factor."""
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        excluded = self.tied.norm_excluded()
         # titanlike.optim.grad_norm: DTensor grads on several meshes/placements (FSDP x TP) reduce group by group
-        sq = grad_norm([p.grad for p in params]).to(self.device).float() ** 2
+        sq = grad_norm([p.grad for p in params if id(p) not in excluded]).to(self.device).float() ** 2
         dist.all_reduce(sq, group=self.pp_group)
         return clip_with_norm_(params, max_norm, sq.sqrt(), fused_into, loss_scale)
+
+
+def _check_tied_decay(model: nn.Module, spec, pairs, layout: list[list[str]], cfg) -> None:
+    """Both copies of a split tie must get the same weight decay, or they drift apart. In one module the copy is
+    the source, decayed by the source's rule (e.g. an embedding's); on its own stage the copy follows its module's
+    (e.g. a Linear's), so a config where the two rules differ is refused."""
+    top_level = (*spec.input_modules, *spec.output_modules)
+    for pair in pairs:
+        decays = []
+        for sid, fqn in ((pair.source_stage, pair.source), (pair.copy_stage, pair.copy)):
+            part = stage_module(model, layout[sid], top_level)
+            param = dict(part.named_parameters())[fqn]
+            decays.append(next(g["weight_decay"] for g in param_groups(part, cfg.optimizer)
+                               if any(p is param for p in g["params"])))
+        if decays[0] != decays[1]:
+            raise ValueError(f"parallelism.pp={cfg.parallelism.pp}: the tied {pair.copy} (stage {pair.copy_stage}) "
+                             f"would get weight decay {decays[1]} and {pair.source} (stage {pair.source_stage}) "
+                             f"{decays[0]}, so the two copies would drift apart; set optimizer.decay_embeddings=true "
+                             f"(Megatron decays embeddings) or optimizer.weight_decay=0")
 
 
 def _forget_metadata_pass(part: nn.Module) -> None:
