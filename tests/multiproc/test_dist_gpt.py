@@ -4,6 +4,7 @@ trainer under CP 2, TP 2, PP 2 (untied) and tied PP 2 (1F1B, Interleaved1F1B, ZB
 into one process) logging one process's losses. About 80 s together on 2 cores."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,9 @@ def test_gpt_trainer_layouts_follow_one_process(tmp_path):
     the one-process run's final weights."""
     common = ["--config", "configs/gpt2_debug.toml", "--training.device=cpu", "--training.steps=6",
               "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2"]
-    # Tied PP: both copies must decay alike (the embedding is not decayed by default, a Linear is: refused).
-    tied_pp = ["--model.flavor=debugmodel", "--model.n_layers=4", "--optimizer.decay_embeddings=true",
-               "--checkpoint.enable=true", "--checkpoint.interval=6"]
+    # Tied PP: the last stage's copy decays by its source's (embedding) rule, as in one process.
+    tied_pp = ["--model.flavor=debugmodel", "--model.n_layers=4", "--checkpoint.enable=true",
+               "--checkpoint.interval=6"]
     cases = {"debugmodel": (["--model.flavor=debugmodel"], [("cp2", ["--parallelism.cp=2"]),
                                                            ("tp2", ["--parallelism.tp=2"])]),
              "debugmodel_untied": (["--model.flavor=debugmodel_untied"], [("pp2", ["--parallelism.pp=2"])]),
@@ -67,6 +68,21 @@ def test_gpt_trainer_layouts_follow_one_process(tmp_path):
             got = _losses(run.stdout + run.stderr)
             assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
     _check_tied_checkpoint(tmp_path / "tied_pp2", tmp_path / "tied_pp")
+    # The one-process checkpoint (the tie's optimizer state saved once, under the embedding's name) resumes in full
+    # under PP 2: the last stage's copy takes the embedding's moments, and steps 7-8 follow one process's resume.
+    for name in ("resume_one", "resume_pp2"):
+        shutil.copytree(tmp_path / "tied_pp", tmp_path / name)
+    more = [*common, *tied_pp, "--training.steps=8"]
+    one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *more,
+                          f"--job.dump_folder={tmp_path / 'resume_one'}"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
+                       args=[*more, "--parallelism.pp=2", "--parallelism.dp_shard=1",
+                             f"--job.dump_folder={tmp_path / 'resume_pp2'}"])
+    want, got = _losses(one.stdout + one.stderr), _losses(run.stdout + run.stderr)
+    assert sorted(want) == [7, 8] and "loaded full training state" in run.stdout + run.stderr, (one.stdout[-2000:],
+                                                                                                 run.stdout[-2000:])
+    assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (got, want)
 
 
 def _check_tied_checkpoint(pp_dir: Path, one_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -102,11 +103,21 @@ class LoadMixin:
         model_sd = self._model_sd()
         self._agree(check_model_matches, md, model_sd, path, self.strict)
         target = {MODEL: model_sd}
+        aliases = {}
         if full:
             target[OPTIM] = self._optim_sd()
+            aliases = _tied_aliases(target[OPTIM], {k[len(OPTIM) + 1:] for k in keys if k.startswith(OPTIM + ".")},
+                                    self.parts)
             wanted = {*_EXTRAS, f"rng.rank{self.rank}"}
             target[EXTRA] = {k[len(EXTRA) + 1:]: b"" for k in keys
                              if k.startswith(EXTRA + ".") and k[len(EXTRA) + 1:] in wanted}
+        held = {}  # a copy whose source this rank also holds: filled from the source after the load
+        for key, source in aliases.items():  # otherwise the copy's tensors are read under the source's name
+            value = target[OPTIM].pop(key)
+            if source in target[OPTIM]:
+                held[key] = value
+            else:
+                target[OPTIM][source] = value
         try:
             with self._quiet():
                 dcp.load(target, storage_reader=FileSystemReader(path), no_dist=not self.dist)
@@ -115,6 +126,12 @@ class LoadMixin:
                 raise
             raise CheckpointError(f"checkpoint: reading {path} failed ({layout.describe_error(e)}); the step is "
                                   f"damaged: load another one with --checkpoint.load_step") from None
+        for key, source in aliases.items():
+            if key in held:
+                value, loaded = held[key], target[OPTIM][source]
+                target[OPTIM][key] = value.copy_(loaded) if torch.is_tensor(value) else loaded
+            else:
+                target[OPTIM][key] = target[OPTIM].pop(source)
         # Missing/extra keys were checked above; strict=False lets each part take its keys from the merged dict.
         for part in self.parts:
             set_model_state_dict(part, target[MODEL], options=StateDictOptions(strict=False))
@@ -143,6 +160,23 @@ class LoadMixin:
         elif self.rank == 0:
             logger.info(f"checkpoint: {path} holds no RNG state for some ranks (written by fewer ranks): they keep "
                         f"their seeded RNGs")
+
+
+def _tied_aliases(optim_sd: dict, saved: set[str], parts) -> dict[str, str]:
+    """Optimizer keys of a tied copy held apart from its source (a pipeline stage's output.weight, the parts'
+    `tied_parameters`) that the checkpoint lacks, mapped to the source's keys it has: a one-module run saved the
+    tie's state once, under the source's name, and the copy's state equals it."""
+    ties = [tie for part in parts for tie in getattr(part, "tied_parameters", ())]
+    out = {}
+    for key in optim_sd:
+        if key in saved:
+            continue
+        for source, copy in ties:
+            alias = key.replace(f".{copy}.", f".{source}.", 1)
+            if alias != key and alias in saved:
+                out[key] = alias
+                break
+    return out
 
 
 def load_model_weights(path: str, model, strict: bool = True) -> int:

@@ -18,10 +18,14 @@ def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
     """
     decay, no_decay = [], []
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    for name, p in model.named_parameters():
+    # A tied copy held apart from its source (a pipeline stage's output.weight, model.tied_parameters) decays by its
+    # source's rule, or the two copies would drift apart; where it *is* the source, named_parameters lists it once.
+    copies_of = {copy: source for source, copy in getattr(model, "tied_parameters", ())}
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         if not p.requires_grad:
             continue
-        is_embedding = id(p) in embeddings
+        is_embedding = id(p) in embeddings or (name in copies_of and copies_of[name] not in params)
         is_1d = p.ndim < 2
         if (is_1d and not cfg.decay_norms_and_biases) or (is_embedding and not cfg.decay_embeddings):
             no_decay.append(p)
