@@ -1,0 +1,80 @@
+"""The layout planner (titanlike/plan/planner.py, cost.py, gpus.py): every layout it proposes passes the config
+check at its world size, the ranking follows the cost model's terms, the best layout is written as a TOML that loads
+back to the same config, and bad input (an unknown GPU kind, a memory budget nothing fits) is one clear line."""
+import logging
+from pathlib import Path
+
+import pytest
+
+from titanlike.config import load_config
+from titanlike.config.load import config_to_dict
+from titanlike.plan.cost import Layout, Shape, step_seconds
+from titanlike.plan.gpus import UnknownGpu, gpu_kind
+from titanlike.plan.planner import enumerate_layouts, model_shape, overrides_toml, plan
+
+logging.getLogger("titanlike").setLevel(logging.ERROR)
+
+
+def _base(config, *extra):
+    return load_config(["--config", config, *extra])
+
+
+@pytest.mark.parametrize("config,world", [("configs/llama3_8b.toml", 8), ("configs/qwen3_debug_moe.toml", 4),
+                                          ("configs/gpt2_large.toml", 2), ("configs/llama3_1b_long.toml", 4)])
+def test_every_candidate_passes_the_config_check(config, world):
+    cands = enumerate_layouts(_base(config), world, gpu_kind("h100"))
+    assert cands
+    for c in cands:
+        p = c.cfg.parallelism
+        assert p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp == world
+        # load_config validates again from the written keys: the same rules the trainer applies at launch
+        argv = ["--config", config] + [f"--{k}={v}" for k, v in c.overrides.items()]
+        again = load_config(argv, world_size=world)
+        assert config_to_dict(again) == config_to_dict(c.cfg)
+    kinds = {(c.layout.tp, c.layout.pp, c.layout.cp, c.layout.ep) for c in cands}
+    assert len(kinds) > 1
+
+
+def test_cost_terms_move_the_right_way():
+    shape, _, _ = model_shape(_base("configs/llama3_8b.toml"))
+    gpu = gpu_kind("H100 80GB HBM3")
+    lay = dict(world=8, dp_replicate=1, dp_shard=8, tp=1, pp=1, cp=1, ep=1, local_batch=1, grad_accum=1,
+               seq_len=8192, ac="none", float8=False, reshard_after_forward=True)
+    base = step_seconds(shape, Layout(**lay), gpu)
+    assert 0.3 < base["mfu"] < 0.7  # the measured range of dense runs (docs/benchmarks.md)
+    assert step_seconds(shape, Layout(**{**lay, "ac": "full"}), gpu)["step"] > base["step"]
+    assert step_seconds(shape, Layout(**{**lay, "float8": True}), gpu)["step"] < base["step"]
+    assert step_seconds(shape, Layout(**{**lay, "reshard_after_forward": False}), gpu)["step"] <= base["step"]
+    tp = step_seconds(shape, Layout(**{**lay, "dp_shard": 4, "tp": 2, "local_batch": 2}), gpu)
+    assert tp["tp"] > 0 and tp["step"] > base["step"]  # TP's collectives sit on the critical path
+    pp = step_seconds(shape, Layout(**{**lay, "dp_shard": 4, "pp": 2, "local_batch": 2, "pp_microbatches": 2}), gpu)
+    assert pp["bubble"] > 0
+    nodes = step_seconds(shape, Layout(**{**lay, "world": 16, "dp_shard": 16}), gpu)
+    assert nodes["fsdp_exposed"] >= base["fsdp_exposed"]
+
+
+def test_plan_keeps_the_fastest_that_fit_and_writes_a_loadable_toml(tmp_path):
+    base = _base("configs/llama3_8b.toml")
+    shape, _, _ = model_shape(base)
+    # a stand-in estimate: bytes fall with sharding and AC, so some layouts fit 40 GiB and some do not
+    def estimate(cfg, world):
+        p = cfg.parallelism
+        act = {"none": 30, "selective": 15, "full": 5, "memory_budget": 15}[cfg.activation_checkpoint.mode]
+        return (shape.params * 16 / (p.dp_shard * p.tp * p.pp) + act * 2**30 * cfg.training.local_batch_size
+                / (p.tp * p.cp))
+    fits, ranked = plan(base, 8, gpu_kind("h100"), 40.0, estimate, top=3, log=lambda s: None)
+    assert 1 <= len(fits) <= 3
+    assert all(f.peak_bytes <= 40 * 2**30 * 0.95 for f in fits)
+    speeds = [f.cost["tokens_per_s_per_gpu"] for f in fits]
+    assert speeds == sorted(speeds, reverse=True)
+    faster_unfit = [c for c in ranked if c.cost["tokens_per_s_per_gpu"] > speeds[0] and c.peak_bytes is not None]
+    assert all(c.peak_bytes > 40 * 2**30 * 0.95 for c in faster_unfit)
+    toml = tmp_path / "best.toml"
+    toml.write_text(overrides_toml(str(Path("configs/llama3_8b.toml").resolve()), fits[0], "planned"))
+    assert config_to_dict(load_config(["--config", str(toml)], world_size=8))["parallelism"] == \
+        config_to_dict(fits[0].cfg)["parallelism"]
+
+
+def test_unknown_gpu_names_the_known_ones():
+    with pytest.raises(UnknownGpu, match=r"'B300' has no figures here; known: h100, h200, a100.*titanlike/plan/gpus.py"):
+        gpu_kind("B300")

@@ -1,0 +1,120 @@
+"""Predicted step time of a layout: compute at the measured matmul efficiency, communication at measured
+bandwidths, the pipeline bubble and recompute. A ranking model, not a simulator: it orders layouts of one model on
+one cluster, and its constants (titanlike/plan/gpus.py, CONSTANTS below) come from the runs in docs/benchmarks.md.
+
+All terms are per GPU and per optimizer step, in seconds. Communication that FSDP overlaps with compute is charged
+only where it exceeds the compute it hides behind; TP, CP and EP collectives sit on the critical path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlike.plan.gpus import GpuKind
+
+# Ranking constants, calibrated on docs/benchmarks.md (2026-11-22..24, H100/H200):
+CONSTANTS = {
+    "tokens_half_eff": 1000.0,  # tokens per micro-batch per GPU at which matmul efficiency is half its asymptote
+    "dim_ref": 2048,  # model width at and above which matmuls reach matmul_eff (GPT2-large, 1280 wide: 51% vs 58%)
+    "dim_exp": 0.3,
+    "float8_linear_speedup": 1.2,  # float8 linear layers against bf16 (1B shape: 1.13-1.16x overall, same call)
+    "fsdp_overlap": 0.9,  # fraction of compute FSDP's all-gather / reduce-scatter hide behind
+    "optimizer_bytes_per_param": 16.0,  # AdamW step traffic: fp32 param, grad, two moments, read and written
+    # extra compute of each AC mode, as a fraction of the forward (the forward is 1/3 of a training step)
+    "recompute": {"none": 0.0, "full": 1.0, "selective_op": 0.1, "selective_attention": 0.7},
+}
+
+
+@dataclass
+class Shape:
+    """What the cost needs of the model, read from its spec and args (family-agnostic)."""
+    params: int  # all parameters (routed experts included)
+    active: int  # parameters one token passes through
+    dim: int
+    n_layers: int
+    kv_dim: int  # width of K plus V per token (CP exchanges them)
+    moe_topk: int  # routed experts per token (0: dense)
+    flops_per_token: float  # training FLOPs per token (forward + backward) at the run's sequence length
+
+
+@dataclass
+class Layout:
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    local_batch: int  # sequences per micro-batch per DP rank
+    grad_accum: int
+    seq_len: int
+    ac: str  # none | full | selective_op | selective_attention | memory_budget:<b>
+    float8: bool
+    reshard_after_forward: bool
+    pp_microbatches: int = 1
+    pp_stages_per_rank: int = 1
+
+
+def _recompute(ac: str) -> float:
+    if ac.startswith("memory_budget:"):
+        return (1.0 - float(ac.split(":")[1])) * 0.3  # compile's min-cut recomputes the cheap ops first
+    if ac.startswith("selective_every:"):
+        return 1.0 / int(ac.split(":")[1])
+    return CONSTANTS["recompute"][ac]
+
+
+def step_seconds(shape: Shape, lay: Layout, gpu: GpuKind) -> dict[str, float]:
+    """Each term of one optimizer step on one GPU and their total ("step"), in seconds."""
+    c = CONSTANTS
+    tokens_step = lay.dp_replicate * lay.dp_shard * lay.local_batch * lay.grad_accum * lay.seq_len
+    model_parallel = lay.tp * lay.pp * lay.cp
+    tokens_gpu = tokens_step / (lay.dp_replicate * lay.dp_shard)  # a DP rank's tokens, shared by its model-parallel
+    flops = shape.flops_per_token * tokens_gpu / model_parallel
+    flops *= 1.0 + _recompute(lay.ac) / 3.0
+    mb_tokens = lay.local_batch / max(lay.pp_microbatches, 1) * lay.seq_len / lay.cp
+    eff = gpu.matmul_eff * min(1.0, shape.dim / lay.tp / c["dim_ref"]) ** c["dim_exp"]
+    eff *= mb_tokens / (mb_tokens + c["tokens_half_eff"])
+    compute = flops / (gpu.bf16_tflops * 1e12 * eff)
+    if lay.float8 and gpu.fp8_tflops > 0:
+        linear = min(1.0, 6.0 * shape.active / shape.flops_per_token)
+        compute *= (1.0 - linear) + linear / c["float8_linear_speedup"]
+    in_node = lambda n: n <= gpu.gpus_per_node  # noqa: E731
+    bw = lambda n: (gpu.nvlink_gbps if in_node(n) else gpu.network_gbps) * 1e9  # noqa: E731
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    micro = lay.grad_accum * max(lay.pp_microbatches, 1)  # micro-batches this GPU runs per step
+
+    # FSDP over dp_shard x cp: all-gather bf16 weights (forward, and again in backward when resharded), reduce-scatter
+    # fp32 gradients, once per micro-batch (titanlike/parallelize/fsdp.py reshards per micro-batch).
+    n = lay.dp_shard * lay.cp
+    local_params = shape.params / (lay.tp * lay.pp)
+    fsdp = 0.0
+    if n > 1:
+        gathers = 2 if lay.reshard_after_forward else 1
+        per_micro = local_params * (2 * gathers + 4) * ring(n) / bw(n * model_parallel)
+        fsdp = per_micro * (lay.grad_accum if lay.pp == 1 else 1)
+    hsdp = 0.0
+    if lay.dp_replicate > 1:  # all-reduce of the shard's gradients across replicas (between nodes)
+        hsdp = 2 * 4 * local_params / n * ring(lay.dp_replicate) / (gpu.network_gbps * 1e9)
+    exposed_dp = max(0.0, fsdp + 0.5 * hsdp - c["fsdp_overlap"] * compute) + fsdp / max(shape.n_layers, 1)
+
+    act = mb_tokens * lay.cp * shape.dim * 2  # bytes of one micro-batch's activations (bf16, whole sequence)
+    layers_here = shape.n_layers / lay.pp
+    tp = 0.0
+    if lay.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, as many backward
+        tp = micro * layers_here * 8 * act / lay.cp * ring(lay.tp) / bw(lay.tp)
+    cp = 0.0
+    if lay.cp > 1:  # K/V all-gather forward, reduce-scatter of their gradients backward, per block
+        cp = micro * layers_here * 2 * mb_tokens * lay.cp * shape.kv_dim * 2 * ring(lay.cp) / bw(lay.cp * lay.tp)
+    ep = 0.0
+    if lay.ep > 1 and shape.moe_topk:  # dispatch + combine all-to-alls, forward and backward
+        ep = micro * layers_here * 4 * mb_tokens * shape.moe_topk * shape.dim * 2 * ring(lay.ep) / bw(lay.ep)
+    bubble = 0.0
+    if lay.pp > 1:
+        m = max(lay.pp_microbatches, 1) * lay.grad_accum
+        bubble = (lay.pp - 1) / (m * lay.pp_stages_per_rank + lay.pp - 1) / (1 - (lay.pp - 1) / (
+            m * lay.pp_stages_per_rank + lay.pp - 1)) * (compute + tp + cp + ep)
+    optimizer = local_params / n * c["optimizer_bytes_per_param"] / (gpu.hbm_tbps * 1e12)
+    total = compute + exposed_dp + tp + cp + ep + bubble + optimizer
+    return {"compute": compute, "fsdp_exposed": exposed_dp, "tp": tp, "cp": cp, "ep": ep, "bubble": bubble,
+            "optimizer": optimizer, "step": total, "tokens_per_s_per_gpu": tokens_step / lay.world / total,
+            "mfu": shape.flops_per_token * tokens_step / lay.world / total / (gpu.bf16_tflops * 1e12)}

@@ -1,0 +1,165 @@
+"""The layout planner: every layout of a model on N GPUs that the config check accepts, ranked by predicted speed
+(titanlike/plan/cost.py), the fastest checked for memory by the traced estimate (titanlike/plan/memory.py) until
+`top` of them fit with a margin.
+
+A candidate is the base config with parallelism / batch / AC / float8 / reshard keys changed; the config check
+(titanlike/config/validate.py) and the family's own checks (ModelSpec.check) run on each, so no layout the planner
+proposes fails at launch for a rule the trainer knows.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import models
+from titanlike.config import ConfigError, JobConfig
+from titanlike.config.validate import validate, validate_model
+from titanlike.plan.cost import Layout, Shape, step_seconds
+from titanlike.plan.gpus import GpuKind
+
+GIB = 2**30
+
+
+@dataclass
+class Candidate:
+    overrides: dict[str, object]  # "section.key" -> value over the base config
+    cfg: JobConfig
+    layout: Layout
+    cost: dict[str, float]
+    peak_bytes: float | None = None  # traced estimate (the largest rank kind); None: not estimated
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lay = self.layout
+        parts = [f"{k}={v}" for k, v in (("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard),
+                                          ("tp", lay.tp), ("pp", lay.pp), ("cp", lay.cp), ("ep", lay.ep)) if v > 1]
+        parts += [f"mbs={lay.local_batch}", f"accum={lay.grad_accum}", f"ac={lay.ac}"]
+        parts += ["float8"] * lay.float8 + ["no-reshard"] * (lay.dp_shard > 1 and not lay.reshard_after_forward)
+        if lay.pp > 1:
+            parts.append(self.cfg.parallelism.pp_schedule)
+        return " ".join(parts)
+
+
+def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
+    """The cost model's view of the config's model (family-agnostic: the spec's counts and common args fields)."""
+    spec = models.get_spec(cfg.model.name)
+    flavor = spec.flavor_args(cfg.model.flavor)
+    run = {"max_seq_len": cfg.training.seq_len}
+    if cfg.model.vocab_size > 0:
+        run["vocab_size"] = cfg.model.vocab_size
+    if cfg.model.n_layers > 0:
+        run["n_layers"] = cfg.model.n_layers
+    args = dataclasses.replace(flavor, **run)
+    counts = spec.param_counts(args)
+    dim, heads = args.dim, args.n_heads
+    head_dim = getattr(args, "head_dim", 0) or dim // heads
+    kv_dim = 2 * getattr(args, "n_kv_heads", heads) * head_dim
+    moe = getattr(args, "moe", None)
+    topk = int(getattr(moe, "top_k", 0) or getattr(moe, "topk", 0) or 0) if moe is not None else 0
+    shape = Shape(params=counts.total, active=counts.active, dim=dim, n_layers=args.n_layers, kv_dim=kv_dim,
+                  moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len))
+    return shape, spec, args
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= cap and n % d == 0]
+
+
+def enumerate_layouts(base: JobConfig, world: int, gpu: GpuKind, *, allow_float8: bool = True,
+                      max_local_batch: int = 32) -> list[Candidate]:
+    """Every layout the config check accepts for `world` GPUs at the base's global batch and sequence length."""
+    shape, spec, args = model_shape(base)
+    t = base.training
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * world
+    nodes = max(1, world // gpu.gpus_per_node)
+    acs = ["none", "selective_op", "full"] + (["memory_budget:0.5"] if base.compile.enable else [])
+    out = []
+    for tp, pp, cp, rep in itertools.product(_divisors(world, gpu.gpus_per_node), _divisors(world, args.n_layers),
+                                             _divisors(world, 8) if t.seq_len >= 8192 else [1],
+                                             sorted({1, nodes})):
+        if world % (tp * pp * cp * rep):
+            continue
+        shard = world // (tp * pp * cp * rep)
+        dp = rep * shard
+        eps = [e for e in _divisors(shard, 64) if shape.moe_topk] or [1]
+        for ep, mbs, ac, f8, reshard in itertools.product(
+                eps, [b for b in (1, 2, 4, 8, 16, 32) if b <= max_local_batch and global_batch % (b * dp) == 0],
+                acs, [False, True] if allow_float8 and gpu.fp8_tflops > 0 else [False],
+                [True, False] if shard * cp > 1 else [True]):
+            over = {"parallelism.tp": tp, "parallelism.pp": pp, "parallelism.cp": cp, "parallelism.ep": ep,
+                    "parallelism.dp_replicate": rep, "parallelism.dp_shard": shard,
+                    "training.local_batch_size": mbs, "training.global_batch_size": global_batch,
+                    "float8.enable": f8,
+                    "parallelism.fsdp_reshard_after_forward": "default" if reshard else "never"}
+            over.update(_ac_keys(ac))
+            if pp > 1:
+                over.update({"parallelism.pp_schedule": "1F1B", "parallelism.pp_microbatches": mbs})
+            cand = _checked(base, over, world, spec, args)
+            if cand is None:
+                continue
+            lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, local_batch=mbs,
+                         grad_accum=global_batch // (mbs * dp), seq_len=t.seq_len, ac=ac, float8=f8,
+                         reshard_after_forward=reshard, pp_microbatches=mbs if pp > 1 else 1)
+            out.append(Candidate(over, cand, lay, step_seconds(shape, lay, gpu)))
+    return out
+
+
+def _ac_keys(ac: str) -> dict[str, object]:
+    if ac.startswith("memory_budget:"):
+        return {"activation_checkpoint.mode": "memory_budget",
+                "activation_checkpoint.memory_budget": float(ac.split(":")[1])}
+    if ac.startswith("selective_"):
+        return {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_option": ac.split("_")[1]}
+    return {"activation_checkpoint.mode": ac}
+
+
+def _checked(base: JobConfig, over: dict[str, object], world: int, spec, args) -> JobConfig | None:
+    cfg = copy.deepcopy(base)
+    for dotted, value in over.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    try:
+        validate(cfg, world)
+        validate_model(spec, args, cfg)
+    except ConfigError:
+        return None
+    return cfg
+
+
+def plan(base: JobConfig, world: int, gpu: GpuKind, memory_gib: float, estimate: Callable[[JobConfig, int], float],
+         top: int = 5, margin: float = 0.05, max_estimates: int = 16, allow_float8: bool = True,
+         log: Callable[[str], None] = logging.getLogger("titanlike").info) -> tuple[list[Candidate], list[Candidate]]:
+    """(the `top` fastest layouts that fit memory_gib with `margin` to spare, every candidate ranked). `estimate`
+    (cfg, world) -> peak bytes of the largest rank; it runs on the fastest candidates in order, at most
+    `max_estimates` times."""
+    ranked = sorted(enumerate_layouts(base, world, gpu, allow_float8=allow_float8),
+                    key=lambda c: -c.cost["tokens_per_s_per_gpu"])
+    budget = memory_gib * GIB * (1 - margin)
+    fits: list[Candidate] = []
+    for cand in ranked[:max_estimates]:
+        cand.peak_bytes = estimate(cand.cfg, world)
+        log(f"  {cand.describe():<60} {cand.cost['tokens_per_s_per_gpu']:>9,.0f} tok/s/GPU predicted, "
+            f"{cand.peak_bytes / GIB:6.1f} GiB")
+        if cand.peak_bytes <= budget:
+            fits.append(cand)
+            if len(fits) == top:
+                break
+    return fits, ranked
+
+
+def overrides_toml(base_path: str, cand: Candidate, header: str) -> str:
+    """A TOML that extends the base config with the candidate's keys."""
+    from titanlike.config.load import _toml_value
+
+    lines = [f"# {line}" for line in header.splitlines()] + [f'extends = "{base_path}"']
+    by_section: dict[str, list[str]] = {}
+    for dotted, value in cand.overrides.items():
+        section, key = dotted.split(".")
+        by_section.setdefault(section, []).append(f"{key} = {_toml_value(value)}")
+    for section, keys in by_section.items():
+        lines += ["", f"[{section}]", *keys]
+    return "\n".join(lines) + "\n"
