@@ -1,0 +1,32 @@
+"""The constants that turn a traced peak of live tensor bytes into a device-memory requirement. ONE place, so a
+GPU measurement can calibrate them.
+
+UNCALIBRATED: every number below is an honest first guess, not a measurement. To calibrate, run a layout on the GPU,
+read `torch.cuda.max_memory_reserved()` after a few steps (and nvidia-smi's used memory for the context), and compare
+with `scripts/plan.py estimate` for the same config (docs: titanlike/plan/memory.py's module docstring).
+
+What the trace cannot see:
+  - the CUDA context and the kernels' code (nvidia-smi counts them, torch.cuda.memory_allocated does not): ~0.5-0.8 GiB
+    on an H100 with cuBLAS/cuDNN workspaces loaded;
+  - NCCL's communicator buffers: a few hundred MiB per communicator on NVLink, more with many channels;
+  - the caching allocator's fragmentation (reserved - allocated at the peak): typically 5-15% of the peak in
+    steady-state training without expandable segments.
+"""
+from __future__ import annotations
+
+GiB = 1024 ** 3
+
+CALIBRATED = False  # set True (and say against what) once the constants come from GPU measurements
+
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # per process: CUDA context, cuBLAS/cuDNN workspaces, loaded kernels
+NCCL_BYTES_PER_GROUP = int(0.25 * GiB)  # per process group this rank communicates in (world > 1 only)
+NCCL_MAX_GROUPS = 4  # groups counted at most (flattened meshes share communicators lazily)
+FRAGMENTATION = 0.10  # fraction of the traced peak the caching allocator holds but cannot use
+
+
+def allowance(peak_bytes: int, n_groups: int, device_kind: str = "cuda") -> int:
+    """Bytes to add to a traced peak of live tensor bytes on one rank (0 on CPU, where there is no context)."""
+    if device_kind != "cuda":
+        return 0
+    nccl = NCCL_BYTES_PER_GROUP * min(n_groups, NCCL_MAX_GROUPS)
+    return CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * peak_bytes)

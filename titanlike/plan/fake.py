@@ -1,0 +1,84 @@
+"""One simulated rank on this machine: torch's fake process group (collectives return at once, no peers) and
+FakeTensorMode (tensors with shapes, dtypes and devices but no storage), so the real model under the real plan
+can be built and stepped for a world of N ranks in seconds, without device memory.
+
+Fake tensors trace on the "cpu" device: on a CPU-only torch, fake "cuda" tensors can be created, but the autograd
+engine aborts the process on them (InputMetadata asks for a CUDA device guard, which a CPU build lacks). The
+GPU's choices are therefore made explicitly where the code asks the device (`gpu_choices`): FSDP's bf16/fp32
+MixedPrecisionPolicy from the config, the precision mode (autocast / master weights / FSDP), fused AdamW.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """The default process group as rank `rank` of `world_size` over the fake backend; nothing for one rank (the
+    trainer makes no group then either)."""
+    if world_size <= 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("estimate_memory: this process already has a process group; run the estimate in a "
+                           "process of its own (scripts/plan.py)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def gpu_cfg(cfg):
+    """The config the GPU would see where a key says "auto" by device: fused AdamW."""
+    if cfg.optimizer.fused == "auto":
+        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, fused="true"))
+    return cfg
+
+
+@contextlib.contextmanager
+def gpu_choices(cfg, enabled: bool):
+    """While building and tracing on fake CPU tensors, make the choices the trainer makes on a GPU: FSDP's
+    param/reduce dtypes from training.mixed_precision_* (parallelize/fsdp.py picks fp32 on CPU) and the
+    precision mode of a CUDA device (titanlike/optim/master_weights.py)."""
+    if not enabled:
+        yield
+        return
+    import parallelize.fsdp as fsdp_mod
+    import titanlike.train.update as update_mod
+
+    t = cfg.training
+    dtypes = (getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce))
+    orig_mode = update_mod.mixed_precision_mode
+    with mock.patch.object(fsdp_mod, "fsdp_dtypes", lambda dims, training_cfg: dtypes), \
+         mock.patch.object(update_mod, "mixed_precision_mode",
+                           lambda c, dims, device: orig_mode(c, dims, torch.device("cuda"))):
+        yield
+
+
+@contextlib.contextmanager
+def own_propagation_mode():
+    """DTensor's sharding propagation runs each op once more on global-shaped fake tensors, in the active fake mode
+    when there is one (torch 2.13: `detect_fake_mode() or FakeTensorMode()`). The memory trackers skip only ops of
+    another fake mode than the one they were entered in, so under our FakeTensorMode those global-shaped shadows
+    would be counted as memory: give the propagation a fake mode of its own. (No-op where torch does not look.)"""
+    import torch.distributed.tensor._sharding_prop as sp
+
+    if not hasattr(sp, "detect_fake_mode"):
+        yield
+        return
+    with mock.patch.object(sp, "detect_fake_mode", lambda *a, **k: None):
+        yield

@@ -1,0 +1,190 @@
+"""One training step as titanlike/train/trainer.py's train_step runs it (the same loss helpers, AMP, SDPA and loss
+parallel contexts, clip and optimizer), under torch.distributed._tools' memory trackers. Works on fake and on real
+tensors alike (the tests compare the two)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from models.common.backends import sdpa_context
+from titanlike.optim.adamw import clip_grad_norm_
+from titanlike.train.loss import cross_entropy_sum, loss_targets, plain_loss
+
+# The trackers' categories (FSDPMemTracker's _FSDPRefType, MemTracker's _MemRefType) -> the estimate's groups.
+GROUPS = {
+    "Sharded Param": "param", "Parameter": "param",
+    "Sharded Grad": "grad", "Gradient": "grad",
+    "OptState": "opt", "Optstate": "opt",
+    "Activation": "act",
+    "Unsharded Param": "fsdp", "Unsharded Grad": "fsdp", "All Gather": "fsdp", "Reduce Scatter": "fsdp",
+    "Temp": "temp",
+    "Buffer": "other", "Inputs": "other", "Other": "other",
+}
+
+
+@dataclasses.dataclass
+class StepResult:
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    master_weights: int
+    float8_scales: int
+    peak: int
+    categories: dict  # tracker category -> bytes at the peak
+    notes: list
+
+    def at_peak(self, group: str) -> int:
+        got = sum(v for k, v in self.categories.items() if GROUPS.get(k) == group)
+        if group == "temp":  # the optimizer step's temporaries are counted by the tracker as optimizer state
+            got += max(0, self.at_peak_raw("opt") - self.optimizer_states)
+        if group == "other":  # master-weight bits made before the tracker started: tracked as "Other"
+            got -= min(got, self.master_weights)
+        return got
+
+    def at_peak_raw(self, group: str) -> int:
+        return sum(v for k, v in self.categories.items() if GROUPS.get(k) == group)
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()  # (FSDP's sharded grads are views of one buffer: not its storage)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def _tracker(parts, optimizer, extra: list):
+    """FSDPMemTracker for one FSDP-wrapped part (its all-gather/reduce-scatter categories), else MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    opts = _optimizers(optimizer)
+    if len(parts) == 1 and isinstance(parts[0], FSDPModule) and len(opts) == 1:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(parts[0], opts[0])
+    mt = MemTracker()
+    mt.track_external(*parts, *opts, *extra)
+    return mt
+
+
+def _inputs(built, cfg, dims, batch: int, seq: int):
+    """Real token tensors (tiny) through the trainer's BatchLayout: this rank's share and the model's kwargs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, built.model_args.vocab_size, (batch, seq + 1), generator=g)
+        return built.batch_layout(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int | None) -> StepResult:
+    t, par = cfg.training, cfg.parallelism
+    parts, update = built.parts, built.update
+    optimizer = update.optimizer
+    notes = []
+    pp = pp_rank is not None
+    if pp:
+        from parallelize.pp_split import pp_microbatches
+
+        n_mb = pp_microbatches(par, t.local_batch_size)
+        batch, traced_mb = t.local_batch_size // n_mb, 1
+        schedule = par.pp_schedule
+        in_flight = n_mb if schedule == "GPipe" else min(n_mb, dims.pp - pp_rank)
+        notes.append(f"PP: each stage's modules traced one micro-batch at a time without the schedule; activations "
+                     f"x micro-batches in flight ({schedule}: pp - pp_rank, all for GPipe)")
+    else:
+        global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
+        accum = max(1, global_bs // (t.local_batch_size * dims.dp_degree))
+        batch, traced_mb, in_flight = t.local_batch_size, min(accum, 2), 1  # the 2nd micro-batch meets whole grads
+    inputs, labels, kwargs = _inputs(built, cfg, dims, batch, t.seq_len)
+    masters = list(getattr(optimizer, "low_bits", {}).values())
+    master_bytes = sum(_nbytes(x) for x in masters)
+    tracker = _tracker(parts, optimizer, masters)
+    amp = (torch.autocast(device.type, dtype=getattr(torch, t.mixed_precision_param))
+           if gpu and update.precision == "autocast" else contextlib.nullcontext())
+    sdpa = sdpa_context(cfg.model.attn_backend, device)
+    lp = dims.tp_enabled and par.enable_loss_parallel
+    grads = 0
+    act_per_mb = 0
+    with tracker:
+        for mb in range(traced_mb):
+            for i, part in enumerate(parts):
+                first = getattr(part, built.spec.input_modules[0], None) is not None
+                last = getattr(part, built.spec.output_modules[-1], None) is not None
+                with sdpa(), (loss_parallel() if lp and last else contextlib.nullcontext()):
+                    before = _live(tracker)
+                    with amp:
+                        x = inputs if first else _hidden(part, built, inputs, cfg, gpu)
+                        out, is_loss = _forward(part, built, x, labels, kwargs, last)
+                    act_per_mb = max(act_per_mb, _live(tracker) - before)
+                    if is_loss:
+                        out.backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+        params = list(itertools.chain.from_iterable(p.parameters() for p in parts))
+        grads = sum(_nbytes(optimizer.grad(p) if hasattr(optimizer, "grad") else p.grad) for p in params)
+        if update.precision == "master_weights":
+            update.clip(parts[0])
+        else:
+            clip_grad_norm_(params, t.max_norm, update.fused_clip, update.loss_scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peak_snap = tracker.get_tracker_snapshot("peak")
+    cats = {}
+    for dev_snap in peak_snap.values():
+        for k, v in dev_snap.items():
+            name = getattr(k, "value", k)
+            if name != "Total":
+                cats[name] = cats.get(name, 0) + v
+    peak = sum(cats.values())
+    if in_flight > 1:  # the other micro-batches' saved activations the schedule holds at the same time
+        cats["Activation"] = cats.get("Activation", 0) + (in_flight - 1) * act_per_mb
+        peak += (in_flight - 1) * act_per_mb
+    opt_states = sum(_nbytes(x) for o in _optimizers(optimizer) for s in o.state.values() for x in _tensors(s))
+    f8 = sum(_nbytes(b) for part in parts for n, b in part.named_buffers() if "amax" in n or "scale" in n)
+    return StepResult(parameters=sum(_nbytes(p) for p in params), gradients=grads,
+                      optimizer_states=opt_states + master_bytes, master_weights=master_bytes, float8_scales=f8,
+                      peak=peak, categories=cats, notes=notes)
+
+
+def _live(tracker) -> int:
+    snap = tracker.get_tracker_snapshot("current")
+    return sum(v.get("Total", 0) if isinstance(v, dict) else 0 for v in snap.values()) if snap else 0
+
+
+def _hidden(part, built, inputs, cfg, gpu: bool) -> torch.Tensor:
+    """A later pipeline stage's input: hidden states as the previous stage sends them (the compute dtype)."""
+    dtype = getattr(torch, cfg.training.mixed_precision_param) if gpu else torch.float32
+    b, s = inputs.shape
+    return torch.zeros(b, s, built.model_args.dim, dtype=dtype, requires_grad=True)
+
+
+def _forward(part, built, x, labels, kwargs, last: bool):
+    """(output, whether it is the summed loss) as the trainer's _forward_loss computes it on the last stage."""
+    if not last:
+        return part(x, **kwargs), False
+    if built.loss_head is None:
+        return plain_loss(cross_entropy_sum(part(x, **kwargs), labels)), True
+    with loss_targets(built.loss_head, labels):
+        return part(x, **kwargs), True
