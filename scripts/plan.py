@@ -10,10 +10,7 @@ unknown config key, impossible degrees) with one line.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _take(argv: list[str], flag: str, default: str | None) -> tuple[list[str], str | None]:
