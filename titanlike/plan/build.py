@@ -81,9 +81,9 @@ def build(cfg, dims, device: torch.device, stage: int | None = None, mode=None) 
     if stage is not None:  # this pp rank's stages, each its modules of the whole model under the plan
         from parallelize.pp import model_layout, stage_module
 
-        layout = model_layout(model, spec, model_args, cfg.parallelism, t.seq_len)
+        stages = model_layout(model, spec, model_args, cfg.parallelism, t.seq_len)
         top = (*spec.input_modules, *spec.output_modules)
-        parts = [plan(stage_module(model, layout[sid], top), dims, cfg) for sid in stage_ids(stage, layout, dims, cfg)]
+        parts = [plan(stage_module(model, stages[sid], top), dims, cfg) for sid in stage_ids(stage, stages, dims, cfg)]
     else:
         parts = [plan(model, dims, cfg)]
     from titanlike.distributed.seeded_init import seeded_init
