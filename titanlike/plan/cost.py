@@ -14,7 +14,7 @@ from titanlike.plan.gpus import GpuKind
 # Ranking constants, calibrated on docs/benchmarks.md (2026-11-22..24, H100/H200):
 CONSTANTS = {
     "tokens_half_eff": 1000.0,  # tokens per micro-batch per GPU at which matmul efficiency is half its asymptote
-    "dim_ref": 2048,  # model width at and above which matmuls reach matmul_eff (GPT2-large, 1280 wide: 51% vs 58%)
+    "dim_ref": 2048,  # model width at and above which matmuls reach matmul_eff (a 1280-wide 774M model: 51% vs 58% MFU)
     "dim_exp": 0.3,
     "float8_linear_speedup": 1.2,  # float8 linear layers against bf16 (1B shape: 1.13-1.16x overall, same call)
     "fsdp_overlap": 0.9,  # fraction of compute FSDP's all-gather / reduce-scatter hide behind

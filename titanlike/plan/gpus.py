@@ -6,7 +6,7 @@ bus bandwidth an NCCL all-gather/reduce-scatter reaches inside a node and `netwo
 (GB/s). A kind without measured runs borrows the nearest kind's efficiencies: its entry says so.
 
 To add a kind: copy the nearest entry, put its vendor peaks and memory, then measure a 1B-shape step on one GPU
-(`scripts/bench/benchmark.py --config configs/llama3_1b.toml`) and an 8B FSDP step on two, and set matmul_eff from
+(`scripts/bench/benchmark.py` on the 1B config) and an 8B FSDP step on two, and set matmul_eff from
 their MFU.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ GPUS: dict[str, GpuKind] = {
     "h100": GpuKind("h100", 79.1, 989.0, 1979.0, 3.35, 0.66, 360.0, 45.0,
                     note="measured: 1B shape one GPU 57-62% MFU (docs/benchmarks.md)"),
     "h200": GpuKind("h200", 139.8, 989.0, 1979.0, 4.8, 0.66, 360.0, 45.0,
-                    note="measured: 8B FSDP 2 58% MFU, GPT2-large 51% MFU (docs/benchmarks.md)"),
+                    note="measured: 8B FSDP 2 58% MFU, a 774M 1280-wide model 51% MFU (docs/benchmarks.md)"),
     "a100": GpuKind("a100", 79.1, 312.0, 0.0, 2.0, 0.60, 230.0, 22.0,
                     note="vendor peaks only: efficiencies borrowed from h100, not measured here"),
 }
