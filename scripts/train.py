@@ -13,6 +13,11 @@ overrides after it win, and a --config FILE given too is the base the flags are 
 Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
 key means: the comments in titanlike/config/sections.py.
 
+Memory: on a GPU the run first estimates each rank's memory for one step (titanlike/plan/memory.py: the real model
+and plan on fake ranks, no device memory) and refuses a config that will not fit, printing the breakdown and the
+cheapest fix; `--force` skips the check. `--dry-run [--gpu-mem=GiB]` only prints the estimate (no GPU needed; the
+default memory is this machine's GPU's, else 80 GiB): exit 0 when it fits, 1 when it does not.
+
 Exit status: 0 done (or preempted with a checkpoint saved), 2 a configuration mistake, 1 a runtime failure (each one
 line naming the key, file, step or rank and the fix; a traceback only with --debug), 128+N stopped by signal N with
 nothing saved (SIGINT 130, SIGTERM 143).
@@ -34,7 +39,7 @@ for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # before the impor
     signal.signal(_sig, _stop_while_starting)
 
 from titanlike.config import ConfigError, config_to_toml, load_config
-from titanlike.config.load import split_flags
+from titanlike.config.load import SCRIPT_FLAGS, split_flags
 from titanlike.config.megatron import MegatronError
 from titanlike.config.megatron_args import load_with_megatron_args, take_block
 from titanlike.observe.log import setup_logging
@@ -42,7 +47,8 @@ from titanlike.resilience.signals import Interrupted
 
 
 def main(argv: list[str]) -> int:
-    argv, flags = split_flags(argv)
+    argv, flags = split_flags(argv, (*SCRIPT_FLAGS, "--dry-run", "--force"))
+    argv, gpu_mem = _take_value(argv, "--gpu-mem")
     if flags & {"--help", "-h"}:
         print(__doc__.strip())
         return 0
@@ -63,6 +69,10 @@ def main(argv: list[str]) -> int:
             if "--print-config" in flags:
                 print(config_to_toml(cfg), end="")
                 return 0
+            if "--dry-run" in flags or "--force" not in flags:
+                verdict = _memory_check(cfg, world_size, gpu_mem, dry_run="--dry-run" in flags, logger=logger)
+                if verdict is not None:
+                    return verdict
             from titanlike.train.trainer import Trainer
 
             trainer = Trainer(cfg)
@@ -95,6 +105,54 @@ def main(argv: list[str]) -> int:
         if trainer is not None:
             trainer.close()
     return _finished(trainer, cfg, logger)
+
+
+def _take_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """Remove `flag=VALUE` from argv; returns (rest, VALUE or None)."""
+    rest = [a for a in argv if not a.startswith(flag + "=")]
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+    return rest, (values[-1] if values else None)
+
+
+def _memory_check(cfg, world_size: int, gpu_mem: str | None, dry_run: bool, logger) -> int | None:
+    """The estimate before anything is allocated (titanlike/plan/preflight.py). Returns an exit status to stop
+    with (the dry run's verdict, or 1 for a run that will not fit), None to go on. On a CPU-only run without
+    --dry-run there is no device memory to check."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
+    if not (dry_run or on_gpu):
+        return None
+    if gpu_mem is not None:
+        total, name = float(gpu_mem) * 2**30, "h100"
+    elif on_gpu:
+        total, name = torch.cuda.get_device_properties(local).total_memory, torch.cuda.get_device_name(local)
+    else:
+        total, name = 80.0 * 2**30, "h100"
+    from titanlike.plan.gpus import UnknownGpu, gpu_kind
+    from titanlike.plan.preflight import check_fits
+
+    try:
+        gpu_kind(name)
+    except UnknownGpu:
+        name = "h100"  # only ranks the fixes: the memory is the device's own
+    try:
+        fits, report = check_fits(cfg, world_size, total, name)
+    except Exception as e:  # noqa: BLE001 - an estimator gap must never stop a run
+        if dry_run:
+            raise ValueError(f"--dry-run: the memory estimate failed ({type(e).__name__}: {e})") from e
+        logger.warning(f"memory check skipped: the estimate failed ({type(e).__name__}: {str(e)[:200]})")
+        return None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(report, file=sys.stdout if fits or dry_run else sys.stderr)
+    if dry_run:
+        return 0 if fits else 1
+    if not fits:
+        print("error: the estimate says this config does not fit the GPU (above); apply the fix, or --force to "
+              "run it anyway", file=sys.stderr)
+        return 1
+    return None
 
 
 def _report_megatron(megatron, logger) -> None:

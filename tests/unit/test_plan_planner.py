@@ -1,18 +1,16 @@
 """The layout planner (titanlike/plan/planner.py, cost.py, gpus.py): every layout it proposes passes the config
 check at its world size, the ranking follows the cost model's terms, the best layout is written as a TOML that loads
 back to the same config, and bad input (an unknown GPU kind, a memory budget nothing fits) is one clear line."""
-import logging
 from pathlib import Path
 
 import pytest
 
 from titanlike.config import load_config
 from titanlike.config.load import config_to_dict
-from titanlike.plan.cost import Layout, Shape, step_seconds
+from titanlike.plan.cost import Layout, step_seconds
 from titanlike.plan.gpus import UnknownGpu, gpu_kind
 from titanlike.plan.planner import enumerate_layouts, model_shape, overrides_toml, plan
 
-logging.getLogger("titanlike").setLevel(logging.ERROR)
 
 
 def _base(config, *extra):

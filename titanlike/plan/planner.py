@@ -101,11 +101,30 @@ def enumerate_layouts(base: JobConfig, world: int, gpu: GpuKind, *, allow_float8
             cand = _checked(base, over, world, spec, args)
             if cand is None:
                 continue
-            lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, local_batch=mbs,
-                         grad_accum=global_batch // (mbs * dp), seq_len=t.seq_len, ac=ac, float8=f8,
-                         reshard_after_forward=reshard, pp_microbatches=mbs if pp > 1 else 1)
+            lay = layout_of(cand, world)
             out.append(Candidate(over, cand, lay, step_seconds(shape, lay, gpu)))
     return out
+
+
+def layout_of(cfg: JobConfig, world: int) -> Layout:
+    """The cost model's view of a (validated) config at `world` GPUs."""
+    p, t, a = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+    shard = p.dp_shard if p.dp_shard > 0 else world // (p.dp_replicate * p.tp * p.pp * p.cp)
+    dp = p.dp_replicate * shard
+    gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+    ac = {"none": "none", "full": "full"}.get(a.mode)
+    if a.mode == "memory_budget":
+        ac = f"memory_budget:{a.memory_budget}"
+    elif a.mode == "selective":
+        ac = (f"selective_every:{a.selective_option}" if a.selective_option.isdigit() else
+              f"selective_{a.selective_option}")
+    micro = p.pp_microbatches if p.pp_microbatches > 0 else t.local_batch_size
+    return Layout(world=world, dp_replicate=p.dp_replicate, dp_shard=shard, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                  local_batch=t.local_batch_size, grad_accum=max(1, gbs // (t.local_batch_size * dp)),
+                  seq_len=t.seq_len, ac=ac, float8=cfg.float8.enable,
+                  reshard_after_forward=p.fsdp_reshard_after_forward != "never",
+                  pp_microbatches=micro if p.pp > 1 else 1,
+                  pp_stages_per_rank=max(1, p.pp_stages_per_rank) if p.pp > 1 else 1)
 
 
 def _ac_keys(ac: str) -> dict[str, object]:

@@ -1,0 +1,43 @@
+"""Before launch (titanlike/plan/preflight.py, scripts/train.py --dry-run): the verdict against a memory budget,
+the cheapest fix when a config does not fit, and the script's exit statuses. No GPU: the estimate traces on fake
+tensors."""
+import subprocess
+import sys
+
+from titanlike.config import load_config
+from titanlike.plan.memory import estimate_memory
+from titanlike.plan.preflight import check_fits
+from tests.launch import REPO_ROOT
+
+BIG_ACTS = ["--config", "configs/debug_model.toml", "--training.seq_len=1024", "--training.local_batch_size=8",
+            "--model.vocab_size=256"]
+
+
+def test_the_fix_is_the_mildest_change_that_fits():
+    cfg = load_config(BIG_ACTS)
+    full = load_config([*BIG_ACTS, "--activation_checkpoint.mode=full"])
+    need, need_full = estimate_memory(cfg, 1).peak, estimate_memory(full, 1).peak
+    assert need_full < need  # activations dominate this shape
+    fits, report = check_fits(cfg, 1, need * 1.5)
+    assert fits and report.endswith(f"of {need * 1.5 / 2**30:.1f} GiB per GPU")
+    fits, report = check_fits(cfg, 1, (need + need_full) / 2)
+    assert not fits
+    verdict = report.splitlines()[-1]
+    assert verdict.startswith(f"does not fit: needs {need / 2**30:.1f} GiB per GPU") and "--activation_checkpoint" in \
+        verdict, verdict
+    fits, report = check_fits(cfg, 1, need_full / 4)
+    assert "none of more activation checkpointing" in report and f"at least {need / 2**30:.1f} GiB" in report
+
+
+def test_dry_run_exit_status_and_no_training(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *BIG_ACTS, "--dry-run",  # noqa: E731
+                                     f"--job.dump_folder={tmp_path}", *a], cwd=REPO_ROOT, capture_output=True,
+                                    text=True, timeout=300, env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+                                                                 "PATH": "/usr/bin:/bin"})
+    ok = run("--gpu-mem=80")
+    assert ok.returncode == 0 and "fits:" in ok.stdout and "traced peak" in ok.stdout, ok.stdout + ok.stderr
+    small = run("--gpu-mem=0.1")
+    assert small.returncode == 1 and "does not fit" in small.stdout, small.stdout + small.stderr
+    assert not (tmp_path / "debug_model").exists()  # nothing was trained, no run folder
+    bad = run("--training.sq_len=3")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "did you mean" in bad.stderr
