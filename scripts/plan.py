@@ -1,11 +1,20 @@
 """Plan a run before launching it.
 
   python scripts/plan.py estimate --config CONFIG [--section.key=value ...] --gpus N [--gpu-mem GiB] [--device cuda|cpu]
+  python scripts/plan.py plan --config CONFIG [--section.key=value ...] --gpus N [--gpu h100] [--gpu-mem GiB]
+                              [--top 5] [--out BEST.toml] [--no-float8]
 
 estimate: each kind of rank's memory for one training step (titanlike/plan/memory.py: the real model and plan on N
 fake ranks, traced on fake tensors; no GPU needed), as a table in GiB, and whether it fits --gpu-mem (default 80).
 Exit 0 when it fits, 1 when it does not (one line naming the smallest memory that would fit), 2 on bad input (an
 unknown config key, impossible degrees) with one line.
+
+plan: every layout of the config's model on N GPUs of that kind that the config check accepts (data/tensor/pipeline/
+context/expert parallel degrees, micro-batch size at the config's global batch and sequence length, AC mode, float8,
+resharding), ranked by predicted tokens/s (titanlike/plan/cost.py, constants from docs/benchmarks.md); the fastest
+are estimated for memory until --top of them fit --gpu-mem (default: the kind's) with 5% to spare. Prints them with
+predicted tokens/s, MFU and memory, and writes the best as a TOML extending the config (--out). Exit 1 when none
+fits, naming the smallest estimate seen.
 """
 from __future__ import annotations
 
@@ -29,9 +38,11 @@ def _take(argv: list[str], flag: str, default: str | None) -> tuple[list[str], s
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] != "estimate":
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("estimate", "plan"):
         print(__doc__.strip())
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "plan":
+        return plan_main(argv[1:])
     argv = argv[1:]
     argv, gpus = _take(argv, "--gpus", "1")
     argv, gpu_mem = _take(argv, "--gpu-mem", "80")
@@ -60,6 +71,66 @@ def main(argv: list[str]) -> int:
     print(f"does not fit: needs {need:.1f} GiB per GPU, more than --gpu-mem {mem_gib:g} GiB; smallest memory that "
           f"would fit: {need:.1f} GiB")
     return 1
+
+
+def plan_main(argv: list[str]) -> int:
+    argv, gpus = _take(argv, "--gpus", "1")
+    argv, gpu_name = _take(argv, "--gpu", "h100")
+    argv, gpu_mem = _take(argv, "--gpu-mem", None)
+    argv, top = _take(argv, "--top", "5")
+    argv, out = _take(argv, "--out", None)
+    no_float8 = "--no-float8" in argv
+    argv = [a for a in argv if a != "--no-float8"]
+    from titanlike.config import ConfigError, load_config
+    from titanlike.plan.gpus import UnknownGpu, gpu_kind
+    from titanlike.plan.memory import estimate_memory
+    from titanlike.plan.planner import GIB, overrides_toml, plan
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        gpu = gpu_kind(gpu_name)
+        n, mem = int(gpus), float(gpu_mem) if gpu_mem is not None else gpu.memory_gib
+        if n < 1 or mem <= 0:
+            raise ValueError(f"--gpus must be >= 1 and --gpu-mem > 0, got {gpus} and {gpu_mem}")
+        base = load_config(argv)  # the layout keys are the planner's to choose: checked per candidate
+        config = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+        config = config or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    except (ConfigError, ValueError, UnknownGpu) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"planning {base.model.name} {base.model.flavor} on {n} x {gpu.name} ({mem:g} GiB), seq "
+          f"{base.training.seq_len}, global batch {base.training.global_batch_size if base.training.global_batch_size > 0 else 'local x dp'}")
+    print("candidates estimated, fastest predicted first:")
+    smallest = []
+
+    def estimate(cfg, world):
+        peak = estimate_memory(cfg, world).peak
+        smallest.append(peak)
+        return peak
+
+    fits, ranked = plan(base, n, gpu, mem, estimate, top=int(top), allow_float8=not no_float8, log=print)
+    print(f"{len(ranked)} layouts pass the config check")
+    if not fits:
+        least = min(smallest) / GIB if smallest else float("nan")
+        print(f"no layout fits {n} x {mem:g} GiB: the smallest estimate among the {len(smallest)} fastest was "
+              f"{least:.1f} GiB; use GPUs with at least {least / 0.95:.1f} GiB, more GPUs, or a shorter sequence / "
+              f"smaller global batch")
+        return 1
+    print(f"\ntop {len(fits)} that fit:")
+    for i, c in enumerate(fits, 1):
+        print(f"{i}. {c.describe():<60} {c.cost['tokens_per_s_per_gpu']:>9,.0f} tok/s/GPU  MFU "
+              f"{100 * c.cost['mfu']:4.1f}%  {c.peak_bytes / GIB:5.1f} GiB")
+    if out:
+        import os
+
+        base_path = os.path.relpath(os.path.abspath(config), os.path.dirname(os.path.abspath(out))) if config else ""
+        text = overrides_toml(base_path, fits[0], f"planned by scripts/plan.py plan --gpus {n} --gpu {gpu.name}: "
+                              f"{fits[0].describe()}")
+        with open(out + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(out + ".tmp", out)
+        print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
