@@ -28,6 +28,8 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from models.common.moe import host_sizes
+
 logger = logging.getLogger("titanlike")
 
 
@@ -51,14 +53,14 @@ class _ExpertParallel:
         # received[r, j]: tokens rank r sends to this rank's j-th expert.
         received = all_to_all_single(counts, None, None, group).view(ep, n_local)
         # The split sizes must be host integers: one sync per layer (the peer and Megatron pay the same).
-        send_splits = counts.view(ep, n_local).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
+        send_splits, recv_splits = host_sizes(torch.stack([counts.view(ep, n_local).sum(1), received.sum(1)]))
         # With a capacity factor the MoE puts its dropped assignments after the routed rows: they stay here.
         routed = sum(send_splits)
         tokens = all_to_all_single_autograd(x[:routed], recv_splits, send_splits, group)
         # Arrived grouped by source rank, then expert; the experts want them grouped by expert.
         local_ids = torch.arange(n_local, device=x.device).repeat(ep)
-        order = torch.argsort(torch.repeat_interleave(local_ids, received.flatten()), stable=True)
+        order = torch.argsort(torch.repeat_interleave(local_ids, received.flatten(), output_size=sum(recv_splits)),
+                              stable=True)
         out = super().forward(tokens[order], received.sum(0))
         out = out[torch.argsort(order)]  # back to arrival order
         out = all_to_all_single_autograd(out, send_splits, recv_splits, group)

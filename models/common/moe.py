@@ -35,7 +35,7 @@ from models.common.ffn import FeedForward
 from models.common.router import (SCORE_FUNCS, AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
 
-__all__ = ["MoEArgs", "MoE", "GroupedExperts", "Router", "moe_problems", "update_expert_bias"]
+__all__ = ["MoEArgs", "MoE", "GroupedExperts", "Router", "host_sizes", "moe_problems", "update_expert_bias"]
 
 
 @dataclass
@@ -98,6 +98,12 @@ def _use_grouped_mm(x: torch.Tensor, dim: int, hidden: int) -> bool:
             and torch.cuda.get_device_properties(x.device).major >= 9)
 
 
+def host_sizes(counts: torch.Tensor) -> list:
+    """The routing's row counts as host integers (.tolist(): a host sync on CUDA). The one place the MoE reads routing
+    values on the host: the expert loop's slices here, parallelize/ep.py's all-to-all split sizes."""
+    return counts.tolist()
+
+
 def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert):
     """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm; offsets are the cumulative row counts
     (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified."""
@@ -122,7 +128,7 @@ def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
             y = F.linear(F.silu(F.linear(x, w1[i])) * F.linear(x, w3[i]), w2[i])
             out = out + torch.where((row_expert == i).unsqueeze(-1), y, 0)
         return out
-    sizes = num_tokens_per_expert.tolist()
+    sizes = host_sizes(num_tokens_per_expert)
     outs, start = [], 0
     for i, size in enumerate(sizes):
         xi = x[start:start + size]

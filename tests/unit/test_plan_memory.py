@@ -5,25 +5,30 @@ import subprocess
 import sys
 import time
 
+import dataclasses
+
+import pytest
 import torch
 
 from titanlike.config.load import load_config
 from titanlike.plan import estimate_memory
 
 
-def _debug_cfg(tmp_path, *extra, world_size=1):
-    return load_config(["--config", "configs/debug_model.toml", f"--job.dump_folder={tmp_path}",
+def _debug_cfg(tmp_path, *extra, world_size=1, config="configs/debug_model.toml"):
+    return load_config(["--config", config, f"--job.dump_folder={tmp_path}",
                         "--metrics.enable_tensorboard=false", "--training.device=cpu", *extra], world_size=world_size)
 
 
-def test_debug_model_matches_real_trainer(tmp_path):
+@pytest.mark.parametrize("config", ["configs/debug_model.toml", "configs/qwen3_debug_moe.toml"])
+def test_debug_model_matches_real_trainer(tmp_path, config):
     """Parameter/gradient/optimizer bytes exactly what a real Trainer allocates; the traced peak within 15% of the
-    peak the same tracker (MemTracker) measures on real CPU tensors for one real train_step."""
+    peak the same tracker (MemTracker) measures on real CPU tensors for one real train_step. The MoE model is traced
+    with balanced routing (titanlike/plan/moe.py); the real step routes as its random init does."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from titanlike.train.trainer import Trainer
 
-    cfg = _debug_cfg(tmp_path)
+    cfg = _debug_cfg(tmp_path, config=config)
     est = estimate_memory(cfg, 1, device_kind="cpu")
     (r,) = est.ranks
     trainer = Trainer(cfg)
@@ -96,3 +101,46 @@ def test_8b_on_8_fake_ranks_is_fast_and_allocates_no_weights(tmp_path):
     assert rss_growth < 0.2 * params  # no real weights
     assert opt >= 2 * params  # AdamW moments (+ step counters)
     assert peak > params + opt and total > peak
+
+
+def _meta_model(cfg):
+    import models
+    from titanlike.plan.build import vocab_and_eod
+
+    spec = models.get_spec(cfg.model.name)
+    vocab, _ = vocab_and_eod(cfg, spec, [])
+    args = dataclasses.replace(spec.flavor_args(cfg.model.flavor), vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    with torch.device("meta"):
+        return spec.model_cls(args)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_shards_experts_on_fake_ranks(tmp_path, ep):
+    """The debug MoE model on 4 fake ranks with expert parallelism: each rank holds total expert bytes / ep / efsdp
+    of the routed experts (ep=2: EP 2 x FSDP 2 over efsdp; ep=4: EP only, the experts outside FSDP) and rank 0's
+    FSDP chunk of every dense parameter (over all 4 ranks), exactly; the step traces through EP's all-to-alls."""
+    from models.common.moe import GroupedExperts
+
+    cfg = _debug_cfg(tmp_path, f"--parallelism.ep={ep}", world_size=4, config="configs/qwen3_debug_moe.toml")
+    est = estimate_memory(cfg, 4, device_kind="cpu")
+    (r,) = est.ranks
+    m = _meta_model(cfg)
+    expert_ids = {id(p) for mod in m.modules() if isinstance(mod, GroupedExperts) for p in mod.parameters()}
+    experts = sum(p.numel() * 4 for p in m.parameters() if id(p) in expert_ids)
+    dense = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) * 4 for p in m.parameters() if id(p) not in expert_ids)
+    efsdp = 4 // ep
+    assert experts % (ep * efsdp) == 0
+    assert r.parameters == dense + experts // ep // efsdp
+    assert r.gradients == r.parameters
+    assert any("balanced routing" in n for n in est.notes)
+    assert r.peak > r.parameters
+
+
+def test_float8_estimate_runs(tmp_path):
+    """float8 (torchao Float8Linear, tensorwise) traces as it is: torch._scaled_mm has a fake kernel, so the float8
+    casts, scales and saved float8 activations are in the trace (no bf16 approximation). Same weights as bf16."""
+    cfg = load_config(["--config", "configs/debug_model.toml", "--float8.enable=true"], world_size=1)
+    f8 = estimate_memory(cfg, 1).ranks[0]
+    bf16 = estimate_memory(load_config(["--config", "configs/debug_model.toml"], world_size=1), 1).ranks[0]
+    assert f8.parameters == bf16.parameters
+    assert 0 < f8.peak and f8.activations != bf16.activations

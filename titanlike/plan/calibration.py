@@ -23,6 +23,12 @@ NCCL_BYTES_PER_GROUP = int(0.25 * GiB)  # per process group this rank communicat
 NCCL_MAX_GROUPS = 4  # groups counted at most (flattened meshes share communicators lazily)
 FRAGMENTATION = 0.10  # fraction of the traced peak the caching allocator holds but cannot use
 
+# MoE routing (titanlike/plan/moe.py): the trace routes every token perfectly balanced. Under expert parallelism an
+# EP rank receives MOE_IMBALANCE x the balanced share of tokens (all-to-all receive buffers, the local experts'
+# activations, the combine's buffers scale with it). 1.0 = balanced; measured routing with an auxiliary/bias balancer
+# typically has its hottest rank 1.1-1.5x the mean early in training. Uncalibrated.
+MOE_IMBALANCE = 1.0
+
 
 def allowance(peak_bytes: int, n_groups: int, device_kind: str = "cuda") -> int:
     """Bytes to add to a traced peak of live tensor bytes on one rank (0 on CPU, where there is no context)."""

@@ -14,12 +14,23 @@ so one rank per pp rank is simulated (its first global rank). Under PP the stage
 one micro-batch at a time without the schedule; the activations of the micro-batches a 1F1B-style schedule keeps
 in flight (pp - pp_rank, at most the micro-batch count; all of them for GPipe) are added.
 
+Mixture of experts (titanlike/plan/moe.py): the expert loop's per-expert row counts and expert parallelism's
+all-to-all split sizes are the routing's values, read on the host in one named place (models/common/moe.py's
+host_sizes); fake tensors have none, so during the trace that function returns the sizes of perfectly balanced
+routing (tokens x top_k / experts per expert, N / ep to and from every EP rank), times
+calibration.MOE_IMBALANCE for what an EP rank receives. Real routing is less balanced: the hottest rank's receive
+buffers and expert activations are higher (a note says so). Parameters no FSDP group manages (EP experts without
+replicas) are registered with the tracker too. float8 (torchao Float8Linear, every recipe, float8 FSDP all-gather)
+traces as it is: torch._scaled_mm and the casts have fake kernels, so the float8 copies, scales and saved float8
+activations are in the trace, not approximated.
+
 Approximations (also in MemoryEstimate.notes): torch.compile is off (compile usually lowers activations a little);
 the kernels are the CPU ones on fake tensors (SDPA: the CPU flash kernel, which saves the same logsumexp as CUDA's
 flash); the caching allocator's rounding, CUDA context and NCCL buffers come from titanlike/plan/calibration.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -31,6 +42,8 @@ from titanlike.config import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.plan import calibration
 from titanlike.plan.fake import fake_mode, fake_world, gpu_cfg, gpu_choices, own_propagation_mode
+from titanlike.plan.moe import NOTE as MOE_NOTE
+from titanlike.plan.moe import balanced_routing, has_moe
 
 GiB = calibration.GiB
 
@@ -122,6 +135,10 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     notes = []
     if cfg.compile.enable:  # compiled regions do not run under the trackers' dispatch modes (nor on fake tensors)
         notes.append("traced with torch.compile off (compile usually lowers activation memory a little)")
+        t = run_cfg.training
+        if (world_size == 1 and gpu and t.mixed_precision_impl == "auto" and t.mixed_precision_param != "float32"
+                and "optimizer" in cfg.compile.components):  # the precision the compiled run picks (one GPU)
+            run_cfg = dataclasses.replace(run_cfg, training=dataclasses.replace(t, mixed_precision_impl="master_weights"))
         run_cfg = dataclasses.replace(run_cfg, compile=dataclasses.replace(run_cfg.compile, enable=False))
     ranks = []
     for rank, pp_rank, kind in _rank_kinds(dims):
@@ -142,7 +159,12 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
         mode = fake_mode() if fake else None
         try:
             built = build(cfg, dims, device, stage=pp_rank, mode=mode)
-            result = trace_step(built, cfg, dims, device, gpu, pp_rank)
+            routing = contextlib.nullcontext()
+            if has_moe(built.parts):
+                routing = balanced_routing(calibration.MOE_IMBALANCE)
+                built.notes.append(MOE_NOTE.format(imb=calibration.MOE_IMBALANCE))
+            with routing:
+                result = trace_step(built, cfg, dims, device, gpu, pp_rank)
         finally:
             if mode is not None and active_fake_mode() is mode:
                 mode.__exit__(None, None, None)

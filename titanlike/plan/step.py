@@ -80,12 +80,45 @@ def _tracker(parts, optimizer, extra: list):
 
     opts = _optimizers(optimizer)
     if len(parts) == 1 and isinstance(parts[0], FSDPModule) and len(opts) == 1:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-        return FSDPMemTracker(parts[0], opts[0])
-    mt = MemTracker()
+        class Tracker(_GlobalPeakOnly, FSDPMemTracker):
+            """Also the parameters no FSDP group manages (EP experts without replicas, parallelize/ep.py's
+            fsdp_experts): FSDPMemTracker sees only FSDP's sharded parameters, and no-ops track_external."""
+
+            def _register_module_and_optimizer_hooks(self) -> None:
+                super()._register_module_and_optimizer_hooks()
+                managed = {id(fp.sharded_param) for m in parts[0].modules() if isinstance(m, FSDPModule)
+                           for g in _param_groups(m) for fp in g.fsdp_params}
+                for p in parts[0].parameters():
+                    if id(p) not in managed:
+                        self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+
+        return Tracker(parts[0], opts[0])
+    mt = type("Tracker", (_GlobalPeakOnly, MemTracker), {})()
     mt.track_external(*parts, *opts, *extra)
     return mt
+
+
+class _GlobalPeakOnly:
+    """The trackers' per-op peak update walks every tracked module's statistics (the per-module peaks, which the
+    estimate does not read): O(modules) per op, most of the trace's time on a model with many experts (a 128-expert
+    layer runs ~100 ops per expert). Keep only the global peak the estimate reads (get_tracker_snapshot("peak"))."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        from copy import deepcopy
+
+        for dev, dev_snap in self._curr_mem_snap.items():
+            total = dev_snap["Total"]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+
+def _param_groups(fsdp_module) -> list:
+    state = fsdp_module._get_fsdp_state()
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
 
 
 def _inputs(built, cfg, dims, batch: int, seq: int):
