@@ -22,7 +22,8 @@ def _debug_cfg(tmp_path, *extra, world_size=1, config="configs/debug_model.toml"
 @pytest.mark.parametrize("config", ["configs/debug_model.toml", "configs/qwen3_debug_moe.toml"])
 def test_debug_model_matches_real_trainer(tmp_path, config):
     """Parameter/gradient/optimizer bytes exactly what a real Trainer allocates; the traced peak within 15% of the
-    peak the same tracker (MemTracker) measures on real CPU tensors for one real train_step. The MoE model is traced
+    peak the same tracker (MemTracker) measures on real CPU tensors for a real second train_step (the optimizer
+    state then exists through forward and backward, as in every step of a run but the first). The MoE model is traced
     with balanced routing (titanlike/plan/moe.py); the real step routes as its random init does."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -35,7 +36,9 @@ def test_debug_model_matches_real_trainer(tmp_path, config):
     try:
         params = list(trainer.model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        batches = trainer.next_batches(iter(trainer.dataloader))
+        data = iter(trainer.dataloader)
+        trainer.train_step(trainer.next_batches(data))  # step 1 creates the optimizer state
+        batches = trainer.next_batches(data)
         mt = MemTracker()
         mt.track_external(trainer.model, trainer.optimizer)
         with mt:

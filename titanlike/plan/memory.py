@@ -70,6 +70,12 @@ class RankMemory:
     def total(self) -> int:
         return self.peak + self.allowance
 
+    @property
+    def reserved(self) -> int:
+        """What torch.cuda.max_memory_reserved() should show: the peak plus the allocator's fragmentation (the
+        CUDA context and NCCL buffers are outside it)."""
+        return self.peak + int(calibration.FRAGMENTATION * self.peak)
+
 
 @dataclasses.dataclass
 class MemoryEstimate:
@@ -93,7 +99,8 @@ class MemoryEstimate:
                 ("  of which master weights", "master_weights"), ("float8 scales", "float8_scales"),
                 ("activations @peak", "activations"), ("FSDP buffers @peak", "fsdp_buffers"),
                 ("temporaries @peak", "temporaries"), ("other @peak", "other"), ("traced peak", "peak"),
-                ("+ context/NCCL/frag.", "allowance"), ("= needed", "total")]
+                ("~ torch peak reserved", "reserved"), ("+ context/NCCL/frag.", "allowance"),
+                ("= needed", "total")]
         heads = [f"rank {r.rank}" for r in self.ranks]
         w = max(12, *(len(h) for h in heads))
         lines = [f"memory estimate: {self.world_size} rank(s) on {self.device_kind}, GiB per rank "
@@ -133,6 +140,8 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     run_cfg = gpu_cfg(cfg) if gpu else cfg
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     notes = []
+    # the run's compiled loss is emulated by a fused cross-entropy of the same memory (titanlike/plan/step.py)
+    compiled_loss = gpu and cfg.compile.enable and "loss" in cfg.compile.components
     if cfg.compile.enable:  # compiled regions do not run under the trackers' dispatch modes (nor on fake tensors)
         notes.append("traced with torch.compile off (compile usually lowers activation memory a little)")
         t = run_cfg.training
@@ -142,13 +151,15 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
         run_cfg = dataclasses.replace(run_cfg, compile=dataclasses.replace(run_cfg.compile, enable=False))
     ranks = []
     for rank, pp_rank, kind in _rank_kinds(dims):
-        r, rank_notes = _estimate_rank(run_cfg, world_size, rank, pp_rank, kind, gpu, fake=True)
+        r, rank_notes = _estimate_rank(run_cfg, world_size, rank, pp_rank, kind, gpu, fake=True,
+                                       compiled_loss=compiled_loss)
         ranks.append(r)
         notes += [n for n in rank_notes if n not in notes]
     return MemoryEstimate(world_size, device_kind, ranks, notes, time.perf_counter() - start)
 
 
-def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: str, gpu: bool, fake: bool):
+def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: str, gpu: bool, fake: bool,
+                   compiled_loss: bool = False):
     from titanlike.plan.build import build
     from titanlike.plan.step import trace_step
 
@@ -164,7 +175,7 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
                 routing = balanced_routing(calibration.MOE_IMBALANCE)
                 built.notes.append(MOE_NOTE.format(imb=calibration.MOE_IMBALANCE))
             with routing:
-                result = trace_step(built, cfg, dims, device, gpu, pp_rank)
+                result = trace_step(built, cfg, dims, device, gpu, pp_rank, compiled_loss=compiled_loss)
         finally:
             if mode is not None and active_fake_mode() is mode:
                 mode.__exit__(None, None, None)

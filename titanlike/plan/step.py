@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.common.backends import sdpa_context
 from titanlike.optim.adamw import clip_grad_norm_
-from titanlike.train.loss import cross_entropy_sum, loss_targets, plain_loss
+from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum, loss_targets, plain_loss
 
 # The trackers' categories (FSDPMemTracker's _FSDPRefType, MemTracker's _MemRefType) -> the estimate's groups.
 GROUPS = {
@@ -131,7 +131,19 @@ def _inputs(built, cfg, dims, batch: int, seq: int):
         return built.batch_layout(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int | None) -> StepResult:
+def _create_optimizer_state(parts, optimizer) -> None:
+    """A run's optimizer state exists from its second step on, through every forward and backward; a traced first
+    step would create it only inside optimizer.step(), after the backward's peak. One untracked update from zero
+    gradients creates it, so the peak counts it wherever it falls."""
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int | None,
+               compiled_loss: bool = False) -> StepResult:
     t, par = cfg.training, cfg.parallelism
     parts, update = built.parts, built.update
     optimizer = update.optimizer
@@ -153,15 +165,21 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     inputs, labels, kwargs = _inputs(built, cfg, dims, batch, t.seq_len)
     masters = list(getattr(optimizer, "low_bits", {}).values())
     master_bytes = sum(_nbytes(x) for x in masters)
+    _create_optimizer_state(parts, optimizer)
     tracker = _tracker(parts, optimizer, masters)
     amp = (torch.autocast(device.type, dtype=getattr(torch, t.mixed_precision_param))
            if gpu and update.precision == "autocast" else contextlib.nullcontext())
     sdpa = sdpa_context(cfg.model.attn_backend, device)
     lp = dims.tp_enabled and par.enable_loss_parallel
+    fused_loss = compiled_loss  # the run compiles its loss: _FusedCrossEntropySum has its memory
+    # the master-weight update compiled (one fused kernel per parameter): its eager temporaries are not the run's
+    compiled_update = compiled_loss and update.precision == "master_weights" and "optimizer" in cfg.compile.components
     grads = 0
     act_per_mb = 0
     with tracker:
         for mb in range(traced_mb):
+            if mb and hasattr(tracker, "reset_mod_stats"):  # (the global peak stays; per-module stats restart)
+                tracker.reset_mod_stats()
             for i, part in enumerate(parts):
                 first = getattr(part, built.spec.input_modules[0], None) is not None
                 last = getattr(part, built.spec.output_modules[-1], None) is not None
@@ -169,7 +187,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
                     before = _live(tracker)
                     with amp:
                         x = inputs if first else _hidden(part, built, inputs, cfg, gpu)
-                        out, is_loss = _forward(part, built, x, labels, kwargs, last)
+                        out, is_loss = _forward(part, built, x, labels, kwargs, last, fused_loss)
                     act_per_mb = max(act_per_mb, _live(tracker) - before)
                     if is_loss:
                         out.backward()
@@ -181,6 +199,10 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
             update.clip(parts[0])
         else:
             clip_grad_norm_(params, t.max_norm, update.fused_clip, update.loss_scale)
+        if not compiled_update:  # eager: the update's temporaries count (a compiled one has none to speak of)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    if compiled_update:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     peak_snap = tracker.get_tracker_snapshot("peak")
@@ -213,11 +235,43 @@ def _hidden(part, built, inputs, cfg, gpu: bool) -> torch.Tensor:
     return torch.zeros(b, s, built.model_args.dim, dtype=dtype, requires_grad=True)
 
 
-def _forward(part, built, x, labels, kwargs, last: bool):
+class _FusedCrossEntropySum(torch.autograd.Function):
+    """The memory of the compiled loss (compile.components "loss"), which the trace cannot compile: Inductor fuses
+    the fp32 upcast, log-softmax and its gradient, so it keeps only the per-token logsumexp and writes the logits'
+    gradient once, in their dtype. Computed here in token chunks, so no [tokens, vocab] fp32 temporary exists."""
+
+    CHUNK = 256  # small: the fused kernel has no [tokens, vocab] fp32 temporary at all
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        flat, y = logits.flatten(0, 1), labels.flatten()
+        lse = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in flat.split(_FusedCrossEntropySum.CHUNK)])
+        keep = y != IGNORE_INDEX
+        picked = flat.gather(1, y.clamp(min=0)[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, labels, lse)
+        return ((lse - picked) * keep).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse = ctx.saved_tensors
+        flat, y = logits.flatten(0, 1), labels.flatten()
+        out = torch.empty_like(flat)
+        for i, c in enumerate(flat.split(_FusedCrossEntropySum.CHUNK)):
+            rows = slice(i * _FusedCrossEntropySum.CHUNK, i * _FusedCrossEntropySum.CHUNK + c.shape[0])
+            g = torch.exp(c.float() - lse[rows, None])
+            g.scatter_add_(1, y[rows].clamp(min=0)[:, None], -torch.ones_like(g[:, :1]))
+            out[rows] = (g * (y[rows] != IGNORE_INDEX)[:, None] * grad).to(out.dtype)
+        return out.view_as(logits), None
+
+
+def _forward(part, built, x, labels, kwargs, last: bool, fused_loss: bool = False):
     """(output, whether it is the summed loss) as the trainer's _forward_loss computes it on the last stage."""
     if not last:
         return part(x, **kwargs), False
     if built.loss_head is None:
-        return plain_loss(cross_entropy_sum(part(x, **kwargs), labels)), True
+        logits = part(x, **kwargs)
+        if fused_loss and not isinstance(logits, DTensor):
+            return _FusedCrossEntropySum.apply(logits, labels), True
+        return plain_loss(cross_entropy_sum(logits, labels)), True
     with loss_targets(built.loss_head, labels):
         return part(x, **kwargs), True
