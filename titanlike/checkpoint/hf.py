@@ -167,6 +167,18 @@ def _asdict(args) -> dict:
     return dataclasses.asdict(args)
 
 
+def newest_step_model(ckpt_path: str):
+    """(step info, its meta.json, the model's ModelSpec) of the newest complete step of `ckpt_path` (a checkpoint
+    folder or a step folder); CheckpointError naming what is missing."""
+    info = layout.choose_step(ckpt_path, -1)
+    if info is None:
+        raise CheckpointError(f"{ckpt_path} holds no complete checkpoint step")
+    meta = read_meta_json(info.path)
+    if not meta.get("model_args"):
+        raise CheckpointError(f"{os.path.join(info.path, META)} is missing: cannot tell the model's shape")
+    return info, meta, models.get_spec(meta["model_name"])
+
+
 def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: str | None = None,
               max_shard_bytes: int = 5 * 2**30, progress: bool = True,
               max_position_embeddings: int | None = None, with_tokenizer: bool = True) -> str:
@@ -176,13 +188,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     `with_tokenizer=False`: no tokenizer files and no token ids at all."""
     from safetensors.torch import save_file
 
-    info = layout.choose_step(ckpt_path, -1)
-    if info is None:
-        raise CheckpointError(f"{ckpt_path} holds no complete checkpoint step")
-    meta = read_meta_json(info.path)
-    if not meta.get("model_args"):
-        raise CheckpointError(f"{os.path.join(info.path, META)} is missing: cannot tell the model's shape")
-    spec = models.get_spec(meta["model_name"])
+    info, meta, spec = newest_step_model(ckpt_path)
     args = spec.args_cls(**meta["model_args"])
     torch_dtype = getattr(torch, dtype)
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -23,9 +23,9 @@ import torch
 
 import models
 from titanlike.checkpoint import layout, megatron_format
-from titanlike.checkpoint.hf import write_model_step
-from titanlike.checkpoint.layout import META, CheckpointError
-from titanlike.checkpoint.states import full_model_state, read_meta_json
+from titanlike.checkpoint.hf import newest_step_model, write_model_step
+from titanlike.checkpoint.layout import CheckpointError
+from titanlike.checkpoint.states import full_model_state
 
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
@@ -128,13 +128,7 @@ def _write_args(tmp: str, margs: dict) -> None:
 def export_megatron(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", iteration: int = 0,
                     make_vocab_size_divisible_by: int = 128) -> dict:
     """A titanlike step -> a Megatron-LM --load folder in torch_dist. Returns {"path", "args"}."""
-    info = layout.choose_step(ckpt_path, -1)
-    if info is None:
-        raise CheckpointError(f"{ckpt_path} holds no complete checkpoint step")
-    meta = read_meta_json(info.path)
-    if not meta.get("model_args"):
-        raise CheckpointError(f"{os.path.join(info.path, META)} is missing: cannot tell the model's shape")
-    spec = models.get_spec(meta["model_name"])
+    info, meta, spec = newest_step_model(ckpt_path)
     if spec.megatron is None:
         raise CheckpointError(f"model {spec.name} has no Megatron adapter (models/{spec.name}/megatron.py); export it "
                               f"with scripts/convert_hf.py instead")
