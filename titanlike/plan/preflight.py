@@ -76,21 +76,37 @@ def cheapest_fix(cfg: JobConfig, world_size: int, budget_bytes: float, gpu_name:
     return None if best is None else (best[1], best[2])
 
 
+# Where the estimate was measured within 10% of the run (docs/benchmarks.md "Memory"): no TP, no float8 under
+# compile, no gradient accumulation. Elsewhere it has been up to 44% high, so the trainer refuses a config there only
+# when the estimate exceeds the GPU by more than that, and otherwise warns.
+UNCERTAIN_OVER = 1.5
+
+
+def uncertain(cfg: JobConfig, world_size: int) -> str | None:
+    """Why the estimate of `cfg` is not yet trusted to 10%, or None."""
+    from titanlike.plan.planner import layout_of
+
+    lay = layout_of(cfg, world_size)
+    why = [w for w, on in (("TP", lay.tp > 1), ("float8 under compile", cfg.float8.enable and cfg.compile.enable),
+                           ("gradient accumulation", lay.grad_accum > 1)) if on]
+    return ", ".join(why) or None
+
+
 def check_fits(cfg: JobConfig, world_size: int, gpu_mem_bytes: float, gpu_name: str = "h100",
-               margin: float = 0.02) -> tuple[bool, str]:
-    """(fits, report): the breakdown, the verdict, and when it does not fit the cheapest fix or the smallest
-    memory that would hold the config as it is."""
+               margin: float = 0.02) -> tuple[bool, str, MemoryEstimate]:
+    """(fits, report, estimate): the breakdown, the verdict, and when it does not fit the cheapest fix or the
+    smallest memory that would hold the config as it is."""
     est = estimate_memory(cfg, world_size)
     budget = gpu_mem_bytes * (1 - margin)
     need = est.peak / GIB
     report = [est.format()]
     if est.peak <= budget:
         report.append(f"fits: {need:.1f} GiB of {gpu_mem_bytes / GIB:.1f} GiB per GPU")
-        return True, "\n".join(report)
+        return True, "\n".join(report), est
     fix = cheapest_fix(cfg, world_size, budget, gpu_name)
     advice = (f"the cheapest fix that fits: {fix[0]} ({fix[1].peak / GIB:.1f} GiB)" if fix is not None else
               f"none of more activation checkpointing, the chunked loss or a smaller micro-batch fits: shard over "
               f"more GPUs (parallelism.dp_shard, tp, pp) or use GPUs with at least {need:.1f} GiB")
     report.append(f"does not fit: needs {need:.1f} GiB per GPU, this GPU has {gpu_mem_bytes / GIB:.1f} GiB; "
                   f"{advice}")
-    return False, "\n".join(report)
+    return False, "\n".join(report), est
