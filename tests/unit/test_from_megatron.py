@@ -14,63 +14,12 @@ from titanlike.config.megatron import MegatronError, parse, to_toml, tokenize, t
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Megatron-LM examples/gpt3 "GPT-3 345M" (seed 004's 00_train_gpt3_345m.sh), one GPU
-GPT3_345M = r"""
-GPT_MODEL_ARGS=(
-    --num-layers 24
-    --hidden-size 1024
-    --num-attention-heads 16
-    --seq-length 1024
-    --max-position-embeddings 1024
-)
-TRAINING_ARGS="
-    --micro-batch-size 4 \
-    --global-batch-size 8 \
-    --train-iters 500000 \
-    --lr-decay-iters 320000 \
-    --lr 0.00015 \
-    --min-lr 1.0e-5 \
-    --lr-decay-style cosine \
-    --lr-warmup-fraction .01 \
-    --weight-decay 1e-2 \
-    --clip-grad 1.0 \
-    --fp16
-"
-DATA_ARGS="
-    --data-path 0.3 /data/wiki_text_document 0.7 /data/books_text_document \
-    --vocab-file /data/gpt2-vocab.json \
-    --merge-file /data/gpt2-merges.txt \
-    --split 949,50,1
-"
-OUTPUT_ARGS="
-    --log-interval 100 \
-    --save-interval 10000 \
-    --eval-interval 1000 \
-    --save /ckpt/gpt3-345m \
-    --load /ckpt/gpt3-345m \
-    --eval-iters 10
-"
-"""
-
-# Seed 004's GPT2-large (774M: 36 layers, 1280 hidden, 20 heads), TP 2 + sequence parallel, bf16
-GPT2_LARGE = """
-python pretrain_gpt.py --num-layers=36 --hidden-size=1280 --num-attention-heads=20 --seq-length=1024 \\
-  --max-position-embeddings=1024 --micro-batch-size=32 --global-batch-size=64 --tensor-model-parallel-size=2 \\
-  --sequence-parallel --use-distributed-optimizer --bf16 --use-flash-attn --train-iters=1000 --lr=6e-4 \\
-  --min-lr=6e-5 --lr-warmup-iters=100 --lr-decay-iters=1000 --adam-beta1=0.9 --adam-beta2=0.95 --adam-eps=1e-8 \\
-  --tokenizer-type=GPT2BPETokenizer --vocab-file=vocab.json --merge-file=merges.txt --data-path=/d/owt_text_document \\
-  --recompute-granularity=full --recompute-method=uniform --recompute-num-layers=1 --attention-dropout 0.1 \\
-  --hidden-dropout 0.1 --init-method-std 0.02 --seed 1234 --distributed-backend nccl --no-masked-softmax-fusion
-"""
-
-LLAMA = """
---num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention
---num-query-groups 8 --position-embedding-type rope --swiglu --normalization RMSNorm --seq-length 8192
---max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 16 --tensor-model-parallel-size 2
---pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --context-parallel-size 2 --bf16
---tokenizer-type HuggingFaceTokenizer --tokenizer-model /tok/llama3 --lr 3e-4 --min-lr 3e-5 --train-iters 100
---untie-embeddings-and-output-weights --disable-bias-linear
-"""
+# The seeds' flag blocks, shared with the golden tests (tests/unit/golden_megatron/): GPT-3 345M on one GPU (seed
+# 004's 00_train_gpt3_345m.sh), seed 004's GPT2-large with TP 2 + sequence parallel, a Llama-style 8B block.
+GOLDEN = ROOT / "tests" / "unit" / "golden_megatron"
+GPT3_345M = (GOLDEN / "gpt3_345m.sh").read_text()
+GPT2_LARGE = (GOLDEN / "gpt2_large_tp2.sh").read_text()
+LLAMA = (GOLDEN / "llama_8b_tp2_pp2_cp2.sh").read_text()
 
 
 def _load(t, tmp_path: Path, world_size: int):
