@@ -175,8 +175,15 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear.
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
+        # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear. Without
+        # it, fp32 weights meeting 16-bit tokens (experts that no mixed-precision wrapper casts, e.g. expert parallel
+        # without replicas) compute in the tokens' dtype, as the wrapper would have.
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        elif x.dtype in (torch.bfloat16, torch.float16) and w1.dtype == torch.float32:
+            dtype = x.dtype
+        else:
+            dtype = w1.dtype
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if _use_grouped_mm(x, w1.shape[2], w1.shape[1]):
             if x.shape[0] == 0:

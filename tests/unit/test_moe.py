@@ -305,6 +305,21 @@ def test_moe_under_autocast():
     torch.testing.assert_close(y.float(), m(x), atol=3e-2, rtol=3e-2)
 
 
+def test_fp32_experts_compute_in_the_tokens_dtype():
+    """Experts that no mixed-precision wrapper casts (expert parallel without replicas keeps them out of FSDP) take
+    16-bit tokens in the tokens' dtype, as FSDP's MixedPrecisionPolicy would; gradients reach the fp32 weights."""
+    torch.manual_seed(0)
+    e = GroupedExperts(4, 8, 16)
+    e.init_weights(0.02)
+    x = torch.randn(6, 8)
+    counts = torch.tensor([2, 1, 0, 3])
+    y = e(x.bfloat16(), counts)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), e(x, counts), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert e.w1.grad.dtype == torch.float32 and e.w1.grad.abs().sum() > 0
+
+
 def test_compiled_moe_matches_eager():
     m = build(num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01)
     c = copy.deepcopy(m)
