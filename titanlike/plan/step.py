@@ -270,7 +270,10 @@ def _forward(part, built, x, labels, kwargs, last: bool, fused_loss: bool = Fals
         return part(x, **kwargs), False
     if built.loss_head is None:
         logits = part(x, **kwargs)
-        if fused_loss and not isinstance(logits, DTensor):
+        if fused_loss and isinstance(logits, DTensor):  # loss parallel: each rank's vocabulary shard, fused
+            local = logits.to_local()
+            return _FusedCrossEntropySum.apply(local, labels % local.shape[-1]), True
+        if fused_loss:
             return _FusedCrossEntropySum.apply(logits, labels), True
         return plain_loss(cross_entropy_sum(logits, labels)), True
     with loss_targets(built.loss_head, labels):
