@@ -65,6 +65,7 @@ class RankMemory:
     peak: int  # traced peak of live tensor bytes
     peak_categories: dict  # the tracker's own categories at the peak
     allowance: int  # calibration.allowance: CUDA context, NCCL, fragmentation
+    fsdp: bool = False  # FSDP shards this rank's parameters (the allocator fragments more: calibration.py)
 
     @property
     def total(self) -> int:
@@ -74,7 +75,7 @@ class RankMemory:
     def reserved(self) -> int:
         """What torch.cuda.max_memory_reserved() should show: the peak plus the allocator's fragmentation (the
         CUDA context and NCCL buffers are outside it)."""
-        return self.peak + int(calibration.FRAGMENTATION * self.peak)
+        return self.peak + int(calibration.fragmentation(self.fsdp) * self.peak)
 
 
 @dataclasses.dataclass
@@ -186,5 +187,6 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
                      float8_scales=result.float8_scales, activations=result.at_peak("act"),
                      fsdp_buffers=result.at_peak("fsdp"), temporaries=result.at_peak("temp"),
                      other=result.at_peak("other"), peak=peak, peak_categories=result.categories,
-                     allowance=calibration.allowance(peak, n_groups, "cuda" if gpu else "cpu"))
+                     allowance=calibration.allowance(peak, n_groups, "cuda" if gpu else "cpu", dims.fsdp_enabled),
+                     fsdp=dims.fsdp_enabled)
     return mem, built.notes + result.notes
