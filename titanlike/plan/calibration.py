@@ -1,9 +1,9 @@
 """The constants that turn a traced peak of live tensor bytes into a device-memory requirement. ONE place, so a
 GPU measurement can calibrate them.
 
-UNCALIBRATED: every number below is an honest first guess, not a measurement. To calibrate, run a layout on the GPU,
-read `torch.cuda.max_memory_reserved()` after a few steps (and nvidia-smi's used memory for the context), and compare
-with `scripts/plan.py estimate` for the same config (docs: titanlike/plan/memory.py's module docstring).
+The fragmentation factors are measured (below); the CUDA context and NCCL figures are still first guesses. To
+calibrate further, run a layout on the GPU, read `torch.cuda.max_memory_reserved()` after a few steps (and
+nvidia-smi's used memory for the context), and compare with `scripts/plan.py estimate` for the same config.
 
 What the trace cannot see:
   - the CUDA context and the kernels' code (nvidia-smi counts them, torch.cuda.memory_allocated does not): ~0.5-0.8 GiB
