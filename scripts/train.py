@@ -15,8 +15,9 @@ key means: the comments in titanlike/config/sections.py.
 
 Memory: on a GPU the run first estimates each rank's memory for one step (titanlike/plan/memory.py: the real model
 and plan on fake ranks, no device memory) and refuses a config that will not fit, printing the breakdown and the
-cheapest fix; `--force` skips the check. `--dry-run [--gpu-mem=GiB]` only prints the estimate (no GPU needed; the
-default memory is this machine's GPU's, else 80 GiB): exit 0 when it fits, 1 when it does not.
+cheapest fix; `--force` skips the check. `--dry-run [--gpus=N] [--gpu-mem=GiB]` only prints the estimate for N GPUs
+(default: this launch's world size; no GPU needed; the default memory is this machine's GPU's, else 80 GiB): exit 0
+when it fits, 1 when it does not.
 
 Exit status: 0 done (or preempted with a checkpoint saved), 2 a configuration mistake, 1 a runtime failure (each one
 line naming the key, file, step or rank and the fix; a traceback only with --debug), 128+N stopped by signal N with
@@ -49,6 +50,7 @@ from titanlike.resilience.signals import Interrupted
 def main(argv: list[str]) -> int:
     argv, flags = split_flags(argv, (*SCRIPT_FLAGS, "--dry-run", "--force"))
     argv, gpu_mem = _take_value(argv, "--gpu-mem")
+    argv, gpus = _take_value(argv, "--gpus")  # --dry-run: the world size to estimate for
     if flags & {"--help", "-h"}:
         print(__doc__.strip())
         return 0
@@ -61,6 +63,11 @@ def main(argv: list[str]) -> int:
         try:
             argv, block = take_block(argv)
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            if gpus is not None:
+                if "--dry-run" not in flags or not gpus.isdigit() or int(gpus) < 1:
+                    raise ValueError(f"--gpus={gpus}: a whole number >= 1, with --dry-run only (a run's world size "
+                                     f"is torchrun's --nproc_per_node x --nnodes)")
+                world_size = int(gpus)
             if block is None:
                 cfg = load_config(argv, world_size=world_size)
             else:

@@ -34,8 +34,8 @@ def test_dry_run_exit_status_and_no_training(tmp_path):
                                      f"--job.dump_folder={tmp_path}", *a], cwd=REPO_ROOT, capture_output=True,
                                     text=True, timeout=300, env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
                                                                  "PATH": "/usr/bin:/bin"})
-    small = run("--gpu-mem=0.1")  # (the verdicts themselves: test above)
-    assert small.returncode == 1 and "does not fit" in small.stdout and "traced peak" in small.stdout, \
+    small = run("--gpu-mem=0.1", "--gpus=2")  # (the verdicts themselves: test above)
+    assert small.returncode == 1 and "does not fit" in small.stdout and "2 rank(s)" in small.stdout, \
         small.stdout + small.stderr
     assert not (tmp_path / "debug_model").exists()  # nothing was trained, no run folder
     bad = run("--training.sq_len=3")
