@@ -51,6 +51,9 @@ def main(argv: list[str]) -> int:
     argv, flags = split_flags(argv, (*SCRIPT_FLAGS, "--dry-run", "--force"))
     argv, gpu_mem = _take_value(argv, "--gpu-mem")
     argv, gpus = _take_value(argv, "--gpus")  # --dry-run: the world size to estimate for
+    if gpu_mem is not None and not gpu_mem.replace(".", "", 1).isdigit():
+        print(f"error: --gpu-mem={gpu_mem}: GPU memory in GiB, a number such as 80", file=sys.stderr)
+        return 2
     if flags & {"--help", "-h"}:
         print(__doc__.strip())
         return 0

@@ -138,4 +138,6 @@ class SkipAwareLR:
         self.scheduler.load_state_dict(state)
 
     def __getattr__(self, name):  # everything else (optimizer, last_epoch, ...) is the scheduler's
+        if name == "scheduler":  # not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self.scheduler, name)

@@ -50,6 +50,7 @@ class NonFiniteGuard:
         self.bad_microbatches = z()  # bit i set: micro-batch i of the last bad step had a non-finite local loss
         self.nan_steps = z()  # steps with a non-finite loss on this rank (Megatron's "number of nan iterations")
         self._reported = 0
+        self._interval_mark = (0, 0)  # (skipped, nan_steps) at the last interval_counts()
 
     def before_optimizer_step(self, step: int, microbatch_losses: list[torch.Tensor],
                               grad_norm: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
@@ -86,8 +87,7 @@ class NonFiniteGuard:
         """Skipped updates and steps with a non-finite loss on this rank since the last call (log steps; a host
         sync), as Megatron's log line counts them."""
         now = (int(self.skipped.item()), int(self.nan_steps.item()))
-        last = getattr(self, "_interval_mark", (0, 0))
-        self._interval_mark = now
+        last, self._interval_mark = self._interval_mark, now
         return {"skipped_iters": now[0] - last[0], "nan_iters": now[1] - last[1]}
 
     def check(self) -> int:

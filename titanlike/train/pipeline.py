@@ -25,9 +25,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
-from parallelize.pp import Pipeline, build_pipeline, stage_module
+from parallelize.pp import Pipeline, build_pipeline
 from parallelize.tied import TiedParameters, tied_pairs
-from titanlike.optim.adamw import clip_with_norm_, grad_norm, param_groups
+from titanlike.optim.adamw import clip_with_norm_, grad_norm
 
 
 class PipelineRunner:
@@ -51,7 +51,6 @@ class PipelineRunner:
                 _forget_metadata_pass(part)
         # Ties split over stages: the copies' gradients summed with their sources' after each backward.
         pairs = tied_pairs(model, self.pipeline.layout)
-        _check_tied_decay(model, spec, pairs, self.pipeline.layout, cfg)
         self.tied = TiedParameters(pairs, {s.stage_index: s.submod for s in self.pipeline.stages},
                                    self.pipeline.owners, dims.world_mesh)
 
@@ -161,25 +160,6 @@ class PipelineRunner:
         sq = grad_norm([p.grad for p in params if id(p) not in excluded]).to(self.device).float() ** 2
         dist.all_reduce(sq, group=self.pp_group)
         return clip_with_norm_(params, max_norm, sq.sqrt(), fused_into, loss_scale)
-
-
-def _check_tied_decay(model: nn.Module, spec, pairs, layout: list[list[str]], cfg) -> None:
-    """Both copies of a split tie must get the same weight decay, or they drift apart. In one module the copy is
-    the source, decayed by the source's rule (e.g. an embedding's); on its own stage the copy follows its module's
-    (e.g. a Linear's), so a config where the two rules differ is refused."""
-    top_level = (*spec.input_modules, *spec.output_modules)
-    for pair in pairs:
-        decays = []
-        for sid, fqn in ((pair.source_stage, pair.source), (pair.copy_stage, pair.copy)):
-            part = stage_module(model, layout[sid], top_level)
-            param = dict(part.named_parameters())[fqn]
-            decays.append(next(g["weight_decay"] for g in param_groups(part, cfg.optimizer)
-                               if any(p is param for p in g["params"])))
-        if decays[0] != decays[1]:
-            raise ValueError(f"parallelism.pp={cfg.parallelism.pp}: the tied {pair.copy} (stage {pair.copy_stage}) "
-                             f"would get weight decay {decays[1]} and {pair.source} (stage {pair.source_stage}) "
-                             f"{decays[0]}, so the two copies would drift apart; set optimizer.decay_embeddings=true "
-                             f"(Megatron decays embeddings) or optimizer.weight_decay=0")
 
 
 def _forget_metadata_pass(part: nn.Module) -> None:
