@@ -111,8 +111,12 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.k_rope_share = SharedRopeKey()
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        # Generation only (models/common/kv_cache.py attaches a LayerCache here); None in training.
+        self.kv_cache = None
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttnMask | None = None) -> torch.Tensor:
+        if self.kv_cache is not None:
+            return self._forward_cached(x, rope_cache)
         bs, seqlen, _ = x.shape
         # Head counts come from the projection outputs (-1), never from args: under TP each rank holds n_heads/tp.
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
@@ -128,6 +132,30 @@ class MLA(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = self.attention_fn(q, k, v, False, attn_mask)  # [B, S, H_local, v_head_dim]
+        return self.wo(out.reshape(bs, seqlen, -1))
+
+    def _forward_cached(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        """Generation with the cache holding, per token, the normalised KV latent and the rotated rope key
+        (kv_lora_rank + qk_rope_head_dim values, shared by all heads) instead of the heads' K and V. wkv_b is
+        absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c and the values' W_uv is applied after attention, so every
+        head attends over the latent itself (one shared KV head, MQA-like) and nothing is expanded per cached token.
+        The scale stays 1/sqrt(qk_head_dim) of the unabsorbed attention."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bs, seqlen, -1, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(2), rope_cache)
+        # One buffer [latent | rope key]: the keys are all of it, the values its latent part (a view, no copy).
+        (kv,) = self.kv_cache.update(torch.cat([self.kv_norm(kv_latent), k_rope.squeeze(2)], dim=-1))
+        w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("bshn,hnr->bshr", q_nope, w_uk), q_rope], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        kv = kv.unsqueeze(2)
+        out = self.kv_cache.attend(q, kv, kv[..., : self.kv_lora_rank], scale=self.qk_head_dim**-0.5)
+        out = torch.einsum("bshr,hvr->bshv", out, w_uv)  # [B, S, H, v_head_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

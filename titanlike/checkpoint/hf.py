@@ -81,8 +81,9 @@ def shard_files(hf_dir: str) -> dict[str, list[str]]:
                           f"are read (re-save with save_pretrained(..., safe_serialization=True))")
 
 
-def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
-    """HF folder -> out_dir/step-0 (+ out_dir/tokenizer). Returns {"path", "model_args", "flavor"}."""
+def read_hf_model(hf_dir: str, progress: bool = False) -> tuple[str, object, dict[str, torch.Tensor]]:
+    """(family name, its model args, titanlike state dict) of an HF folder, through the family's HF adapter; the
+    tensors keep their saved dtype. CheckpointError naming the file at fault. (import_hf and generation's loader.)"""
     from safetensors import safe_open
 
     config, model_name = read_hf_config(hf_dir)
@@ -92,9 +93,6 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
     files = shard_files(hf_dir)
-    final = layout.step_path(out_dir, 0)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
     total = 0
     for fname in files:
         with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
@@ -110,7 +108,17 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: boo
         sd = spec.hf.from_hf(hf_sd, args)
     except KeyError as e:
         raise CheckpointError(f"{hf_dir}: {e.args[0]}") from None
-    del hf_sd
+    return model_name, args, sd
+
+
+def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
+    """HF folder -> out_dir/step-0 (+ out_dir/tokenizer). Returns {"path", "model_args", "flavor"}."""
+    read_hf_config(hf_dir)  # an unsupported folder fails before the existing-output check, as before
+    final = layout.step_path(out_dir, 0)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
+    model_name, args, sd = read_hf_model(hf_dir, progress)
+    spec = models.get_spec(model_name)
     meta = {"hf_source": os.path.abspath(hf_dir)}
     final = write_model_step(out_dir, model_name, args, sd, meta, "hf_import", hf_dir, "config.json", dtype=dtype,
                              extra=lambda tmp: shutil.copy(os.path.join(hf_dir, "config.json"),

@@ -1,0 +1,158 @@
+"""Generate text from a titanlike run, checkpoint or export, or from a Hugging Face model folder (local files only).
+
+    python scripts/generate.py SOURCE --prompt "def fib(n):" --max-new-tokens 64
+    python scripts/generate.py SOURCE --prompt "a" --prompt "b" --temperature 0.8 --top-p 0.95 --seed 0
+    python scripts/generate.py SOURCE --prompts-file prompts.txt --max-new-tokens 32 --compile --device cuda
+    python scripts/generate.py SOURCE --tokens 1,2,3 --max-new-tokens 8            # ids in, ids out
+
+SOURCE: a run folder (job.dump_folder/job.run_name), a checkpoint folder, a step folder (any training layout; the
+newest complete step unless --step N), a scripts/convert_hf.py import, or an HF folder (titanlike/infer/load.py).
+The tokenizer is the run's own (its config.toml) or the HF folder's; without one, give --tokens. One prompt streams
+its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one left-padded
+batch and print in order. Greedy unless --temperature > 0; generation stops at the tokenizer's EOS.
+
+Bad input (missing or damaged checkpoint, unknown model, a prompt longer than the model's context, bad sampling
+values) exits with status 2 and one line naming the problem and the fix; --debug shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other error of this script (argparse prints usage too)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source")
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="a text file, one prompt per non-empty line")
+    p.add_argument("--tokens", action="append", default=[], help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (pays off on GPUs)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint step to load (default: the newest)")
+    p.add_argument("--no-bos", action="store_true", help="do not start text prompts with the BOS token")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    return p.parse_args(argv)
+
+
+def _check(a: argparse.Namespace) -> None:
+    """Sampling values and prompt sources, before anything is loaded."""
+    if a.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be at least 1")
+    if not a.temperature >= 0:
+        raise ValueError(f"--temperature={a.temperature} must be >= 0 (0 = greedy)")
+    if a.top_k < 0:
+        raise ValueError(f"--top-k={a.top_k} must be >= 0 (0 = no cut)")
+    if not 0 < a.top_p <= 1:
+        raise ValueError(f"--top-p={a.top_p} must lie in (0, 1] (1 = no cut)")
+    if (a.prompt or a.prompts_file) and a.tokens:
+        raise ValueError("give text prompts (--prompt / --prompts-file) or --tokens, not both")
+    if not (a.prompt or a.prompts_file or a.tokens):
+        raise ValueError("nothing to generate from: give --prompt TEXT, --prompts-file FILE or --tokens 1,2,3")
+
+
+def _token_prompts(specs: list[str], vocab_size: int) -> list[list[int]]:
+    out = []
+    for spec in specs:
+        try:
+            ids = [int(x) for x in spec.replace(" ", ",").split(",") if x]
+        except ValueError:
+            raise ValueError(f"--tokens {spec!r}: give comma-separated integer token ids, e.g. --tokens 1,2,3") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if not ids or bad:
+            raise ValueError(f"--tokens {spec!r}: ids must lie in 0..{vocab_size - 1} (the model's vocabulary)"
+                             + (f"; {bad[:3]} do not" if bad else ""))
+        out.append(ids)
+    return out
+
+
+def _text_prompts(a: argparse.Namespace) -> list[str]:
+    texts = list(a.prompt)
+    if a.prompts_file:
+        with open(a.prompts_file) as f:
+            texts += [line.rstrip("\n") for line in f if line.strip()]
+        if not texts:
+            raise ValueError(f"--prompts-file {a.prompts_file} holds no prompt (one per non-empty line)")
+    return texts
+
+
+class _Stream:
+    """Prints one row's new text as tokens arrive; bytes of an unfinished UTF-8 character wait for the rest."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.ids, self.shown = tok, [], 0
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids) if self.tok is not None else " ".join(map(str, self.ids)) + " "
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.shown:])
+        sys.stdout.flush()
+        self.shown = len(text)
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from titanlike.infer import generate, load_for_inference
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    texts = [] if a.tokens else _text_prompts(a)
+    loaded = load_for_inference(a.source, device=device, dtype=dtype, step=a.step)
+    tok = loaded.tokenizer
+    if a.tokens:
+        prompts = _token_prompts(a.tokens, loaded.args.vocab_size)
+    elif tok is None:
+        raise ValueError(f"{loaded.source} comes with no tokenizer: give the prompt as ids with --tokens 1,2,3")
+    else:
+        prompts = [([] if a.no_bos else [tok.bos_id]) + tok.encode(t) for t in texts]
+    for i, p in enumerate(prompts):
+        if len(p) + a.max_new_tokens > loaded.max_seq_len:
+            raise ValueError(f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens={a.max_new_tokens} that "
+                             f"exceeds the model's context of {loaded.max_seq_len} tokens: shorten the prompt or "
+                             f"lower --max-new-tokens")
+    kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, temperature=a.temperature,
+              top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile)
+    if len(prompts) == 1:
+        sys.stdout.write(texts[0] if texts else " ".join(map(str, prompts[0])) + " -> ")
+        generate(loaded.model, prompts, on_token=_Stream(tok if texts else None), **kw)
+        sys.stdout.write("\n")
+        return 0
+    for i, (prompt, new) in enumerate(zip(prompts, generate(loaded.model, prompts, **kw))):
+        shown = (texts[i] + tok.decode(new)) if texts else f"{' '.join(map(str, prompt))} -> {' '.join(map(str, new))}"
+        sys.stdout.write(f"{'' if i == 0 else chr(10)}=== prompt {i + 1}\n{shown}\n")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    a = _args(argv)
+    from titanlike.checkpoint.layout import CheckpointError
+
+    try:
+        _check(a)
+        return run(a)
+    except (CheckpointError, ValueError, OSError) as e:
+        if a.debug:
+            raise
+        msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
+        print("error: " + " ".join(line.strip() for line in msg.splitlines() if line.strip()), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

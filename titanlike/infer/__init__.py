@@ -1,0 +1,9 @@
+"""Inference on what titanlike trained (or Hugging Face published): loading and generation with a KV cache.
+
+    load.py      load_for_inference(source, device=, dtype=, step=) -> Loaded(model, spec, args, tokenizer, ...)
+    generate.py  generate(model, prompts, max_new_tokens=, ...) -> the new tokens of each prompt
+"""
+from titanlike.infer.generate import generate
+from titanlike.infer.load import Loaded, load_for_inference
+
+__all__ = ["Loaded", "generate", "load_for_inference"]
