@@ -231,6 +231,23 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    """In-loop evaluation every `interval` steps (titanlike/train/evaluate.py, docs/evaluation.md): lm-evaluation-harness
+    tasks (pip install 'titanlike[eval]') scored on a DP-sharded share of their requests per rank, and extra perplexity
+    sets scored like [validation]. Leaves the model's training state, the RNGs and the data position untouched."""
+    enable: bool = False
+    interval: int = 1000
+    tasks: list[str] = field(default_factory=list)  # lm_eval task names (`lm-eval ls tasks`); local: YAMLs in include_path
+    include_path: str = ""  # folder of local task YAML files ("" = lm_eval's own tasks only)
+    limit: int = 0  # the first N documents of each task; 0 = all
+    num_fewshot: int = -1  # -1 = the task's default
+    batch_size: int = 8  # sequences per scoring forward, each padded to training.seq_len (one shape: no recompiles)
+    # Extra held-out sets, scored like [validation] (validation.steps batches each): "DATASET" or "DATASET:PATH [PATH]"
+    # (paths space-separated as in data.paths), e.g. ["text:/data/wiki_val.jsonl", "indexed:/data/pile_val_text_document"]
+    perplexity_sets: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Comm:
     """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/resilience/comm_watch.py, docs/faults.md)."""
     init_timeout_seconds: int = 300  # process-group creation, checkpoint load and the first step
@@ -281,6 +298,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     profiling: Profiling = field(default_factory=Profiling)

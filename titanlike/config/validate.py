@@ -19,6 +19,7 @@ from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig
 from titanlike.config.validate_data import check_data
+from titanlike.config.validate_eval import check_eval
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
 
 # Allowed values of string "choice" fields. A value a consumer defines (attention kernels, AC modes, ...) is read
@@ -321,6 +322,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
     check_pipeline(cfg, errors)
+    check_eval(cfg, errors)  # [eval]: task names (lm_eval's index), include_path, perplexity sets
     dump = cfg.job.dump_folder
     if os.path.exists(dump) and not os.path.isdir(dump):
         errors.append(f"job.dump_folder={dump!r} is a file, not a folder; choose another job.dump_folder")

@@ -181,6 +181,30 @@ class MetricsLogger:
             if self.wandb is not None:
                 self.wandb.scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
 
+    def log_eval(self, step: int, results: dict[str, float], seconds: float, share_pct: float) -> None:
+        """[eval] results (titanlike/train/evaluate.py): "<task>/<metric>" and "ppl/<set>/loss" (its perplexity
+        added), with the time the evaluation took and all evaluations' time as a share of the training steps' time."""
+        self._t0 += seconds  # the next log line's tok/s and MFU count the training steps only (every rank)
+        if not self.is_rank0:
+            return
+        import math
+
+        out = dict(results)
+        for key, value in results.items():
+            if key.startswith("ppl/") and key.endswith("/loss"):
+                out[key[:-len("loss")] + "perplexity"] = math.exp(min(value, 50))
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in out.items())
+        logger.info(f"eval step {step:>6}  {shown}  ({seconds:.1f} s; evaluation so far {share_pct:.1f}% of "
+                    f"training time)")
+        out = {f"eval/{k}": v for k, v in out.items()}
+        out.update({"eval/seconds": seconds, "eval/share_of_training_pct": share_pct})
+        if self.writer is not None:
+            for k, v in out.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.scalars(step, out)
+
     def log_text(self, tag: str, text: str) -> None:
         """A text entry in TensorBoard (e.g. job.description, shown under the TEXT tab) and the W&B summary;
         "" writes nothing."""

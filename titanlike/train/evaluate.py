@@ -1,23 +1,28 @@
-"""Evaluation during training: the validation loss on held-out data, logged with its perplexity."""
+"""Evaluation during training: the validation loss on held-out data ([validation], logged with its perplexity), and
+[eval]: lm-evaluation-harness tasks and extra perplexity sets every eval.interval steps (docs/evaluation.md)."""
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
 
 import torch
 
+from titanlike.config.sections import Validation
+from titanlike.config.validate_eval import parse_perplexity_set
 from titanlike.data import build_validation_dataloader
 from titanlike.train.loss import IGNORE_INDEX
 
+logger = logging.getLogger("titanlike")
+
 
 @torch.no_grad()
-def validation_loss(trainer) -> float:
-    """Mean token loss over validation.steps batches of the held-out data (logged with perplexity)."""
-    for part in trainer.model_parts:
-        part.eval()
-    # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
-    loader = trainer.val_loader if trainer.val_loader is not None else build_validation_dataloader(
-        trainer.cfg.data, trainer.cfg.validation, trainer.tokenizer, **trainer.val_loader_kw)
+def mean_loss(trainer, loader, steps: int) -> float:
+    """Mean token loss over `steps` batches of `loader` with the trainer's layout (FSDP, TP, CP, PP), all ranks."""
     loss_sum = torch.zeros((), device=trainer.device)
     tokens = torch.zeros((), device=trainer.device)
-    for _, (inputs, labels) in zip(range(trainer.cfg.validation.steps), loader):
+    for _, (inputs, labels) in zip(range(steps), loader):
         inputs, labels, kwargs = trainer.batch_layout(inputs.to(trainer.device), labels.to(trainer.device))
         with trainer.amp, trainer._sdpa(), trainer._loss_ctx():
             if trainer.pp is not None:  # forward-only schedule; the loss is summed on the last stage
@@ -27,8 +32,95 @@ def validation_loss(trainer) -> float:
         tokens += (labels != IGNORE_INDEX).sum()
     if trainer.pp is not None:
         trainer.pp.reduce_over_pp(loss_sum)
-    loss = (trainer._all_reduce_sum(loss_sum) / trainer._all_reduce_sum(tokens)).item()
-    trainer.metrics.log_validation(trainer.step, loss)
+    return (trainer._all_reduce_sum(loss_sum) / trainer._all_reduce_sum(tokens)).item()
+
+
+@contextlib.contextmanager
+def eval_mode(trainer):
     for part in trainer.model_parts:
-        part.train()
+        part.eval()  # (MoE layers count expert loads only in train mode: the bias balancing never sees eval tokens)
+    try:
+        yield
+    finally:
+        for part in trainer.model_parts:
+            part.train()
+
+
+def validation_loss(trainer) -> float:
+    """Mean token loss over validation.steps batches of the held-out data (logged with perplexity)."""
+    # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
+    loader = trainer.val_loader if trainer.val_loader is not None else build_validation_dataloader(
+        trainer.cfg.data, trainer.cfg.validation, trainer.tokenizer, **trainer.val_loader_kw)
+    with eval_mode(trainer):
+        loss = mean_loss(trainer, loader, trainer.cfg.validation.steps)
+    trainer.metrics.log_validation(trainer.step, loss)
     return loss
+
+
+class InLoopEval:
+    """[eval] state kept on the trainer: the harness adapter and perplexity loaders (built at the first evaluation)
+    and the time spent, reported as a share of the time spent in training steps."""
+
+    def __init__(self, trainer):
+        self.trainer, self.lm, self.loaders, self.seconds = trainer, None, {}, 0.0
+
+    def _lm(self):
+        if self.lm is None:
+            from titanlike.eval.harness import TitanlikeLM
+
+            tr = self.trainer
+            mesh = tr.dims.get_mesh("dp")  # ranks of one DP rank (TP) score the same requests, as they train
+            shard = (mesh.get_local_rank(), mesh.size(), mesh.get_group()) if mesh is not None else None
+
+            def context():
+                stack = contextlib.ExitStack()
+                stack.enter_context(tr.amp)
+                stack.enter_context(tr._sdpa())
+                return stack
+
+            # fixed_shape: every forward is [eval.batch_size, training.seq_len], so compiled blocks never recompile
+            self.lm = TitanlikeLM(model=tr.model, tokenizer=tr.tokenizer, max_length=tr.cfg.training.seq_len,
+                                  batch_size=tr.cfg.eval.batch_size, device=str(tr.device), shard=shard,
+                                  fixed_shape=True, context=context, progress=False)
+        return self.lm
+
+    def _loader(self, entry: str):
+        if entry not in self.loaders:
+            tr = self.trainer
+            dataset, paths = parse_perplexity_set(entry)
+            val = dataclasses.replace(Validation(), dataset=dataset, paths=paths, split=tr.cfg.validation.split,
+                                      steps=tr.cfg.validation.steps)
+            self.loaders[entry] = build_validation_dataloader(tr.cfg.data, val, tr.tokenizer, **tr.val_loader_kw)
+        return self.loaders[entry]
+
+    def run(self) -> dict[str, float]:
+        from titanlike.eval.tasks import flat_metrics, rng_preserved, run_tasks
+
+        tr, ev = self.trainer, self.trainer.cfg.eval
+        start = time.perf_counter()
+        out: dict[str, float] = {}
+        with eval_mode(tr), rng_preserved(tr.device):
+            if ev.tasks:
+                results = run_tasks(self._lm(), ev.tasks, ev.include_path, limit=ev.limit or None,
+                                    num_fewshot=ev.num_fewshot if ev.num_fewshot >= 0 else None, device=tr.device)
+                out.update(flat_metrics(results))
+            for entry in ev.perplexity_sets:
+                out[f"ppl/{entry}/loss"] = mean_loss(tr, self._loader(entry), tr.cfg.validation.steps)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        timings = tr.signals.timings  # seconds per phase: steps are "training", "first step ...", "waiting for data"
+        train_s = sum(s for p, s in timings.items() if p in ("training", "waiting for data") or p.startswith("first"))
+        share = 100 * self.seconds / max(train_s, 1e-9)
+        tr.metrics.log_eval(tr.step, out, seconds, share)
+        return {**out, "eval/seconds": seconds, "eval/share_of_training_pct": share}
+
+
+def maybe_evaluate(trainer) -> dict[str, float] | None:
+    """[eval] at every eval.interval-th step and the last one; the model is back in train mode after it, and the
+    RNGs, the data position and everything a checkpoint holds are as they were."""
+    ev, last = trainer.cfg.eval, trainer.cfg.training.steps
+    if not ev.enable or (trainer.step % ev.interval and trainer.step != last):
+        return None
+    state = trainer.in_loop_eval = getattr(trainer, "in_loop_eval", None) or InLoopEval(trainer)
+    with trainer.signals.during("evaluation", graceful=True):
+        return state.run()

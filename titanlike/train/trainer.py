@@ -33,7 +33,7 @@ from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
-from titanlike.train.evaluate import validation_loss
+from titanlike.train.evaluate import maybe_evaluate, validation_loss
 from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
@@ -321,6 +321,7 @@ class Trainer:
             if v.enable and (self.step % v.interval == 0 or self.step == t.steps):
                 with self.signals.during("validation", graceful=True):
                     self.validate()
+            maybe_evaluate(self)  # [eval]: harness tasks, perplexity sets every eval.interval steps (train/evaluate.py)
             with self.signals.during("saving", graceful=True, grace_s=self.SAVE_GRACE_S):
                 self.checkpointer.maybe_save(self.step, last_step=self.step == t.steps)
             profiler.step(self.step)
