@@ -18,7 +18,7 @@ from models.common.kv_cache import KVCache
 from tests.launch import REPO_ROOT
 from titanlike.infer import generate, load_for_inference
 from titanlike.infer.generate import _mask
-from titanlike.infer.load import _build
+from titanlike.infer.load import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +42,7 @@ def tiny(family: str, flavor: str, seed: int = 0) -> torch.nn.Module:
         kw["head_dim"] = 16
     args = dataclasses.replace(spec.flavors[flavor], **kw)
     torch.manual_seed(seed)
-    model = _build(spec, args, torch.device("cpu"), torch.float32)
+    model = build_model(spec, args, torch.device("cpu"), torch.float32)
     if family == "gpt":  # GPT's 0.02-std embedding makes a random model repeat one token: widen it
         with torch.no_grad():
             model.tok_embeddings.weight.normal_(std=1.0)

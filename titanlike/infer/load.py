@@ -98,7 +98,7 @@ def _checkpoint_folder(source: str) -> str:
                           f"folder")
 
 
-def _build(spec, args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(spec, args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model on `device`, initialised (buffers: RoPE tables, MoE counters) and with its parameters in `dtype`."""
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -122,7 +122,7 @@ def _from_checkpoint(info: layout.StepInfo, device: torch.device, dtype: torch.d
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(info.path, layout.META)}: {e} (written by another version or "
                               f"another project?)") from None
-    model = _build(spec, args, device, dtype)
+    model = build_model(spec, args, device, dtype)
     loaded_step = load_model_weights(info.path, model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -145,7 +145,7 @@ def _from_hf(hf_dir: str, device: torch.device, dtype: torch.dtype) -> Loaded:
 
     name, args, sd = read_hf_model(hf_dir)
     spec = models.get_spec(name)
-    model = _build(spec, args, device, dtype)
+    model = build_model(spec, args, device, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "output.weight" or not getattr(args, "tie_embeddings", False)]
     if missing or unexpected:
