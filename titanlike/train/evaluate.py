@@ -81,7 +81,7 @@ class InLoopEval:
             # fixed_shape: every forward is [eval.batch_size, training.seq_len], so compiled blocks never recompile
             self.lm = TitanlikeLM(model=tr.model, tokenizer=tr.tokenizer, max_length=tr.cfg.training.seq_len,
                                   batch_size=tr.cfg.eval.batch_size, device=str(tr.device), shard=shard,
-                                  fixed_shape=True, context=context, progress=False)
+                                  fixed_shape=True, context=context, progress=False, add_bos=tr.cfg.data.add_bos)
         return self.lm
 
     def _loader(self, entry: str):
