@@ -33,7 +33,7 @@ def run(cfg) -> tuple[list[float], list[dict]]:
     trainer = Trainer(cfg)
     evals = []
     log_eval = trainer.metrics.log_eval
-    trainer.metrics.log_eval = lambda step, res, s, share: (evals.append(dict(res)), log_eval(step, res, s, share))
+    trainer.metrics.log_eval = lambda step, res, *times: (evals.append(dict(res)), log_eval(step, res, *times))
     try:
         history = trainer.train()
     finally:  # as checkpoint_worker.py: the process group stays up for the next run (destroyed once, in main)

@@ -181,9 +181,11 @@ class MetricsLogger:
             if self.wandb is not None:
                 self.wandb.scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
 
-    def log_eval(self, step: int, results: dict[str, float], seconds: float, share_pct: float) -> None:
+    def log_eval(self, step: int, results: dict[str, float], seconds: float, share_pct: float,
+                 recent_pct: float) -> None:
         """[eval] results (titanlike/train/evaluate.py): "<task>/<metric>" and "ppl/<set>/loss" (its perplexity
-        added), with the time the evaluation took and all evaluations' time as a share of the training steps' time."""
+        added), with the time this evaluation took, as a share of the training steps' time since the previous one
+        (recent_pct), and all evaluations' time as a share of all training steps' time (share_pct)."""
         self._t0 += seconds  # the next log line's tok/s and MFU count the training steps only (every rank)
         if not self.is_rank0:
             return
@@ -194,10 +196,11 @@ class MetricsLogger:
             if key.startswith("ppl/") and key.endswith("/loss"):
                 out[key[:-len("loss")] + "perplexity"] = math.exp(min(value, 50))
         shown = "  ".join(f"{k} {v:.4f}" for k, v in out.items())
-        logger.info(f"eval step {step:>6}  {shown}  ({seconds:.1f} s; evaluation so far {share_pct:.1f}% of "
-                    f"training time)")
+        logger.info(f"eval step {step:>6}  {shown}  ({seconds:.1f} s = {recent_pct:.1f}% of the training time since "
+                    f"the last evaluation; all evaluations {share_pct:.1f}% of training time)")
         out = {f"eval/{k}": v for k, v in out.items()}
-        out.update({"eval/seconds": seconds, "eval/share_of_training_pct": share_pct})
+        out.update({"eval/seconds": seconds, "eval/share_of_training_pct": share_pct,
+                    "eval/share_recent_pct": recent_pct})
         if self.writer is not None:
             for k, v in out.items():
                 self.writer.add_scalar(k, v, step)

@@ -62,7 +62,7 @@ class InLoopEval:
     and the time spent, reported as a share of the time spent in training steps."""
 
     def __init__(self, trainer):
-        self.trainer, self.lm, self.loaders, self.seconds = trainer, None, {}, 0.0
+        self.trainer, self.lm, self.loaders, self.seconds, self.train_s = trainer, None, {}, 0.0, 0.0
 
     def _lm(self):
         if self.lm is None:
@@ -111,8 +111,10 @@ class InLoopEval:
         timings = tr.signals.timings  # seconds per phase: steps are "training", "first step ...", "waiting for data"
         train_s = sum(s for p, s in timings.items() if p in ("training", "waiting for data") or p.startswith("first"))
         share = 100 * self.seconds / max(train_s, 1e-9)
-        tr.metrics.log_eval(tr.step, out, seconds, share)
-        return {**out, "eval/seconds": seconds, "eval/share_of_training_pct": share}
+        recent = 100 * seconds / max(train_s - self.train_s, 1e-9)  # this evaluation over the steps since the last
+        self.train_s = train_s
+        tr.metrics.log_eval(tr.step, out, seconds, share, recent)
+        return {**out, "eval/seconds": seconds, "eval/share_of_training_pct": share, "eval/share_recent_pct": recent}
 
 
 def maybe_evaluate(trainer) -> dict[str, float] | None:
