@@ -241,7 +241,7 @@ class Eval:
     include_path: str = ""  # folder of local task YAML files ("" = lm_eval's own tasks only)
     limit: int = 0  # the first N documents of each task; 0 = all
     num_fewshot: int = -1  # -1 = the task's default
-    batch_size: int = 8  # sequences per scoring forward, each padded to training.seq_len (one shape: no recompiles)
+    batch_size: int = 8  # sequences per scoring forward (padded to a power-of-two length: few shapes to compile)
     # Extra held-out sets, scored like [validation] (validation.steps batches each): "DATASET" or "DATASET:PATH [PATH]"
     # (paths space-separated as in data.paths), e.g. ["text:/data/wiki_val.jsonl", "indexed:/data/pile_val_text_document"]
     perplexity_sets: list[str] = field(default_factory=list)

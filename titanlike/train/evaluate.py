@@ -78,7 +78,7 @@ class InLoopEval:
                 stack.enter_context(tr._sdpa())
                 return stack
 
-            # fixed_shape: every forward is [eval.batch_size, training.seq_len], so compiled blocks never recompile
+            # fixed_shape: forwards are [eval.batch_size, power of two <= seq_len]: compiled blocks see few shapes
             self.lm = TitanlikeLM(model=tr.model, tokenizer=tr.tokenizer, max_length=tr.cfg.training.seq_len,
                                   batch_size=tr.cfg.eval.batch_size, device=str(tr.device), shard=shard,
                                   fixed_shape=True, context=context, progress=False, add_bos=tr.cfg.data.add_bos)
