@@ -105,6 +105,13 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, _CheckpointedModule)
 
 
+def forward_without_checkpoint(module: nn.Module):
+    """The module's forward as it was before checkpoint_module (itself if it is not checkpointed)."""
+    if not is_checkpointed(module):
+        return module.forward
+    return super(_CheckpointedModule, module).forward
+
+
 def _parse_every_n(option: str) -> int:
     try:
         n = int(option)

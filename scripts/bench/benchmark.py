@@ -61,7 +61,8 @@ def default_config(model: str, flavor: str) -> str:
     path = f"configs/{model}_{flavor.lower()}.toml"
     return path if os.path.isfile(os.path.join(ROOT, path)) else "configs/base_gpu.toml"
 PEER_DEGREE = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
-               "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree"}
+               "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree",
+               "ep": "expert_parallel_degree"}
 
 
 def _fsdp_applies(case: dict) -> bool:

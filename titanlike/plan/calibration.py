@@ -16,20 +16,21 @@ from __future__ import annotations
 
 GiB = 1024 ** 3
 
-# Calibrated 2026-11-24 on one H100 (torch 2.11): six one-GPU runs (1B shape without, with full and with selective
-# AC; 32k context; a 774M GPT; an 8B-shape 4-layer cut), traced peak x (1 + FRAGMENTATION) against
-# torch.cuda.max_memory_reserved(); FRAGMENTATION_FSDP from three 2x H200 FSDP runs; docs/benchmarks.md "Memory" has
-# the tables. CUDA_CONTEXT_BYTES and the
-# NCCL allowance are still estimates (they sit outside torch's reserved memory).
+# Calibrated 2026-11-24 on one H100 (torch 2.11) with each compiled block's saved bytes emulated
+# (titanlike/plan/compiled.py): six one-GPU runs (1B shape without, with full and with selective AC; 32k context; a
+# 774M GPT; an 8B-shape 4-layer cut), traced peak x (1 + FRAGMENTATION) against torch.cuda.max_memory_reserved()
+# (-6% to +4% with it); FRAGMENTATION_FSDP fitted to five 2x H200 FSDP runs; docs/benchmarks.md "Memory" has the
+# tables. CUDA_CONTEXT_BYTES and the NCCL allowance are still estimates (they sit outside torch's reserved memory).
 CALIBRATED = True
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # per process: CUDA context, cuBLAS/cuDNN workspaces, loaded kernels
 NCCL_BYTES_PER_GROUP = int(0.25 * GiB)  # per process group this rank communicates in (world > 1 only)
 NCCL_MAX_GROUPS = 4  # groups counted at most (flattened meshes share communicators lazily)
-FRAGMENTATION = 0.05  # fraction of the traced peak the caching allocator holds but cannot use (measured 0-12%)
-# Under FSDP the all-gather and reduce-scatter buffers live on other streams: the allocator holds more. Fitted to
-# the three 2x H200 FSDP runs of docs/benchmarks.md (8B SAC-2 and no-AC, 8B_4L SAC-2: -4%, +8%, -7% with it).
-FRAGMENTATION_FSDP = 0.15
+FRAGMENTATION = 0.06  # fraction of the traced peak the caching allocator holds but cannot use
+# Under FSDP the all-gather and reduce-scatter buffers are allocated on other streams, and the caching allocator
+# does not reuse one stream's freed blocks for another's: it holds far more. Fitted to the five 2x H200 FSDP runs of
+# docs/benchmarks.md (8B with SAC-2, per-op SAC, no AC, no AC without resharding; 8B_4L SAC-2: -4% to +4% with it).
+FRAGMENTATION_FSDP = 0.28
 
 
 def fragmentation(fsdp: bool) -> float:

@@ -16,6 +16,8 @@ CONSTANTS = {
     "tokens_half_eff": 1000.0,  # tokens per micro-batch per GPU at which matmul efficiency is half its asymptote
     "dim_ref": 2048,  # model width at and above which matmuls reach matmul_eff (a 1280-wide 774M model: 51% vs 58% MFU)
     "dim_exp": 0.3,
+    "expert_rows_half_eff": 1000.0,  # rows per expert (grouped GEMM) at which its efficiency is half the asymptote
+    "moe_overhead": 1.0,  # routed-expert time beyond its GEMMs (permutation, routing), as a factor
     "float8_linear_speedup": 1.2,  # float8 linear layers against bf16 (1B shape: 1.13-1.16x overall, same call)
     "fsdp_overlap": 0.9,  # fraction of compute FSDP's all-gather / reduce-scatter hide behind
     "optimizer_bytes_per_param": 16.0,  # AdamW step traffic: fp32 param, grad, two moments, read and written
@@ -34,6 +36,9 @@ class Shape:
     kv_dim: int  # width of K plus V per token (CP exchanges them)
     moe_topk: int  # routed experts per token (0: dense)
     flops_per_token: float  # training FLOPs per token (forward + backward) at the run's sequence length
+    float8_active: int = 0  # parameters per token in the Linear layers float8 converts (not the output, experts)
+    expert_active: int = 0  # parameters per token in routed experts (grouped GEMMs)
+    moe_experts: int = 0  # routed experts per MoE layer
 
 
 @dataclass
@@ -74,9 +79,15 @@ def step_seconds(shape: Shape, lay: Layout, gpu: GpuKind) -> dict[str, float]:
     mb_tokens = lay.local_batch / max(lay.pp_microbatches, 1) * lay.seq_len / lay.cp
     eff = gpu.matmul_eff * min(1.0, shape.dim / lay.tp / c["dim_ref"]) ** c["dim_exp"]
     eff *= mb_tokens / (mb_tokens + c["tokens_half_eff"])
-    compute = flops / (gpu.bf16_tflops * 1e12 * eff)
+    # Routed experts run grouped GEMMs of tokens x top_k / experts rows each (all EP ranks' tokens meet there):
+    # small rows, low efficiency, plus the tokens' permutation around them.
+    expert = min(1.0, 6.0 * shape.expert_active / shape.flops_per_token) if shape.moe_experts else 0.0
+    rows = mb_tokens * lay.ep * shape.moe_topk / max(shape.moe_experts, 1)
+    expert_eff = gpu.matmul_eff * rows / (rows + c["expert_rows_half_eff"])
+    per_flop = (1.0 - expert) / eff + (expert / expert_eff * c["moe_overhead"] if expert else 0.0)
+    compute = flops * per_flop / (gpu.bf16_tflops * 1e12)
     if lay.float8 and gpu.fp8_tflops > 0:
-        linear = min(1.0, 6.0 * shape.active / shape.flops_per_token)
+        linear = min(1.0 - expert, 6.0 * shape.float8_active / shape.flops_per_token)
         compute *= (1.0 - linear) + linear / c["float8_linear_speedup"]
     in_node = lambda n: n <= gpu.gpus_per_node  # noqa: E731
     bw = lambda n: (gpu.nvlink_gbps if in_node(n) else gpu.network_gbps) * 1e9  # noqa: E731

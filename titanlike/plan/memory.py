@@ -143,8 +143,9 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     notes = []
     # the run's compiled loss is emulated by a fused cross-entropy of the same memory (titanlike/plan/step.py)
     compiled_loss = gpu and cfg.compile.enable and "loss" in cfg.compile.components
+    # and each compiled block's saved tensors by what Inductor's partitioner keeps (titanlike/plan/compiled.py)
+    compiled_blocks = gpu and cfg.compile.enable and "model" in cfg.compile.components
     if cfg.compile.enable:  # compiled regions do not run under the trackers' dispatch modes (nor on fake tensors)
-        notes.append("traced with torch.compile off (compile usually lowers activation memory a little)")
         t = run_cfg.training
         if (world_size == 1 and gpu and t.mixed_precision_impl == "auto" and t.mixed_precision_param != "float32"
                 and "optimizer" in cfg.compile.components):  # the precision the compiled run picks (one GPU)
@@ -153,14 +154,14 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     ranks = []
     for rank, pp_rank, kind in _rank_kinds(dims):
         r, rank_notes = _estimate_rank(run_cfg, world_size, rank, pp_rank, kind, gpu, fake=True,
-                                       compiled_loss=compiled_loss)
+                                       compiled_loss=compiled_loss, compiled_blocks=compiled_blocks)
         ranks.append(r)
         notes += [n for n in rank_notes if n not in notes]
     return MemoryEstimate(world_size, device_kind, ranks, notes, time.perf_counter() - start)
 
 
 def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: str, gpu: bool, fake: bool,
-                   compiled_loss: bool = False):
+                   compiled_loss: bool = False, compiled_blocks: bool = False):
     from titanlike.plan.build import build
     from titanlike.plan.step import trace_step
 
@@ -176,7 +177,8 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
                 routing = balanced_routing(calibration.MOE_IMBALANCE)
                 built.notes.append(MOE_NOTE.format(imb=calibration.MOE_IMBALANCE))
             with routing:
-                result = trace_step(built, cfg, dims, device, gpu, pp_rank, compiled_loss=compiled_loss)
+                result = trace_step(built, cfg, dims, device, gpu, pp_rank, compiled_loss=compiled_loss,
+                                    compiled_blocks=compiled_blocks)
         finally:
             if mode is not None and active_fake_mode() is mode:
                 mode.__exit__(None, None, None)

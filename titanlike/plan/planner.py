@@ -60,9 +60,30 @@ def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
     kv_dim = 2 * getattr(args, "n_kv_heads", heads) * head_dim
     moe = getattr(args, "moe", None)
     topk = int(getattr(moe, "top_k", 0) or getattr(moe, "topk", 0) or 0) if moe is not None else 0
+    float8_active, expert_active, experts = _linear_and_expert_params(cfg, spec, args, topk)
     shape = Shape(params=counts.total, active=counts.active, dim=dim, n_layers=args.n_layers, kv_dim=kv_dim,
-                  moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len))
+                  moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
+                  float8_active=float8_active, expert_active=expert_active, moe_experts=experts)
     return shape, spec, args
+
+
+def _linear_and_expert_params(cfg: JobConfig, spec, args, topk: int) -> tuple[int, int, int]:
+    """(parameters a token passes through in the Linear layers float8 would convert, in the routed experts, the
+    routed experts per MoE layer), read off the model built on the meta device (no memory)."""
+    import torch
+    from torch import nn
+
+    from float8 import build_filter
+    from models.common.moe import GroupedExperts
+
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    f8 = cfg.float8
+    keep = build_filter(list(f8.filter_fqns), f8.recipe, False)  # (filter_small needs torchao's H100 table)
+    float8_active = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and keep(m, n))
+    grouped = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    expert_active = sum(sum(p.numel() for p in m.parameters()) * topk // m.num_experts for m in grouped)
+    return float8_active, expert_active, (grouped[0].num_experts if grouped else 0)
 
 
 def _divisors(n: int, cap: int) -> list[int]:

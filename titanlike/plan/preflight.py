@@ -87,8 +87,10 @@ def uncertain(cfg: JobConfig, world_size: int) -> str | None:
     from titanlike.plan.planner import layout_of
 
     lay = layout_of(cfg, world_size)
-    why = [w for w, on in (("TP", lay.tp > 1), ("float8 under compile", cfg.float8.enable and cfg.compile.enable),
-                           ("gradient accumulation", lay.grad_accum > 1)) if on]
+    f8 = cfg.float8.enable and cfg.compile.enable
+    why = [w for w, on in (("TP", lay.tp > 1),
+                           ("float8 with selective AC", f8 and cfg.activation_checkpoint.mode == "selective"),
+                           ("float8 with gradient accumulation", f8 and lay.grad_accum > 1)) if on]
     return ", ".join(why) or None
 
 

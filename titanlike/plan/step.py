@@ -143,7 +143,7 @@ def _create_optimizer_state(parts, optimizer) -> None:
 
 
 def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int | None,
-               compiled_loss: bool = False) -> StepResult:
+               compiled_loss: bool = False, compiled_blocks: bool = False) -> StepResult:
     t, par = cfg.training, cfg.parallelism
     parts, update = built.parts, built.update
     optimizer = update.optimizer
@@ -176,18 +176,39 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     compiled_update = compiled_loss and update.precision == "master_weights" and "optimizer" in cfg.compile.components
     grads = 0
     act_per_mb = 0
-    with tracker:
+
+    def forward(part):
+        first = getattr(part, built.spec.input_modules[0], None) is not None
+        last = getattr(part, built.spec.output_modules[-1], None) is not None
+        with amp:
+            x = inputs if first else _hidden(part, built, inputs, cfg, gpu)
+            return _forward(part, built, x, labels, kwargs, last, fused_loss)
+
+    def contexts(part):
+        last = getattr(part, built.spec.output_modules[-1], None) is not None
+        return sdpa(), (loss_parallel() if lp and last else contextlib.nullcontext())
+
+    emulate = contextlib.nullcontext()
+    if compiled_blocks:  # the blocks keep what their compiled versions keep (titanlike/plan/compiled.py)
+        from titanlike.plan.compiled import block_inputs, emulate_compiled_blocks
+
+        def forward_only():
+            for part in parts:
+                with contextlib.ExitStack() as stack:
+                    for c in contexts(part):
+                        stack.enter_context(c)
+                    forward(part)
+
+        emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes)
+    with emulate, tracker:
         for mb in range(traced_mb):
             if mb and hasattr(tracker, "reset_mod_stats"):  # (the global peak stays; per-module stats restart)
                 tracker.reset_mod_stats()
-            for i, part in enumerate(parts):
-                first = getattr(part, built.spec.input_modules[0], None) is not None
-                last = getattr(part, built.spec.output_modules[-1], None) is not None
-                with sdpa(), (loss_parallel() if lp and last else contextlib.nullcontext()):
+            for part in parts:
+                sd, lpc = contexts(part)
+                with sd, lpc:
                     before = _live(tracker)
-                    with amp:
-                        x = inputs if first else _hidden(part, built, inputs, cfg, gpu)
-                        out, is_loss = _forward(part, built, x, labels, kwargs, last, fused_loss)
+                    out, is_loss = forward(part)
                     act_per_mb = max(act_per_mb, _live(tracker) - before)
                     if is_loss:
                         out.backward()
