@@ -142,6 +142,10 @@ def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.M
         float(ac_cfg.memory_budget) if mode == "memory_budget" else 1.0)
     if mode in ("none", "memory_budget"):
         return model
+    # A compiled checkpoint refuses forward side effects (the MoE records its aux loss and drop count on itself)
+    # unless told that the recompute need not replay them: it need not, it would write the same values again.
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     context_fn = None
     every_n = 1
     if mode == "selective":

@@ -8,7 +8,7 @@ from models import DEFAULT_MODEL
 from titanlike.config.validate import CHOICES
 
 FLOAT8 = ("none", *CHOICES["float8.recipe"])
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 AC_MODES = CHOICES["activation_checkpoint.mode"]
 
 

@@ -171,13 +171,19 @@ def test_compile_leaves_expert_parallel_blocks_eager(caplog):
     assert "3 expert-parallel MoE blocks left eager" in caplog.text
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
-def test_blocks_compile_fullgraph(flavor):
+@pytest.mark.parametrize("flavor,ac", [("debugmodel", "none"), ("debugmodel_moe", "none"), ("debugmodel_moe", "op")])
+def test_blocks_compile_fullgraph(flavor, ac):
     """Per-block compile as parallelize/compile.py does it (fullgraph=True: a graph break fails), forward and backward
-    equal to eager. aot_eager traces what inductor would get, without its slow CPU code generation."""
+    equal to eager; also under per-op selective AC, whose compiled checkpoint must accept the MoE recording its
+    statistics on itself. aot_eager traces what inductor would get, without its slow CPU code generation."""
+    from parallelize.ac import apply_ac
+    from titanlike.config.sections import ActivationCheckpoint
+
     args = dataclasses.replace(SPEC.flavors[flavor], vocab_size=256, max_seq_len=16, n_layers=1)
     eager = build(args).train()
     compiled = build(args).train()
+    if ac != "none":
+        apply_ac(compiled, ActivationCheckpoint(mode="selective", selective_option=ac))
     for block in compiled.layers.values():
         block.compile(fullgraph=True, backend="aot_eager")
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
