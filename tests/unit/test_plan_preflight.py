@@ -43,7 +43,8 @@ def test_dry_run_exit_status_and_no_training(tmp_path):
 
 
 def test_where_the_estimate_is_not_yet_trusted():
-    """TP (-17% to +15%), float8 with selective AC or with accumulation (-14%) are outside 10% of the measured runs:
+    """TP (-16% to +16%), float8 with selective AC (-14%) and gradient accumulation (-13% to +10%) are not within 10%
+    of the measured runs everywhere:
     the trainer warns there instead of refusing, unless the estimate exceeds the GPU by more than that
     (scripts/train.py)."""
     from titanlike.plan.preflight import uncertain
@@ -54,5 +55,4 @@ def test_where_the_estimate_is_not_yet_trusted():
     assert uncertain(load_config([*base, "--parallelism.tp=2"], world_size=2), 2) == "TP"
     assert uncertain(load_config(f8), 1) is None  # float8 under compile: the compiled blocks' saves are emulated
     assert uncertain(load_config([*f8, "--activation_checkpoint.mode=selective"]), 1) == "float8 with selective AC"
-    assert uncertain(load_config([*f8, "--training.global_batch_size=16"]), 1) == "float8 with gradient accumulation"
-    assert uncertain(load_config([*base, "--training.global_batch_size=16"]), 1) is None
+    assert uncertain(load_config([*base, "--training.global_batch_size=16"]), 1) == "gradient accumulation"

@@ -90,7 +90,7 @@ def uncertain(cfg: JobConfig, world_size: int) -> str | None:
     f8 = cfg.float8.enable and cfg.compile.enable
     why = [w for w, on in (("TP", lay.tp > 1),
                            ("float8 with selective AC", f8 and cfg.activation_checkpoint.mode == "selective"),
-                           ("float8 with gradient accumulation", f8 and lay.grad_accum > 1)) if on]
+                           ("gradient accumulation", lay.grad_accum > 1)) if on]
     return ", ".join(why) or None
 
 
