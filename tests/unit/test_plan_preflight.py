@@ -43,8 +43,8 @@ def test_dry_run_exit_status_and_no_training(tmp_path):
 
 
 def test_where_the_estimate_is_not_yet_trusted():
-    """TP (-16% to +16%), float8 with selective AC (-14%) and gradient accumulation (-13% to +10%) are not within 10%
-    of the measured runs everywhere:
+    """TP (-24% on a 4-layer cut), float8 with selective AC (-14%) and gradient accumulation (-13% to +10%) are
+    not within 10% of the measured runs everywhere:
     the trainer warns there instead of refusing, unless the estimate exceeds the GPU by more than that
     (scripts/train.py)."""
     from titanlike.plan.preflight import uncertain

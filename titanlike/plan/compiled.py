@@ -95,7 +95,7 @@ def _block_key(block) -> tuple:
     return (type(block).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
-def _measure(block, args, kwargs) -> int:
+def _measure(block, args, kwargs, context) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = isinstance(block, FSDPModule)
@@ -103,7 +103,8 @@ def _measure(block, args, kwargs) -> int:
         block.unshard()  # (fake all-gather) the compiled region runs on the unsharded parameters
     try:
         x = args[0].detach().requires_grad_(True)
-        return saved_bytes(block.forward, (x, *args[1:]), kwargs)
+        with context():  # the run's autocast: what the compiled block saves is in the dtype it computes in
+            return saved_bytes(block.forward, (x, *args[1:]), kwargs)
     finally:
         if fsdp:
             block.reshard()
@@ -133,9 +134,10 @@ def block_inputs(parts, run_forward) -> list:
 
 
 @contextlib.contextmanager
-def emulate_compiled_blocks(blocks_with_inputs, notes: list):
+def emulate_compiled_blocks(blocks_with_inputs, notes: list, context=contextlib.nullcontext):
     """While entered, each compiled block keeps exactly what its compiled version keeps (module docstring).
-    blocks_with_inputs: [(block, (args, kwargs))] of the blocks the run compiles."""
+    blocks_with_inputs: [(block, (args, kwargs))] of the blocks the run compiles; context(): the context the run's
+    forward is under (autocast)."""
     from parallelize.ac import forward_without_checkpoint
     from models.common.moe import GroupedExperts
     from parallelize.ep import ep_experts
@@ -152,7 +154,7 @@ def emulate_compiled_blocks(blocks_with_inputs, notes: list):
         key = _block_key(block)
         if key not in cache:
             try:
-                cache[key] = _measure(block, args, kwargs)
+                cache[key] = _measure(block, args, kwargs, context)
             except Exception as e:  # a block the partitioner trace cannot handle: traced as eager
                 logger.debug("compiled-block measurement failed", exc_info=True)
                 cache[key] = None

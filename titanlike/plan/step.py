@@ -167,8 +167,11 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     master_bytes = sum(_nbytes(x) for x in masters)
     _create_optimizer_state(parts, optimizer)
     tracker = _tracker(parts, optimizer, masters)
-    amp = (torch.autocast(device.type, dtype=getattr(torch, t.mixed_precision_param))
-           if gpu and update.precision == "autocast" else contextlib.nullcontext())
+    def autocast():
+        return (torch.autocast(device.type, dtype=getattr(torch, t.mixed_precision_param))
+                if gpu and update.precision == "autocast" else contextlib.nullcontext())
+
+    amp = autocast()
     sdpa = sdpa_context(cfg.model.attn_backend, device)
     lp = dims.tp_enabled and par.enable_loss_parallel
     fused_loss = compiled_loss  # the run compiles its loss: _FusedCrossEntropySum has its memory
@@ -199,7 +202,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
                         stack.enter_context(c)
                     forward(part)
 
-        emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes)
+        emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes, autocast)
     with emulate, tracker:
         for mb in range(traced_mb):
             if mb and hasattr(tracker, "reset_mod_stats"):  # (the global peak stays; per-module stats restart)
