@@ -118,12 +118,7 @@ class MLA(nn.Module):
         if self.kv_cache is not None:
             return self._forward_cached(x, rope_cache)
         bs, seqlen, _ = x.shape
-        # Head counts come from the projection outputs (-1), never from args: under TP each rank holds n_heads/tp.
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(bs, seqlen, -1, self.qk_head_dim)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(2), rope_cache)
+        q_nope, q_rope, kv_latent, k_rope = self._project(x, rope_cache)
         kv = self.wkv_b(self.kv_norm(kv_latent)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         n_heads = k_nope.shape[2]
@@ -134,6 +129,17 @@ class MLA(nn.Module):
         out = self.attention_fn(q, k, v, False, attn_mask)  # [B, S, H_local, v_head_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
 
+    def _project(self, x: torch.Tensor, rope_cache: torch.Tensor):
+        """(q_nope, q_rope, kv_latent, k_rope) of x, the ropes rotated: what both forwards start from."""
+        bs, seqlen, _ = x.shape
+        # Head counts come from the projection outputs (-1), never from args: under TP each rank holds n_heads/tp.
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bs, seqlen, -1, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(2), rope_cache)
+        return q_nope, q_rope, kv_latent, k_rope
+
     def _forward_cached(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         """Generation with the cache holding, per token, the normalised KV latent and the rotated rope key
         (kv_lora_rank + qk_rope_head_dim values, shared by all heads) instead of the heads' K and V. wkv_b is
@@ -141,11 +147,7 @@ class MLA(nn.Module):
         head attends over the latent itself (one shared KV head, MQA-like) and nothing is expanded per cached token.
         The scale stays 1/sqrt(qk_head_dim) of the unabsorbed attention."""
         bs, seqlen, _ = x.shape
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(bs, seqlen, -1, self.qk_head_dim)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(2), rope_cache)
+        q_nope, q_rope, kv_latent, k_rope = self._project(x, rope_cache)
         # One buffer [latent | rope key]: the keys are all of it, the values its latent part (a view, no copy).
         (kv,) = self.kv_cache.update(torch.cat([self.kv_norm(kv_latent), k_rope.squeeze(2)], dim=-1))
         w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)

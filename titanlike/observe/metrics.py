@@ -138,13 +138,17 @@ class MetricsLogger:
                 logger.info(megatron_format(step, out, ms_per_step, *self.megatron_line))
             else:
                 logger.info(self.format_line(step, out))
-            if self.writer is not None:
-                for k, v in out.items():
-                    self.writer.add_scalar(k, v, step)
-                self.writer.flush()
-            if self.wandb is not None:
-                self.wandb.scalars(step, out)
+            self._write_scalars(step, out)
         return out
+
+    def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and W&B, where enabled (rank 0's callers only)."""
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.scalars(step, scalars)
 
     @staticmethod
     def format_line(step: int, m: dict[str, float]) -> str:
@@ -175,11 +179,7 @@ class MetricsLogger:
 
             ppl = math.exp(min(loss, 50))
             logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {ppl:10.3f}")
-            if self.writer is not None:
-                self.writer.add_scalar("validation/loss", loss, step)
-                self.writer.add_scalar("validation/perplexity", ppl, step)
-            if self.wandb is not None:
-                self.wandb.scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
+            self._write_scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
 
     def log_eval(self, step: int, results: dict[str, float], seconds: float, share_pct: float,
                  recent_pct: float) -> None:
@@ -201,12 +201,7 @@ class MetricsLogger:
         out = {f"eval/{k}": v for k, v in out.items()}
         out.update({"eval/seconds": seconds, "eval/share_of_training_pct": share_pct,
                     "eval/share_recent_pct": recent_pct})
-        if self.writer is not None:
-            for k, v in out.items():
-                self.writer.add_scalar(k, v, step)
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.scalars(step, out)
+        self._write_scalars(step, out)
 
     def log_text(self, tag: str, text: str) -> None:
         """A text entry in TensorBoard (e.g. job.description, shown under the TEXT tab) and the W&B summary;
