@@ -105,6 +105,11 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, _CheckpointedModule)
 
 
+def fully_checkpointed(module: nn.Module) -> bool:
+    """Checkpointed with full recompute (it keeps only its inputs for backward, compiled or not)."""
+    return is_checkpointed(module) and module._ac_context_fn is None
+
+
 def forward_without_checkpoint(module: nn.Module):
     """The module's forward as it was before checkpoint_module (itself if it is not checkpointed)."""
     if not is_checkpointed(module):

@@ -138,7 +138,7 @@ def emulate_compiled_blocks(blocks_with_inputs, notes: list, context=contextlib.
     """While entered, each compiled block keeps exactly what its compiled version keeps (module docstring).
     blocks_with_inputs: [(block, (args, kwargs))] of the blocks the run compiles; context(): the context the run's
     forward is under (autocast)."""
-    from parallelize.ac import forward_without_checkpoint
+    from parallelize.ac import forward_without_checkpoint, fully_checkpointed
     from models.common.moe import GroupedExperts
     from parallelize.ep import ep_experts
 
@@ -146,6 +146,8 @@ def emulate_compiled_blocks(blocks_with_inputs, notes: list, context=contextlib.
     for block, (args, kwargs) in blocks_with_inputs:
         if ep_experts(block):
             continue  # the run leaves it eager (parallelize/compile.py)
+        if fully_checkpointed(block):
+            continue  # keeps only its inputs, compiled or eager: the trace has it right already
         if any(isinstance(m, GroupedExperts) for m in block.modules()):
             # the trace's expert loop reads balanced row counts on the host (titanlike/plan/moe.py), which a
             # compiled graph turns into unbacked sizes: traced eager (within 10% on the MoE shapes measured)
