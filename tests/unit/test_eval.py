@@ -5,6 +5,7 @@ downloaded (HF_DATASETS_OFFLINE=1)."""
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 
@@ -198,6 +199,17 @@ def test_in_loop_eval_on_two_processes_equals_one_and_leaves_training_alone(tmp_
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4), key
+
+
+@pytest.fixture(autouse=True)
+def _titanlike_logger_restored():
+    """scripts/evaluate.py's main() sets up the "titanlike" logger as a script does (its own stderr handler, no
+    propagation); put it back, or later tests' caplog sees nothing and the handler writes to a closed stream."""
+    log = logging.getLogger("titanlike")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, include_path, capsys):
