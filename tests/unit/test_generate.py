@@ -5,6 +5,7 @@ one-line errors of scripts/generate.py."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -177,7 +178,7 @@ def test_script_streams_text(trained_run):
     assert p.stdout.startswith("import os"), p.stdout
 
 
-def test_script_bad_input_is_one_line(trained_run, tmp_path):
+def test_script_bad_input_is_one_line(trained_run, tmp_path, capsys):
     step = trained_run / "checkpoint" / "step-2"
     other = tmp_path / "other" / "step-2"
     other.parent.mkdir()
@@ -198,11 +199,22 @@ def test_script_bad_input_is_one_line(trained_run, tmp_path):
         ([str(trained_run), "--prompt", "x", "--temperature", "-1"], "--temperature"),
         ([str(trained_run), "--tokens", "1,2,x"], "--tokens"),
     ]
+    # main() in this process for each case (a process per case would cost seconds of imports each), the script as a
+    # process once: its exit status and that nothing else reaches stderr
+    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     for argv, expect in cases:
-        p = _script(*argv, "--max-new-tokens", "4")
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1 and expect in lines[0], (argv, p.stderr)
-        assert lines[0].startswith("error: ") and "Traceback" not in p.stderr
+        try:
+            code = script.main([*argv, "--max-new-tokens", "4"])
+        except SystemExit as e:  # argument errors exit from the parser, as in the real script
+            code = e.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and expect in lines[0], (argv, lines)
+        assert lines[0].startswith("error: ")
+    p = _script(str(corrupt.parent), "--prompt", "x", "--max-new-tokens", "4")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "damaged" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
 @pytest.mark.slow
