@@ -197,9 +197,8 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
 
         def forward_only():
             for part in parts:
-                with contextlib.ExitStack() as stack:
-                    for c in contexts(part):
-                        stack.enter_context(c)
+                sd, lpc = contexts(part)
+                with sd, lpc:
                     forward(part)
 
         emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes, autocast)
