@@ -143,7 +143,8 @@ def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
     apply_ac(model, cfg.activation_checkpoint)
     # MoE blocks compile with fullgraph=True too (checked on CPU, torch 2.13: eager vs compiled within 2e-6, and TP 2
     # against one process with TITANLIKE_TEST_TP_COMPILE=1 in tests/unit/test_deepseek_v3.py; the grouped-GEMM path
-    # of models/common/moe.py was not compiled on a GPU here). Expert-parallel blocks stay eager (compile.py says why).
+    # of models/common/moe.py was not compiled on a GPU here). Expert-parallel blocks compile child by child, their
+    # all-to-all exchange eager (compile.py says why).
     apply_compile(model, cfg.compile)
     maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
     return model

@@ -10,7 +10,8 @@ One MoE forward under EP (models/common/moe.py sorts the tokens by expert before
      splits; the split sizes come from the routing counts, the one host sync of the layer),
   2. the local experts run on what arrived, regrouped by local expert (grouped GEMMs),
   3. combine: the outputs travel back by the reverse all-to-all, in the order the tokens were sent.
-Both all-to-alls are differentiable, so the backward exchanges gradients the same way.
+Both all-to-alls are differentiable, so the backward exchanges gradients the same way. torch.compile never traces
+these three steps (host split sizes, data-dependent token counts): parallelize/compile.py compiles the MoE around them.
 
 Gradients: an expert's gradient sums the contributions of every token routed to it from the whole EP group, while
 the loss is normalised for the data-parallel mean (the trainer scales it by the data-parallel degree, FSDP divides
@@ -24,7 +25,8 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed._functional_collectives import (AsyncCollectiveTensor, all_to_all_single,
+                                                      all_to_all_single_autograd)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -45,6 +47,9 @@ class _ExpertParallel:
 
     ep_mesh: DeviceMesh
 
+    # Never traced: the split sizes are host integers and the token counts data-dependent. A compiled MoE
+    # (parallelize/compile.py) breaks its graph here and runs dispatch, local experts and combine eagerly.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         group = self.ep_mesh.get_group()
         ep = self.ep_mesh.size()
@@ -63,8 +68,22 @@ class _ExpertParallel:
                               stable=True)
         out = super().forward(tokens[order], received.sum(0))
         out = out[torch.argsort(order)]  # back to arrival order
+        # Waited here, in eager: a compiled MoE epilogue would otherwise wait inside its graph, under a selective
+        # checkpoint's dispatch mode, where the recompute does not find the wait the forward recorded.
         out = all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        out = out.wait() if isinstance(out, AsyncCollectiveTensor) else out
         return out if routed == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - routed, x.shape[1])])
+
+
+_ep_classes: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    """One generated class per experts class: the MoEs of all layers then share their experts' type, which a compiled
+    MoE guards on (a class per module would recompile it for every layer)."""
+    if cls not in _ep_classes:
+        _ep_classes[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallel, cls), {})
+    return _ep_classes[cls]
 
 
 def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
@@ -84,7 +103,7 @@ def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
         for name, param in list(mod.named_parameters(recurse=False)):
             mod.register_parameter(name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
                                                       requires_grad=param.requires_grad))
-        mod.__class__ = type(f"ExpertParallel{type(mod).__name__}", (_ExpertParallel, type(mod)), {})
+        mod.__class__ = _ep_class(type(mod))
         mod.ep_mesh = ep_mesh
         mod.ep_replicas = dims.dp_replicate * dims.dp_shard * dims.cp // ep  # ranks holding the same experts
         if mod.ep_replicas == 1:  # nothing will reduce the expert gradients (module doc): divide them here

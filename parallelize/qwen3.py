@@ -1,7 +1,7 @@
 """The Qwen3 parallelization plans (dense and MoE); parallelize/mixtral.py builds its plans with the same functions.
 Order, kept visible: TP -> EP -> AC -> compile -> FSDP (as parallelize/llama3.py, with the expert-parallel hook after
-TP: both change parameter placements, which AC, compile and FSDP then see). Compile: every block, fullgraph, except
-the expert-parallel MoE blocks (parallelize/compile.py says why).
+TP: both change parameter placements, which AC, compile and FSDP then see). Compile: every block, fullgraph; the
+expert-parallel MoE blocks child by child, their all-to-all exchange eager (parallelize/compile.py says why).
 
 MoE blocks under TP: the router and the routed experts are not TP-sharded. The MoE gathers the sequence (when
 sequence parallel), every TP rank computes the whole MoE on the same tokens, and hands back its own sequence shard:

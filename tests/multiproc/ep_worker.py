@@ -8,6 +8,9 @@ under data parallelism, as in Megatron), so it cannot equal the global batch's v
 every parameter's gradient must match within 1e-5 (relative), and the expert biases after the update exactly.
 The last layout saves a DCP checkpoint that the test reloads into the one-process model.
 
+A layout with "compile" applies per-op selective AC and parallelize/compile.py (backend aot_eager) as a plan would:
+it must match the same way, and compile nothing after the first step although the routing changes.
+
 argv: OUT_DIR; env LAYOUTS="ep=2" or "ep=2:dp_shard=4" ... (ParallelDims keyword pairs per layout, ',' between);
 CAPACITY (optional): the MoE capacity factor; with it the reference is FSDP over the same ranks without EP.
 """
@@ -21,15 +24,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
 from par_helpers import exit_without_teardown
+from parallelize.ac import apply_ac
+from parallelize.compile import apply_compile
 from parallelize.ep import apply_ep
 from parallelize.fsdp import maybe_fsdp
-from titanlike.config.sections import JobConfig
+from titanlike.config.sections import ActivationCheckpoint, Compile, JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.train.moe import MoEBookkeeping
@@ -89,7 +95,8 @@ def full(t):
 
 
 def train(net, dims, rows: slice, dp: int):
-    """STEPS AdamW steps on this rank's rows; per step (global loss, {name: full grad}, [expert biases])."""
+    """STEPS AdamW steps on this rank's rows; per step (global loss, {name: full grad}, [expert biases], graphs compiled
+    so far)."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
     moe = MoEBookkeeping([net], dims, microbatches=1)
     out = []
@@ -105,18 +112,24 @@ def train(net, dims, rows: slice, dp: int):
         opt.step()
         opt.zero_grad()
         moe.after_step(log=False)
-        out.append((loss.item() / y.numel(), grads, [full(m.moe.expert_bias).clone() for m in net.layers.values()]))
+        out.append((loss.item() / y.numel(), grads, [full(m.moe.expert_bias).clone() for m in net.layers.values()],
+                    counters["stats"]["unique_graphs"]))
     return out
 
 
 def run(layout: str, world: int):
-    """Train the model distributed over `layout` ("ep=2:dp_replicate=2", ParallelDims keywords); its history."""
-    dims = ParallelDims(world_size=world, **{k: int(v) for k, v in (item.split("=") for item in layout.split(":"))})
+    """Train the model distributed over `layout` ("ep=2:dp_replicate=2", ParallelDims keywords; "compile": the blocks
+    compiled by parallelize/compile.py under per-op selective AC); its history."""
+    items = layout.split(":")
+    dims = ParallelDims(world_size=world, **{k: int(v) for k, v in (item.split("=") for item in items if "=" in item)})
     dims.build_mesh("cpu")
     with torch.device("meta"):  # as the trainer does: parallelize on meta, then materialise and load the weights
         net = TinyMoE()
     if dims.ep > 1:
         apply_ep(net, dims)
+    if "compile" in items:  # as a plan does: AC, then compile, then FSDP. aot_eager: Inductor's graphs, compiled fast
+        apply_ac(net, ActivationCheckpoint(mode="selective", selective_option="op"))
+        apply_compile(net, Compile(enable=True, components=["model"]), backend="aot_eager")
     maybe_fsdp(net, dims, JobConfig(), ("tok_embeddings",), ("norm", "output"))
     net.to_empty(device="cpu")
     for layer in net.layers.values():  # buffers (expert bias, counters): their init, as init_weights would
@@ -142,11 +155,16 @@ def main() -> None:
                                                                      slice(None), 1)
     for layout in os.environ["LAYOUTS"].split(","):
         got = run(layout, world)
-        for step, ((l_ref, g_ref, b_ref), (l, g, b)) in enumerate(zip(ref, got)):
+        for step, ((l_ref, g_ref, b_ref, _), (l, g, b, _)) in enumerate(zip(ref, got)):
             assert abs(l - l_ref) <= 1e-5 * abs(l_ref), (layout, step, l, l_ref)
             bad = [n for n in g_ref if not close(g[n], g_ref[n])]
             assert not bad, (layout, step, bad, [(g[n] - g_ref[n]).abs().max().item() for n in bad])
             assert all(torch.equal(x, y) for x, y in zip(b, b_ref)), (layout, step, "expert bias")
+        if "compile" in layout:
+            # Three graphs, all in the first step: the norm, the MoE before its EP experts and the MoE after them
+            # (parallelize/compile.py; a graph per block, not per layer). The routing changes every step, the graphs
+            # must not: the token counts stay in the eager part.
+            assert [r[3] for r in got] == [3] * STEPS, (layout, [r[3] for r in got], counters["graph_break"])
         if rank == 0:
             print(f"CHECK {layout} ok: losses {[round(r[0], 5) for r in got]}, biases moved "
                   f"{float(sum(x.abs().sum() for x in got[-1][2])):.4f}", flush=True)

@@ -1,6 +1,6 @@
-"""Expert parallelism on gloo: EP 4, EP 2 x expert FSDP 2 and HSDP 2 x EP 2 on four processes equal the one-process
-reference (losses, every gradient, the balancing biases; ep_worker.py), and the EP checkpoint reloads into one
-process exactly."""
+"""Expert parallelism on gloo: EP 4, EP 2 x expert FSDP 2 (eager, and compiled with per-op selective AC) and HSDP 2 x
+EP 2 on four processes equal the one-process reference (losses, every gradient, the balancing biases; ep_worker.py),
+and the EP checkpoint reloads into one process exactly."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from tests.launch import run_torchrun
 
 WORKER = Path(__file__).with_name("ep_worker.py")
-LAYOUTS = ["ep=4", "ep=2", "dp_replicate=2:ep=2"]
+# "compile": the blocks compiled (parallelize/compile.py) under per-op selective AC, still equal to the reference.
+LAYOUTS = ["ep=4", "ep=2", "ep=2:compile", "dp_replicate=2:ep=2"]
 
 
 @pytest.mark.dist

@@ -154,21 +154,28 @@ def test_plans_refuse_what_they_lack():
         PLANS["fsdp_only"](model, dims, cfg)
 
 
-def test_compile_leaves_expert_parallel_blocks_eager(caplog):
+def test_compile_expert_parallel_blocks_per_child(caplog):
     from types import SimpleNamespace
 
     from parallelize.compile import apply_compile
-    from parallelize.ep import _ExpertParallel, expert_modules
+    from parallelize.ep import _ep_class, expert_modules
 
+    caplog.set_level("INFO", logger="titanlike")
     args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
     cfg = SimpleNamespace(enable=True, components=["model", "loss"])
     with torch.device("meta"):
         model = Transformer(args)
+    names = [n for n, _ in model.named_parameters()]
     for mod in expert_modules(model):  # what apply_ep does to the class (no mesh needed to compile lazily)
-        mod.__class__ = type("ExpertParallelGroupedExperts", (_ExpertParallel, type(mod)), {})
+        mod.__class__ = _ep_class(type(mod))
     apply_compile(model, cfg)  # lazy: nothing traces until a forward
+    # the dense block whole; the EP blocks stay eager themselves, each child compiled (the MoE with its one break)
     assert [b._compiled_call_impl is not None for b in model.layers.values()] == [True, False, False, False]
-    assert "3 expert-parallel MoE blocks left eager" in caplog.text
+    for block in list(model.layers.values())[1:]:
+        assert all(c._compiled_call_impl is not None for c in block.children()), block
+        assert block.moe.experts._compiled_call_impl is None  # inside the compiled MoE, not compiled on its own
+    assert [n for n, _ in model.named_parameters()] == names  # in place: no _orig_mod.
+    assert "3 expert-parallel MoE blocks compiled per child" in caplog.text
 
 
 @pytest.mark.parametrize("flavor,ac", [("debugmodel", "none"), ("debugmodel_moe", "none"), ("debugmodel_moe", "op")])

@@ -11,7 +11,8 @@ the forward graph's saved outputs are summed: the bytes one block keeps alive fr
 the run's AC mode (the checkpoint is traced into the graph) and `memory_budget` included. During the trace each
 such block runs as a full checkpoint (it keeps only its inputs) plus one allocation of exactly those bytes, freed
 when its backward starts; the backward recomputes the block in eager mode, so the transient of one block's backward
-is the eager one (a small overcount). Blocks the run leaves eager (expert-parallel MoE) are traced as they are.
+is the eager one (a small overcount). Expert-parallel MoE blocks (which the run compiles child by child, the exchange
+eager) are traced as they are.
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def emulate_compiled_blocks(blocks_with_inputs, notes: list, context=contextlib.
     cache, patched, moe_blocks = {}, [], False
     for block, (args, kwargs) in blocks_with_inputs:
         if ep_experts(block):
-            continue  # the run leaves it eager (parallelize/compile.py)
+            continue  # compiled per child around an eager exchange (parallelize/compile.py): traced eager
         if fully_checkpointed(block):
             continue  # keeps only its inputs, compiled or eager: the trace has it right already
         if any(isinstance(m, GroupedExperts) for m in block.modules()):
