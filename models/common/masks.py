@@ -98,6 +98,7 @@ def build_mask(q_chunks: tuple[tuple[int, int], ...] | None, doc_ids: torch.Tens
         runs = tuple((starts[i], starts[i + 1], b) for i, (_, b) in enumerate(q_chunks))
     mask = AttnMask(q_index=q_index, doc_ids=doc_ids, kernel=kernel, runs=runs)
     if kernel == "flex":
+        _ensure_flex()
         mask.block_mask = _flex_block_mask(q_index, doc_ids, kv_len, device)
     elif doc_ids is not None:
         mask.sdpa_calls = ((0, runs[-1][1], kv_len, allowed(q_index, doc_ids, kv_len, device)),)
@@ -135,11 +136,17 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-# FlexAttention compiled once, at import: eager, it is a reference implementation that materialises the score matrix.
-# (Inside compiled blocks dynamo inlines it; the block mask is an input, so new documents do not recompile. Made here
-# rather than on first use: a module global assigned inside a compiled, checkpointed block is a side effect dynamo
-# refuses.)
-_FLEX = _compiled_flex()
+# FlexAttention compiled once: eager, it is a reference implementation that materialises the score matrix. (Inside
+# compiled blocks dynamo inlines it; the block mask is an input, so new documents do not recompile.) Made by the first
+# build_mask that builds a block mask, which runs outside the blocks: a module global assigned inside a compiled,
+# checkpointed block is a side effect dynamo refuses. Not at import: torch.compile imports Inductor (about a second
+# of every process's start, most of which never use FlexAttention).
+_FLEX: list = []
+
+
+def _ensure_flex() -> None:
+    if not _FLEX:
+        _FLEX.append(_compiled_flex())
 
 
 def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttnMask,
@@ -148,7 +155,7 @@ def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
     n_rep = xq.shape[2] // xk.shape[2]
     q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
     if mask.kernel == "flex":
-        out = _FLEX(q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
+        out = _FLEX[0](q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
         return out.transpose(1, 2)
     if n_rep > 1 and (repeat_kv_heads or q.device.type == "cuda"):
         # (with a mask the GPU's SDPA runs the memory-efficient kernel, which has no grouped-query support)
