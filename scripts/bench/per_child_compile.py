@@ -17,13 +17,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
+    import parallelize.compile
     from models.common.moe import GroupedExperts
-    import parallelize.deepseek_v3
-    import parallelize.qwen3
 
     def has_experts(module: torch.nn.Module) -> bool:
         return any(isinstance(m, GroupedExperts) for m in module.modules())
@@ -31,19 +29,22 @@ def main() -> None:
     def per_child(model, cfg, fullgraph: bool = True, backend: str = "inductor"):
         if not cfg.enable or "model" not in cfg.components:
             return model
+        moe_blocks = 0
         for block in model.layers.values():
             if block is None:
                 continue
             if has_experts(block):  # as parallelize/compile.py's compile_ep_block
                 for child in block.children():
                     child.compile(fullgraph=fullgraph and not has_experts(child), backend=backend)
+                moe_blocks += 1
             else:
                 block.compile(fullgraph=fullgraph, backend=backend)
+        print(f"per_child_compile: {moe_blocks} MoE blocks compiled per child, experts eager", flush=True)
         return model
 
     GroupedExperts.forward = torch.compiler.disable(GroupedExperts.forward)  # as _ExpertParallel.forward
-    for plan in (parallelize.qwen3, parallelize.deepseek_v3):
-        plan.apply_compile = per_child
+    # Before any plan module is imported: they bind `from parallelize.compile import apply_compile` at import.
+    parallelize.compile.apply_compile = per_child
     sys.argv = [str(REPO / "scripts/train.py"), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
