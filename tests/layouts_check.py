@@ -3,7 +3,7 @@
   seed  1 process   --checkpoint.create_seed_checkpoint
   A     2 ranks     FSDP 2                       all steps          the reference ("fewer devices")
   B     4 ranks     TP 2 x PP 2 (1F1B)           all steps, full checkpoint half-way
-  C     4 ranks     TP 4                         all steps
+  C     4 ranks     TP 4                         all steps (tp4=False leaves it out)
   D     2 ranks     FSDP 2, from B's checkpoint  second half    } side by side
   E     1 process   from B's checkpoint          second half    }
 
@@ -30,7 +30,7 @@ def _losses(out: str) -> dict[int, float]:
     return losses
 
 
-def run_layouts(dump, common: list[str], steps: int, devices) -> tuple[dict, dict]:
+def run_layouts(dump, common: list[str], steps: int, devices, tp4: bool = True) -> tuple[dict, dict]:
     common = [*common, f"--training.steps={steps}", "--training.global_batch_size=8", "--metrics.log_freq=1",
               "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", f"--job.dump_folder={dump}"]
 
@@ -50,7 +50,7 @@ def run_layouts(dump, common: list[str], steps: int, devices) -> tuple[dict, dic
               "--training.local_batch_size=8", "--parallelism.pp_schedule=1F1B", *from_seed,
               "--checkpoint.enable=true", f"--checkpoint.interval={half}", "--checkpoint.last_save_model_only=true")
     c = train("tp4", 4, devices(4, 0), "--parallelism.tp=4", "--parallelism.dp_shard=1",
-              "--training.local_batch_size=8", *from_seed)
+              "--training.local_batch_size=8", *from_seed) if tp4 else None
     from_b = [f"--checkpoint.initial_load_path={os.path.join(dump, 'tp2pp2', 'checkpoint', f'step-{half}')}",
               "--checkpoint.initial_load_model_only=false"]
     with ThreadPoolExecutor(2) as pool:
@@ -65,6 +65,9 @@ def run_layouts(dump, common: list[str], steps: int, devices) -> tuple[dict, dic
     def diff(x, y, span):
         return max(abs(x[s] - y[s]) for s in span)
 
-    diffs = {"tp2pp2_vs_fsdp2": diff(b, a, full), "tp4_vs_fsdp2": diff(c, a, full),
+    diffs = {"tp2pp2_vs_fsdp2": diff(b, a, full),
              "resume_fsdp2_vs_tp2pp2": diff(d, b, tail), "resume_1_vs_tp2pp2": diff(e, b, tail)}
-    return {"fsdp2": a, "tp2pp2": b, "tp4": c, "resume_fsdp2": d, "resume_1": e}, diffs
+    losses = {"fsdp2": a, "tp2pp2": b, "resume_fsdp2": d, "resume_1": e}
+    if c is not None:
+        diffs["tp4_vs_fsdp2"], losses["tp4"] = diff(c, a, full), c
+    return losses, diffs
