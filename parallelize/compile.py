@@ -38,25 +38,28 @@ def _check_components(compile_cfg) -> None:
         raise ValueError(f"compile.components: unknown {unknown}; known: {list(COMPONENTS)}")
 
 
-def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True, backend: str = "inductor") -> nn.Module:
+def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True, backend: str = "inductor",
+                  split: Callable[[nn.Module], list] | None = None) -> nn.Module:
     """Compile each block of `model.layers` in place when compile.enable and "model" in compile.components.
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
     Blocks whose MoE experts are expert-parallel are compiled per child, their MoE with the EP exchange left eager
     (module docstring; logged). `backend`: torch.compile's (tests use "aot_eager": the same graphs without Inductor's
-    slow CPU code generation).
+    slow CPU code generation). `split`: the submodules whose calls stay eager, found in a block or child
+    (default: parallelize.ep's ep_experts; scripts/bench/per_child_compile.py passes every MoE's experts).
     """
     from parallelize.ep import ep_experts
 
     _check_components(compile_cfg)
     if not compile_cfg.enable or "model" not in compile_cfg.components:
         return model
+    split = split or ep_experts
     per_child = 0
     for block in model.layers.values():
         if block is None:
             continue
-        if ep_experts(block):
-            compile_ep_block(block, fullgraph, backend)
+        if split(block):
+            compile_ep_block(block, fullgraph, backend, split)
             per_child += 1
             continue
         block.compile(fullgraph=fullgraph, backend=backend)
@@ -66,13 +69,15 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True, backend
     return model
 
 
-def compile_ep_block(block: nn.Module, fullgraph: bool = True, backend: str = "inductor") -> None:
+def compile_ep_block(block: nn.Module, fullgraph: bool = True, backend: str = "inductor",
+                     split: Callable[[nn.Module], list] | None = None) -> None:
     """Compile the children of a block holding expert-parallel experts, in place (module docstring): the MoE child
-    with graph breaks allowed around the EP experts, every other child with `fullgraph`."""
+    with graph breaks allowed around the EP experts (`split`, as apply_compile's), every other child with
+    `fullgraph`."""
     from parallelize.ep import ep_experts
 
     for child in block.children():
-        if ep_experts(child):
+        if (split or ep_experts)(child):
             # The one break: the call of the EP experts (their FSDP hooks, and the forward parallelize/ep.py marks
             # torch.compiler.disable), which runs eagerly between the MoE's two graphs.
             child.compile(fullgraph=False, backend=backend)

@@ -10,6 +10,7 @@ block compiled that way, the experts' forward excluded from tracing as under EP,
 """
 from __future__ import annotations
 
+import functools
 import runpy
 import sys
 from pathlib import Path
@@ -22,29 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> None:
     import parallelize.compile
     from models.common.moe import GroupedExperts
-
-    def has_experts(module: torch.nn.Module) -> bool:
-        return any(isinstance(m, GroupedExperts) for m in module.modules())
-
-    def per_child(model, cfg, fullgraph: bool = True, backend: str = "inductor"):
-        if not cfg.enable or "model" not in cfg.components:
-            return model
-        moe_blocks = 0
-        for block in model.layers.values():
-            if block is None:
-                continue
-            if has_experts(block):  # as parallelize/compile.py's compile_ep_block
-                for child in block.children():
-                    child.compile(fullgraph=fullgraph and not has_experts(child), backend=backend)
-                moe_blocks += 1
-            else:
-                block.compile(fullgraph=fullgraph, backend=backend)
-        print(f"per_child_compile: {moe_blocks} MoE blocks compiled per child, experts eager", flush=True)
-        return model
+    from parallelize.ep import expert_modules
 
     GroupedExperts.forward = torch.compiler.disable(GroupedExperts.forward)  # as _ExpertParallel.forward
     # Before any plan module is imported: they bind `from parallelize.compile import apply_compile` at import.
-    parallelize.compile.apply_compile = per_child
+    parallelize.compile.apply_compile = functools.partial(parallelize.compile.apply_compile, split=expert_modules)
     sys.argv = [str(REPO / "scripts/train.py"), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
