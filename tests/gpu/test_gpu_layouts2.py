@@ -27,7 +27,7 @@ LOSS = re.compile(r"step\s+(\d+)\s+loss\s+([\d.]+)")
 
 CASES = {
     "moe": (["--config", "configs/deepseek_v3_debug.toml", "--training.seq_len=256", "--compile.enable=true"],
-            ["--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+            ["--parallelism.dp_shard=2", "--parallelism.ep=2", "--training.local_batch_size=4"]),
     "cp": (["--config", "configs/debug_model.toml", "--training.seq_len=2048", "--data.document_masking=true",
             "--compile.enable=true"],
            ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
