@@ -30,6 +30,8 @@ from torch import nn
 # (titanlike/optim/master_weights.py).
 logger = logging.getLogger("titanlike")
 COMPONENTS = ("model", "loss", "optimizer")
+# compile.backend: Inductor, or the graph-capture-only backends (torch._dynamo.list_backends() would import Inductor)
+BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def _check_components(compile_cfg) -> None:
@@ -38,14 +40,14 @@ def _check_components(compile_cfg) -> None:
         raise ValueError(f"compile.components: unknown {unknown}; known: {list(COMPONENTS)}")
 
 
-def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True, backend: str = "inductor",
+def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True,
                   split: Callable[[nn.Module], list] | None = None) -> nn.Module:
     """Compile each block of `model.layers` in place when compile.enable and "model" in compile.components.
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
     Blocks whose MoE experts are expert-parallel are compiled per child, their MoE with the EP exchange left eager
-    (module docstring; logged). `backend`: torch.compile's (tests use "aot_eager": the same graphs without Inductor's
-    slow CPU code generation). `split`: the submodules whose calls stay eager, found in a block or child
+    (module docstring; logged). compile.backend picks torch.compile's backend (tests use "aot_eager": the same graphs
+    without Inductor's slow CPU code generation). `split`: the submodules whose calls stay eager, found in a block or child
     (default: parallelize.ep's ep_experts; scripts/bench/per_child_compile.py passes every MoE's experts).
     """
     from parallelize.ep import ep_experts
@@ -54,6 +56,7 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True, backend
     if not compile_cfg.enable or "model" not in compile_cfg.components:
         return model
     split = split or ep_experts
+    backend = getattr(compile_cfg, "backend", "inductor")
     per_child = 0
     for block in model.layers.values():
         if block is None:
@@ -94,4 +97,4 @@ def compile_loss(fn: Callable, compile_cfg) -> Callable:
     _check_components(compile_cfg)
     if not compile_cfg.enable or "loss" not in compile_cfg.components:
         return fn
-    return torch.compile(fn)
+    return torch.compile(fn, backend=getattr(compile_cfg, "backend", "inductor"))

@@ -15,7 +15,8 @@ deepseek_v3 (debugmodel: MLA, a dense block then an MoE block, sigmoid group-lim
 sequence-wise balance loss, the expert-bias balancing). All at 2 blocks.
 Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+sac][+compile]" (rep: dp_replicate; dp: dp_shard;
 docs: data.document_masking; pos: data.reset_position_ids; sac: per-op selective activation checkpointing; compile:
-per-block torch.compile). "docs_isolated" checks, in one process, that with documents masked and positions restarted
+per-block torch.compile with the aot_eager backend: dynamo's and AOTAutograd's graphs, without Inductor's slow CPU code
+generation). "docs_isolated" checks, in one process, that with documents masked and positions restarted
 every document's logits are those of the document alone.
 Prints "CP_OK <family>/<layout> loss .. grad .. (worst parameter) expert_bias .." per layout on rank 0.
 """
@@ -140,7 +141,7 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     ref_state, ref_loss, ref_grads, ref_biases = ref
     name, flavor = FAMILIES[family]
     cfg = config_from_dict({"model": {"name": name, "flavor": flavor}, "parallelism": degrees,
-                            "training": {"seq_len": SEQ, "device": "cpu"}, "compile": {"enable": compile},
+                            "training": {"seq_len": SEQ, "device": "cpu"}, "compile": {"enable": compile, "backend": "aot_eager"},
                             "activation_checkpoint": {"mode": "selective" if sac else "none", "selective_option": "op"},
                             "data": {"document_masking": docs, "reset_position_ids": pos}})
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())

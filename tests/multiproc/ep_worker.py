@@ -129,7 +129,7 @@ def run(layout: str, world: int):
         apply_ep(net, dims)
     if "compile" in items:  # as a plan does: AC, then compile, then FSDP. aot_eager: Inductor's graphs, compiled fast
         apply_ac(net, ActivationCheckpoint(mode="selective", selective_option="op"))
-        apply_compile(net, Compile(enable=True, components=["model"]), backend="aot_eager")
+        apply_compile(net, Compile(enable=True, components=["model"], backend="aot_eager"))
     maybe_fsdp(net, dims, JobConfig(), ("tok_embeddings",), ("norm", "output"))
     net.to_empty(device="cpu")
     for layer in net.layers.values():  # buffers (expert bias, counters): their init, as init_weights would

@@ -139,6 +139,10 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     components: list[str] = field(default_factory=lambda: ["model", "loss", "optimizer"])
+    # torch.compile's backend for the blocks and the loss. "aot_eager" traces the same graphs (dynamo, AOTAutograd)
+    # without Inductor's code generation: quick to compile, for tests and debugging, not for speed. Async TP and
+    # memory_budget AC are Inductor passes; the optimizer's fused update always uses Inductor.
+    backend: str = "inductor"
 
 
 @dataclass

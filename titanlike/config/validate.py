@@ -14,6 +14,7 @@ from float8 import RECIPES as FLOAT8_RECIPES
 from float8 import config_problems as float8_config_problems
 from models.common.backends import ATTN_BACKENDS, MASK_KERNEL_CHOICES
 from parallelize.ac import AC_MODES
+from parallelize.compile import BACKENDS as COMPILE_BACKENDS
 from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
 from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
@@ -122,6 +123,9 @@ def _check_choices(cfg: JobConfig, errors: list[str]) -> None:
     bad = [c for c in cfg.compile.components if c not in COMPILE_COMPONENTS]
     if bad:
         errors.append(f"compile.components has {bad}; allowed: {', '.join(COMPILE_COMPONENTS)}")
+    if cfg.compile.backend not in COMPILE_BACKENDS:
+        errors.append(f"compile.backend={cfg.compile.backend!r} is not a torch.compile backend here; use one of "
+                      f"{', '.join(COMPILE_BACKENDS)}")
 
 
 def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:

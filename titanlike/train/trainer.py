@@ -138,7 +138,7 @@ class Trainer:
         # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
         if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum)
+            self.loss_fn = torch.compile(cross_entropy_sum, backend=cfg.compile.backend)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
         self.signals.enter("data")
