@@ -105,7 +105,8 @@ def test_compiled_blocks_take_the_mask_without_recompiling(tmp_path):
             torch._dynamo.config.error_on_recompile = True
 
     try:
-        compiled = [h["loss"] for h in _train(_trainer(tmp_path / "compiled", *flags, "--compile.enable=true"),
+        compiled = [h["loss"] for h in _train(_trainer(tmp_path / "compiled", *flags, "--compile.enable=true",
+                                                       "--compile.backend=aot_eager"),
                                               on_step)]
     finally:
         torch._dynamo.config.error_on_recompile = False
