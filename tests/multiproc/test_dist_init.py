@@ -3,7 +3,7 @@ checkpoint: every layout starts from the one-process run's weights, bitwise, and
 
 One 4-rank launch (init_worker.py) builds, in turn:
 
-  llama3 debug         FSDP 4 | HSDP 2 x 2 | TP 2 x FSDP 2 (_StridedShard) | PP 2 x TP 2 (1F1B) | CP 2 x FSDP 2
+  llama3 debug         HSDP 2 x 2 | TP 2 x FSDP 2 (_StridedShard) | PP 2 x TP 2 (1F1B) | CP 2 x FSDP 2
   deepseek_v3 debug    FSDP 4 x EP 2 | TP 2 x FSDP 2 x EP 2 | PP 2 x FSDP 2 x EP 2
 
 and the references run here, in one process, with the same config. Each layout's full parameters (gathered from
