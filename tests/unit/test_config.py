@@ -180,6 +180,7 @@ def test_toml_errors(tmp_path, text, message):
     (["--activation_checkpoint.mode=memory_budget"], "memory_budget\" needs compile.enable=true"),
     (["--activation_checkpoint.mode=memory_budget", "--compile.enable=true",
       "--activation_checkpoint.memory_budget=1.5"], r"activation_checkpoint.memory_budget=1.5 must be within \[0, 1\]"),
+    (["--compile.backend=nope"], "compile.backend='nope' is not a torch.compile backend here; use one of inductor"),
 ])
 def test_cli_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
