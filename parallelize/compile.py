@@ -46,41 +46,37 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True,
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
     Blocks whose MoE experts are expert-parallel are compiled per child, their MoE with the EP exchange left eager
-    (module docstring; logged). compile.backend picks torch.compile's backend (tests use "aot_eager": the same graphs
-    without Inductor's slow CPU code generation). `split`: the submodules whose calls stay eager, found in a block or child
-    (default: parallelize.ep's ep_experts; scripts/bench/per_child_compile.py passes every MoE's experts).
-    """
+    (module docstring; logged). compile.backend picks torch.compile's backend (tests use "aot_eager": the same
+    graphs without Inductor's slow CPU code generation). `split`: the submodules whose calls stay eager, found in a
+    block or child (default: parallelize.ep's ep_experts; scripts/bench/per_child_compile.py passes every MoE's
+    experts)."""
     from parallelize.ep import ep_experts
 
     _check_components(compile_cfg)
     if not compile_cfg.enable or "model" not in compile_cfg.components:
         return model
     split = split or ep_experts
-    backend = getattr(compile_cfg, "backend", "inductor")
     per_child = 0
     for block in model.layers.values():
         if block is None:
             continue
         if split(block):
-            compile_ep_block(block, fullgraph, backend, split)
+            _compile_per_child(block, fullgraph, compile_cfg.backend, split)
             per_child += 1
             continue
-        block.compile(fullgraph=fullgraph, backend=backend)
+        block.compile(fullgraph=fullgraph, backend=compile_cfg.backend)
     if per_child:
         logger.info(f"compile: {per_child} expert-parallel MoE blocks compiled per child (their all-to-all dispatch, "
                     f"local experts and combine stay eager); the other blocks whole")
     return model
 
 
-def compile_ep_block(block: nn.Module, fullgraph: bool = True, backend: str = "inductor",
-                     split: Callable[[nn.Module], list] | None = None) -> None:
+def _compile_per_child(block: nn.Module, fullgraph: bool, backend: str, split: Callable[[nn.Module], list]) -> None:
     """Compile the children of a block holding expert-parallel experts, in place (module docstring): the MoE child
     with graph breaks allowed around the EP experts (`split`, as apply_compile's), every other child with
     `fullgraph`."""
-    from parallelize.ep import ep_experts
-
     for child in block.children():
-        if (split or ep_experts)(child):
+        if split(child):
             # The one break: the call of the EP experts (their FSDP hooks, and the forward parallelize/ep.py marks
             # torch.compiler.disable), which runs eagerly between the MoE's two graphs.
             child.compile(fullgraph=False, backend=backend)
@@ -97,4 +93,4 @@ def compile_loss(fn: Callable, compile_cfg) -> Callable:
     _check_components(compile_cfg)
     if not compile_cfg.enable or "loss" not in compile_cfg.components:
         return fn
-    return torch.compile(fn, backend=getattr(compile_cfg, "backend", "inductor"))
+    return torch.compile(fn, backend=compile_cfg.backend)

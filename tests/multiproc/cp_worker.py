@@ -141,7 +141,8 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     ref_state, ref_loss, ref_grads, ref_biases = ref
     name, flavor = FAMILIES[family]
     cfg = config_from_dict({"model": {"name": name, "flavor": flavor}, "parallelism": degrees,
-                            "training": {"seq_len": SEQ, "device": "cpu"}, "compile": {"enable": compile, "backend": "aot_eager"},
+                            "training": {"seq_len": SEQ, "device": "cpu"},
+                            "compile": {"enable": compile, "backend": "aot_eager"},
                             "activation_checkpoint": {"mode": "selective" if sac else "none", "selective_option": "op"},
                             "data": {"document_masking": docs, "reset_position_ids": pos}})
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())

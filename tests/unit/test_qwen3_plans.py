@@ -162,7 +162,7 @@ def test_compile_expert_parallel_blocks_per_child(caplog):
 
     caplog.set_level("INFO", logger="titanlike")
     args = dataclasses.replace(SPEC.flavors["debugmodel_moe"], mlp_only_layers=(0,))
-    cfg = SimpleNamespace(enable=True, components=["model", "loss"])
+    cfg = SimpleNamespace(enable=True, components=["model", "loss"], backend="inductor")
     with torch.device("meta"):
         model = Transformer(args)
     names = [n for n, _ in model.named_parameters()]

@@ -18,6 +18,7 @@ import float8
 import models
 from models.common.backends import mask_kernel, repeats_kv_heads, sdpa_context, wants_fa4
 from parallelize import get_plan
+from parallelize.compile import compile_loss
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.config.validate import validate_model
@@ -130,15 +131,13 @@ class Trainer:
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
-        self.loss_fn = cross_entropy_sum
+        self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile)  # compile.components "loss"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
                     if self.precision == "autocast" else contextlib.nullcontext())
         self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum, backend=cfg.compile.backend)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
         self.signals.enter("data")
