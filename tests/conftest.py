@@ -1,4 +1,6 @@
 """Shared pytest hooks."""
+import logging
+
 import pytest
 import torch
 
@@ -11,3 +13,14 @@ def _fresh_dynamo_after_gpu_tests(request):
     yield
     if request.node.get_closest_marker("gpu"):
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def own_log(caplog):
+    """titanlike's own log lines (WARNING and up by default) as text. Tests read these, not `caplog.text`, wherever
+    they assert that something was *not* said: pytest >= 9.1 also captures loggers that do not propagate, so
+    `caplog.text` carries other libraries' records too (torch's DCP logger writes DEBUG lines on every save/load)."""
+    def text(level=logging.WARNING):
+        return "\n".join(r.getMessage() for r in caplog.records if r.name.split(".")[0] == "titanlike"
+                         and r.levelno >= level)
+    return text
