@@ -68,6 +68,33 @@ def test_same_size_corruption_falls_back_and_training_matches_the_reference(tmp_
     assert complete_steps(str(tmp_path / "run")) == [4, 5]  # step 3 was re-saved whole, then rotated normally
 
 
+def test_an_unreadable_manifest_makes_the_step_damaged_not_a_warning(tmp_path, caplog):
+    torch.manual_seed(0)
+    expected = Run(tmp_path / "ref", interval=1000).train(5)
+    Run(tmp_path / "run", keep_latest_k=2).train(3)  # steps 2 and 3 kept
+    step3 = tmp_path / "run" / "step-3"
+    manifest = step3 / integrity.MANIFEST
+    manifest.write_bytes(b"\x00" * manifest.stat().st_size)  # same-size garbage: the marker's sizes still match
+    with pytest.raises(CheckpointError) as err:
+        Run(tmp_path / "run", load_step=3).ckpt.load()
+    msg = str(err.value)
+    assert "\n" not in msg and f"{manifest} is unreadable (" in msg and "cannot be verified" in msg, msg
+    assert "--checkpoint.verify_checksums=false" in msg and "complete steps: [2]" in msg, msg
+    with caplog.at_level(logging.WARNING, logger="titanlike"):
+        assert Run(tmp_path / "run", verify_checksums=False).ckpt.load() == 3  # sizes only, as asked, with a warning
+    assert "only file sizes were checked (checkpoint.verify_checksums is off)" in caplog.text
+    caplog.clear()
+
+    flip(step3 / "__0_0.distcp")  # same-size damage that only the lost checksums could have shown
+    with caplog.at_level(logging.WARNING, logger="titanlike"):
+        resumed = Run(tmp_path / "run", keep_latest_k=1)
+        assert resumed.ckpt.load() == 2
+    assert f"skipping damaged step 3 ({manifest} is unreadable" in caplog.text
+    assert resumed.ckpt.bad_steps == {3} and resumed.ckpt.verified_step == 2
+    assert resumed.train(3) == expected[2:]  # the good step's numbers, not the damaged one's
+    assert complete_steps(str(tmp_path / "run")) == [5]
+
+
 def test_explicit_load_of_a_corrupt_step_fails_with_one_line(tmp_path):
     Run(tmp_path).train(2)
     flip(tmp_path / "step-2" / "__0_0.distcp")

@@ -211,9 +211,10 @@ def prune(folder: str, keep: int, just_saved: int, protect: tuple[int, ...] = ()
 # ---------------------------------------------------------------------------------------------- choosing a step
 @dataclass
 class Check:
-    """What checking a step found: `problems` (kind, file, line, offset: integrity.verify) make it unloadable; `notes` are damage that
-    leaves the data usable (an unreadable marker or manifest); state: verified (every checksum matches) |
-    complete (sizes only: no manifest, or checksums not asked for) | corrupt-marker | truncated | corrupt."""
+    """What checking a step found: `problems` (kind, file, line, offset: integrity.verify) make it unloadable;
+    `notes` are damage that leaves the data usable (an unreadable marker; an unreadable manifest only when checksums
+    are off); state: verified (every checksum matches) | complete (sizes only: no manifest, or checksums not asked
+    for) | corrupt-marker | truncated | corrupt."""
     problems: list
     notes: list
     hashed: bool = False
@@ -231,13 +232,21 @@ def check_step(info: StepInfo, checksums: bool = True, share: tuple[int, int] = 
                progress=None) -> Check:
     """Check a committed step's files: against MANIFEST.json (sizes, and every chunk's CRC32 unless checksums is
     False), else the marker's sizes (steps saved before manifests: no note), else, with an unreadable marker and
-    manifest, the sizes DCP's .metadata implies. `share=(r, n)`: this rank's part of the work (merge the problems)."""
+    no manifest, the sizes DCP's .metadata implies. A manifest that exists but does not parse makes the step
+    damaged (a size check only, with a warning, when checksums is False). `share=(r, n)`: this rank's part of the work (merge the problems)."""
     notes, path = [], info.path
     try:
         manifest = integrity.read_manifest(path)
     except integrity.ManifestUnreadable as e:
+        # The step had checksums and lost them: same-size damage to its data can no longer be told apart from good
+        # data, and sizes alone passed a flipped block off as a good step. Damaged, like a deleted manifest (the
+        # marker lists it); with checksums off the user asked for sizes only, so it is a warning there.
+        if checksums:
+            return Check([(integrity.CORRUPT, integrity.MANIFEST,
+                           f"{e}, so the step's data cannot be verified (--checkpoint.verify_checksums=false loads it "
+                           f"with size checks only)", -1)], notes)
         manifest = None
-        notes.append(f"{e}: only file sizes were checked")
+        notes.append(f"{e}: only file sizes were checked (checkpoint.verify_checksums is off)")
     kw = dict(share=share, threads=threads, progress=progress)
     if manifest is not None:
         sizes = {rel: v["size"] for rel, v in manifest["files"].items()}
