@@ -113,3 +113,16 @@ def test_compiled_blocks_take_the_mask_without_recompiling(tmp_path):
         torch._dynamo.reset()
     assert graphs["after_step_1"] >= 1 and counters["stats"]["unique_graphs"] == graphs["after_step_1"]
     assert compiled == pytest.approx(eager, abs=1e-3), (compiled, eager)
+
+
+def test_document_masking_on_data_without_eod_tokens_says_so(tmp_path, own_log, caplog):
+    """Text packed without EOD tokens (data.add_eod=false): every row is one document, the mask a no-op; the first
+    log step says which keys changed nothing and the fix, once."""
+    trainer = _trainer(tmp_path, "--data.document_masking=true", "--data.add_eod=false", "--compile.enable=false",
+                       "--training.steps=2")
+    with caplog.at_level("WARNING", logger="titanlike"):
+        _train(trainer, lambda step, batches: None)
+    said = [line for line in own_log().splitlines() if "end-of-document" in line]
+    assert len(said) == 1, own_log()
+    assert said[0].startswith(f"data.document_masking found no end-of-document token (id {trainer.tokenizer.eod_id}) "
+                              f"inside the first ") and "--append-eod" in said[0] and "data.add_eod" in said[0], said

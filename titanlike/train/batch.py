@@ -30,6 +30,10 @@ class BatchLayout:
                              "their end-of-document token, and this tokenizer has none: set data.eod_token (or "
                              "data.eos_token), or turn them off")
         self.eod_id = eod_id
+        # Document boundaries seen so far (a device count, read on a log step): zero means every sequence is one
+        # document and these options change nothing, which must not pass silently (data without EOD tokens).
+        self._boundaries, self._tokens = None, 0
+        self._checked = not (self.documents or self.reset_positions or self.eod_mask_loss)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """A ValueError naming the keys when the model's forward cannot take what this layout hands it."""
@@ -44,6 +48,10 @@ class BatchLayout:
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(inputs, labels) of whole sequences -> (this rank's inputs, its labels, the model's keyword arguments)."""
         kwargs = {}
+        if not self._checked:  # an EOD before a sequence's last position starts another document in it
+            found = (inputs[:, :-1] == self.eod_id).sum()
+            self._boundaries = found if self._boundaries is None else self._boundaries + found
+            self._tokens += inputs.numel()
         if self.eod_mask_loss:
             labels = labels.masked_fill(inputs == self.eod_id, IGNORE_INDEX)
         if self.documents or self.reset_positions:
@@ -55,3 +63,19 @@ class BatchLayout:
         if self.cp is not None:
             inputs, labels = shard_sequence(inputs, *self.cp), shard_sequence(labels, *self.cp)
         return inputs, labels, kwargs
+
+    def no_documents_warning(self) -> str | None:
+        """On a log step (it reads a device count): once, a line naming the keys and the fix when the batches so far
+        held no document boundary at all; None otherwise (and every later call is free)."""
+        if self._checked or self._boundaries is None:
+            return None
+        self._checked = True
+        if int(self._boundaries.item()) > 0:
+            return None
+        keys = " / ".join(k for k, on in (("data.document_masking", self.documents), ("data.reset_position_ids",
+                          self.reset_positions), ("data.eod_mask_loss", self.eod_mask_loss)) if on)
+        return (f"{keys} found no end-of-document token (id {self.eod_id}) inside the first {self._tokens} tokens "
+                f"of this rank: every sequence is one document, so {'it changes' if ' / ' not in keys else 'they change'}"
+                f" nothing; add EOD tokens to the data (scripts/preprocess_data.py --append-eod; data.add_eod for text "
+                f"data), set data.eod_token to the token that ends your documents, or turn {keys} off (unless your "
+                f"documents are longer than that)")

@@ -315,6 +315,8 @@ class Trainer:
                         continue
                 if self.spikes is not None:
                     self.spikes.update(self.step, m["loss"])
+                if (no_docs := self.batch_layout.no_documents_warning()) is not None:
+                    logger.warning(no_docs)
                 history.append({"step": self.step, **m})
             v = self.cfg.validation
             if v.enable and (self.step % v.interval == 0 or self.step == t.steps):
