@@ -80,10 +80,26 @@ class ModelSpec:
     # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
     run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
 
-    def flavor_args(self, flavor: str) -> Any:
+    def flavor_args(self, flavor: str, changes: dict | None = None) -> Any:
+        """The flavor's args with `changes` (model.args: {field: value}) applied; ValueError naming the field."""
         if flavor not in self.flavors:
             raise ValueError(f"model.flavor={flavor!r} unknown for {self.name}; choose one of {sorted(self.flavors)}")
-        return self.flavors[flavor]
+        base = self.flavors[flavor]
+        if not changes:
+            return base
+        names = {f.name: f for f in dataclasses.fields(base)}
+        for key, value in changes.items():
+            if key not in names:
+                raise ValueError(f"model.args.{key} is not a field of {self.name}'s args; choose from {sorted(names)}")
+            old = getattr(base, key)
+            # the flavor's value tells the field's kind (None: any); an int is a fine float
+            if old is not None and not (isinstance(value, type(old)) or (type(old) is float and type(value) is int)):
+                raise ValueError(f"model.args.{key} = {value!r}: expected a {type(old).__name__} like the "
+                                 f"flavor's {old!r}")
+        try:
+            return dataclasses.replace(base, **changes)
+        except (ValueError, TypeError) as e:  # the args' own rules (dim divisible by n_heads, ...)
+            raise ValueError(f"model.args {changes}: {e}") from None
 
     def find_flavor(self, args: Any) -> str | None:
         """The flavor with the same architecture as `args` (run fields aside), or None."""

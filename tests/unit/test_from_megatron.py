@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,22 @@ def test_vocab_padding_follows_megatron(tmp_path: Path) -> None:
         assert 0 <= trainer.model_args.vocab_size - trainer.tokenizer.vocab_size < 128
     finally:
         trainer.close()
+
+
+def test_model_args_change_the_flavor_and_bad_ones_are_one_line(tmp_path: Path) -> None:
+    """model.args: a shape no named flavor has (what the translator writes for off-flavor Megatron shapes)."""
+    import models
+    from titanlike.config import ConfigError
+
+    cfg = load_config(["--config", str(ROOT / "configs" / "gpt2_debug.toml"), "--model.args={n_heads = 8}"])
+    assert cfg.model.args == {"n_heads": 8}
+    args = models.get_spec("gpt").flavor_args(cfg.model.flavor, cfg.model.args)
+    assert (args.dim, args.n_heads, args.head_dim) == (128, 8, 16)
+    (tmp_path / "a.toml").write_text('extends = "%s"\n[model]\nargs = {n_heads = 7}\n' % (ROOT / "configs" /
+                                                                                           "gpt2_debug.toml"))
+    for argv, message in ((["--config", str(tmp_path / "a.toml")], "dim (128) must be divisible by n_heads (7)"),
+                          (["--model.name=gpt", "--model.args={n_headz = 8}"], "model.args.n_headz is not a field"),
+                          (["--model.name=gpt", '--model.args={n_heads = "8"}'], "expected a int")):
+        with pytest.raises(ConfigError, match=re.escape(message)) as e:
+            load_config(argv)
+        assert "\n" not in str(e.value)

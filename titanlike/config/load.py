@@ -54,6 +54,8 @@ _ALL_KEYS = [f"{s}.{k}" for s, keys in SCHEMA.items() for k in keys]
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is dict:
+        return "table ({key = value, ...})"
     return tp.__name__
 
 
@@ -95,6 +97,10 @@ def _check_value(value: Any, tp: Any, name: str, where: str) -> Any:
             raise bad()
         (elem,) = typing.get_args(tp)
         return [_check_value(v, elem, f"{name}[{i}]", where) for i, v in enumerate(value)]
+    if tp is dict:  # a table of plain values (model.args): its keys are checked where they are used
+        if not isinstance(value, dict) or any(isinstance(v, dict) for v in value.values()):
+            raise bad()
+        return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
             raise bad()
@@ -181,6 +187,12 @@ def _parse_cli_value(text: str, tp: Any, name: str) -> Any:
             body = body[1:-1]
         items = [item.strip() for item in body.split(",")]
         return [_parse_cli_value(item, elem, f"{name}[{i}]") for i, item in enumerate(items) if item]
+    if tp is dict:  # a TOML inline table: --model.args='{n_heads = 16}'
+        try:
+            value = tomllib.loads(f"v = {text.strip() or '{}'}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise bad() from None
+        return _check_value(value, tp, name, where)
     if tp is bool:
         low = text.strip().lower()
         if low in _TRUE or low in _FALSE:
@@ -313,6 +325,9 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted unless they are bare TOML keys
+        keys = [k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k) for k in value]
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in zip(keys, value.values())) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

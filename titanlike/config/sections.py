@@ -27,6 +27,9 @@ class Model:
     # --make-vocab-size-divisible-by x TP: 50257 -> 50304); the extra rows are never a target
     vocab_pad_multiple: int = 1
     n_layers: int = -1  # -1 = the flavor's; else that many blocks of the flavor's shape (Megatron's --num-layers)
+    # Fields of the flavor changed for this run, {field = value} of the family's ModelArgs (models/<name>/args.py):
+    # a shape no named flavor has, e.g. args = {dim = 1280, n_heads = 16} (scripts/from_megatron.py writes these)
+    args: dict = field(default_factory=dict)
     # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
     # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)
     attn_backend: str = "auto"

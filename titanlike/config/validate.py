@@ -353,7 +353,11 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
         errors.append(f"model.flavor={cfg.model.flavor!r} is not a {spec.name} flavor; choose one of "
                       f"{sorted(spec.flavors)}")
         return
-    args = spec.flavors[cfg.model.flavor]
+    try:
+        args = spec.flavor_args(cfg.model.flavor, cfg.model.args)
+    except ValueError as e:
+        errors.append(str(e))
+        return
     if cfg.model.n_layers > 0:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))

@@ -61,7 +61,7 @@ def build(cfg, dims, device: torch.device, stage: int | None = None, mode=None) 
     t, notes = cfg.training, []
     spec = models.get_spec(cfg.model.name)
     vocab, eod = vocab_and_eod(cfg, spec, notes)
-    flavor = spec.flavor_args(cfg.model.flavor)
+    flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
     n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
     run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)
     if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:

@@ -47,7 +47,7 @@ class Candidate:
 def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
     """The cost model's view of the config's model (family-agnostic: the spec's counts and common args fields)."""
     spec = models.get_spec(cfg.model.name)
-    flavor = spec.flavor_args(cfg.model.flavor)
+    flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
     run = {"max_seq_len": cfg.training.seq_len}
     if cfg.model.vocab_size > 0:
         run["vocab_size"] = cfg.model.vocab_size

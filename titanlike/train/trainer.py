@@ -70,7 +70,7 @@ class Trainer:
         self.spec = spec = models.get_spec(cfg.model.name)
         pad = cfg.model.vocab_pad_multiple  # Megatron's vocabulary padding (model.vocab_pad_multiple)
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else -(-self.tokenizer.vocab_size // pad) * pad
-        flavor = spec.flavor_args(cfg.model.flavor)
+        flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
         n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
         run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
         if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:  # a kernel knob of GQA families
