@@ -4,16 +4,16 @@
     python scripts/checkpoint.py verify PATH [--step N]
     python scripts/checkpoint.py load PATH [--device cuda] [--dtype bfloat16] [--seq 2048]
 
-PATH is a checkpoint folder (holding step-N/ folders) or one step folder. `inspect` lists every step with its
-state, then for one step (default: the newest complete) every tensor with shape, dtype and size, the small saved
-states (trainer counters, data position, LR schedule) and the config that wrote it. States: complete (committed,
-every file has its recorded size), verified (and every checksum in MANIFEST.json matches: `--verify` or `verify`),
-truncated (a file is shorter than recorded, or missing), corrupt (a checksum or a file's size does not match),
-corrupt-marker (the COMMITTED marker itself is damaged), interrupted (no marker: the save never finished).
-`verify` checks every checksum of every step (or --step N), with a progress bar for big steps: exit 0 when all is
-well, else 1 with one line per damaged file. `load` rebuilds the model from the step's meta.json on one device,
-loads its weights whatever layout wrote them (e.g. FSDP 2 -> 1 GPU for evaluation), times that, and runs one
-forward pass on random tokens.
+PATH is a run folder, a checkpoint folder (holding step-N/ folders) or one step folder. `inspect` lists every step
+with its state, then for one step (default: the newest complete) every tensor with shape, dtype and size, the small
+saved states (trainer counters, data position, LR schedule) and the config that wrote it. States:
+complete (committed, every file has its recorded size), verified (and every checksum in MANIFEST.json matches:
+`--verify` or `verify`), truncated (a file is shorter than recorded, or missing), corrupt (a checksum or a file's
+size does not match), corrupt-marker (the COMMITTED marker itself is damaged), interrupted (no marker: the save
+never finished). `verify` checks every checksum of every step (or --step N), with a progress bar for big steps: exit
+0 when all is well, else 1 with one line per damaged file. `load` rebuilds the model from the step's meta.json on
+one device, loads its weights whatever layout wrote them (e.g. FSDP 2 -> 1 GPU for evaluation), times that, and runs
+one forward pass on random tokens.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import time
 
 from titanlike.checkpoint import integrity, layout
 from titanlike.checkpoint.layout import CONFIG, CheckpointError
+from titanlike.checkpoint.resolve import check_exists, checkpoint_folder, is_step_folder, resolve_step
 from titanlike.checkpoint.states import EXTRA, read_meta_json, read_metadata, unpack
 
 
@@ -38,10 +39,6 @@ def _size(n: float) -> str:
 
 def _folder_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-
-
-def _is_step_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, layout.MARKER))
 
 
 def _check(info: layout.StepInfo, checksums: bool, progress=None) -> tuple[str, list[str]]:
@@ -142,12 +139,12 @@ def _object_summary(path: str, key: str) -> str:
 
 def inspect(args) -> int:
     path = args.path
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a folder")
-    if _is_step_folder(path):
+    check_exists(path)
+    if is_step_folder(path):
         step_dir = path
         print("\n".join(list_steps(os.path.dirname(os.path.abspath(path)), args.verify)))
     else:
+        path = checkpoint_folder(path)  # a run folder: its checkpoint folder
         print("\n".join(list_steps(path, args.verify)))
         if args.step is not None:
             info = layout.scan(path).get(args.step)
@@ -167,11 +164,11 @@ def verify(args) -> int:
     from tqdm import tqdm
 
     path = args.path
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a folder")
-    if _is_step_folder(path):
+    check_exists(path)
+    if is_step_folder(path):
         infos = layout.candidates(path)
     else:
+        path = checkpoint_folder(path)  # a run folder: its checkpoint folder
         infos = [i for prefix in ("step", "export-step") for _, i in sorted(layout.scan(path, prefix).items())]
         if args.step is not None:
             infos = [i for i in infos if i.step == args.step and os.path.basename(i.path).startswith("step-")]
@@ -206,9 +203,7 @@ def load(args) -> int:
 
     from titanlike.checkpoint import load_model_weights, model_from_meta
 
-    info = layout.choose_step(args.path, -1)
-    if info is None:
-        raise CheckpointError(f"{args.path} holds no complete checkpoint step")
+    info = resolve_step(args.path, checksums=True)
     device = torch.device(args.device)
     model, model_args = model_from_meta(info.path, max_seq_len=args.seq)
     model.to_empty(device=device)

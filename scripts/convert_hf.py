@@ -7,7 +7,7 @@ with an HF adapter (models/<name>/hf.py).
             --checkpoint.initial_load_path=OUT --data.tokenizer=OUT/tokenizer/tokenizer.json
     python scripts/convert_hf.py export CKPT OUT [--dtype bfloat16] [--tokenizer PATH | --no-tokenizer]
                                      [--max-shard-gb 5]
-        CKPT: a checkpoint folder (newest complete step) or a step folder, written under any layout.
+        CKPT: a run folder or checkpoint folder (newest complete step), or a step folder; written under any layout.
         OUT: a folder transformers.AutoModelForCausalLM.from_pretrained(OUT) loads, with the run's tokenizer
             (from the step's config.toml; --tokenizer names another) for AutoTokenizer.from_pretrained(OUT), and
             generation_config.json + config.json's bos/eos ids so generate() stops at the end of text.

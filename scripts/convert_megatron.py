@@ -12,7 +12,7 @@ Megatron adapter (models/<name>/megatron.py). No megatron install is needed for 
         OUT/step-0: a model-only titanlike checkpoint; train from it with --checkpoint.initial_load_path=OUT
     python scripts/convert_megatron.py export CKPT OUT [--dtype bfloat16] [--iteration 0]
                                        [--make-vocab-size-divisible-by 128]
-        CKPT: a titanlike checkpoint folder (newest complete step) or a step folder, written under any layout.
+        CKPT: a titanlike run or checkpoint folder (newest complete step), or a step folder; any layout.
         OUT: a Megatron-LM --load folder in torch_dist (megatron.core.dist_checkpointing.load reads it into a model
             built with the printed flags; Megatron reshards it to any TP/PP). With Megatron-LM, load it with
             --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng.

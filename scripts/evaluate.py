@@ -60,8 +60,10 @@ def _tasks(a, rest: list[str]) -> dict:
     problems = task_problems(tasks, a.include_path, tasks_key="--tasks", include_key="--include-path")
     if problems:
         raise ValueError(problems[0])
-    lm = TitanlikeLM(checkpoint=a.checkpoint, device=a.device, dtype=a.dtype, batch_size=a.batch_size,
-                     max_length=a.max_length, step=a.step)
+    source, step = _resolve(a)  # the step folder, so that what is reported is what is loaded
+    lm = TitanlikeLM(checkpoint=source, device=a.device, dtype=a.dtype, batch_size=a.batch_size,
+                     max_length=a.max_length)
+    _report(source, step)
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     results = run_tasks(lm, tasks, a.include_path, limit=limit, num_fewshot=a.num_fewshot, bootstrap_iters=1000,
                         device=lm.device)
@@ -69,7 +71,25 @@ def _tasks(a, rest: list[str]) -> dict:
 
     print(make_table(results))
     return {"results": results.get("results", {}), "metrics": flat_metrics(results), "config": {
-        "checkpoint": a.checkpoint, "tasks": tasks, "limit": a.limit, "num_fewshot": a.num_fewshot}}
+        "checkpoint": a.checkpoint, "step": step, "source": source, "tasks": tasks, "limit": a.limit,
+        "num_fewshot": a.num_fewshot}}
+
+
+def _resolve(a) -> tuple[str, int | None]:
+    """(the step folder, its step) that --checkpoint and --step name, or (the HF folder, None)."""
+    from titanlike.checkpoint.resolve import is_step_folder, resolve_step
+
+    if os.path.isfile(os.path.join(a.checkpoint, "config.json")) and not is_step_folder(a.checkpoint):
+        if a.step is not None:
+            raise ValueError(f"--checkpoint {a.checkpoint} is a Hugging Face folder: it has no steps, drop --step")
+        return a.checkpoint, None
+    info = resolve_step(a.checkpoint, a.step)
+    return info.path, info.step
+
+
+def _report(source: str, step: int | None) -> None:
+    what = f"the Hugging Face model in {source}" if step is None else f"step {step} from {source}"
+    print(f"loaded {what}", file=sys.stderr)  # stderr: stdout holds the results
 
 
 def _perplexity(a, rest: list[str]) -> dict:
@@ -95,6 +115,7 @@ def _perplexity(a, rest: list[str]) -> dict:
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.startswith("cuda") and a.dtype == "float32" \
         else None
     out = perplexity(loaded.model, loader, cfg.validation.steps, device=device, context=amp)
+    _report(loaded.source, loaded.step)
     print(f"loss {out['loss']:.6f}  perplexity {out['perplexity']:.4f}  tokens {out['tokens']:,}")
     return {**out, "checkpoint": a.checkpoint, "step": loaded.step, "source": loaded.source}
 

@@ -7,8 +7,10 @@
 
 SOURCE: a run folder (job.dump_folder/job.run_name), a checkpoint folder, a step folder (any training layout; the
 newest complete step unless --step N), a scripts/convert_hf.py import, or an HF folder (titanlike/infer/load.py).
-The tokenizer is the run's own (its config.toml) or the HF folder's; without one, give --tokens. One prompt streams
-its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one left-padded
+The tokenizer is the run's own (its config.toml) or the HF folder's; without one, give --tokens. A text prompt starts
+with the BOS token when the model's documents did (the run's data.add_bos; for an HF folder, when its tokenizer adds
+it, as transformers' tokenizer(prompt) does): --bos / --no-bos decide instead. Which step was loaded goes to stderr.
+One prompt streams its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one left-padded
 batch and print in order. Greedy unless --temperature > 0; generation stops at the tokenizer's EOS.
 
 Bad input (missing or damaged checkpoint, unknown model, a prompt longer than the model's context, bad sampling
@@ -43,7 +45,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step to load (default: the newest)")
-    p.add_argument("--no-bos", action="store_true", help="do not start text prompts with the BOS token")
+    bos = p.add_mutually_exclusive_group()
+    bos.add_argument("--bos", dest="bos", action="store_true", default=None,
+                     help="start text prompts with the BOS token (default: as the run's data.add_bos)")
+    bos.add_argument("--no-bos", dest="bos", action="store_false", help="do not start text prompts with BOS")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p.parse_args(argv)
 
@@ -105,6 +110,13 @@ class _Stream:
         self.shown = len(text)
 
 
+def _what(loaded) -> str:
+    """Which weights were read: the step and its folder, or the HF folder."""
+    if loaded.step is None:
+        return f"the Hugging Face model in {loaded.source}"
+    return f"step {loaded.step} from {loaded.source}"
+
+
 def run(a: argparse.Namespace) -> int:
     import torch
 
@@ -120,12 +132,13 @@ def run(a: argparse.Namespace) -> int:
     elif tok is None:
         raise ValueError(f"{loaded.source} comes with no tokenizer: give the prompt as ids with --tokens 1,2,3")
     else:
-        prompts = [([] if a.no_bos else [tok.bos_id]) + tok.encode(t) for t in texts]
+        prompts = [loaded.encode(t, bos=a.bos) for t in texts]
     for i, p in enumerate(prompts):
         if len(p) + a.max_new_tokens > loaded.max_seq_len:
             raise ValueError(f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens={a.max_new_tokens} that "
                              f"exceeds the model's context of {loaded.max_seq_len} tokens: shorten the prompt or "
                              f"lower --max-new-tokens")
+    print(f"loaded {_what(loaded)}", file=sys.stderr)  # stderr: stdout holds only the text
     kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, temperature=a.temperature,
               top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile)
     if len(prompts) == 1:

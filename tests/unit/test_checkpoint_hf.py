@@ -281,3 +281,22 @@ def test_export_tokenizer_formats(wide_ckpt, tmp_path, caplog, monkeypatch):
     assert "NullTokenizer has no Hugging Face equivalent" in caplog.text
     assert (cfg["bos_token_id"], cfg["eos_token_id"], gen["eos_token_id"]) == (100, 100, 100)
     assert not (tmp_path / "e" / "out" / "tokenizer_config.json").exists()
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_export_tokenizer_adds_bos_as_the_run_did(wide_ckpt, tmp_path, add_bos):
+    """An HF tokenizer.json run: the export's AutoTokenizer(prompt) prepends BOS exactly when the run's documents
+    started with it (data.add_bos), whatever the file's own post-processor did, and equals generation's prompt ids."""
+    from titanlike.data.tokenizers.hf import train_bytelevel_bpe
+    from titanlike.infer import load_for_inference
+
+    tok_file = tmp_path / "tok" / "tokenizer.json"
+    tok_file.parent.mkdir()
+    corpus = ["the cat sat on the mat", "the theory of everything", "then they went there"] * 20
+    train_bytelevel_bpe(corpus, 300, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"]).save(str(tok_file))
+    _export_with(wide_ckpt, tmp_path, {"tokenizer": str(tok_file), "add_bos": add_bos})
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("the cat")["input_ids"]
+    assert (ids[0] == 0) == add_bos  # <|begin_of_text|> is id 0
+    loaded = load_for_inference(str(wide_ckpt))
+    assert loaded.add_bos == add_bos and loaded.encode("the cat") == ids
+    assert load_for_inference(str(tmp_path / "out")).encode("the cat") == ids  # the export itself, as an HF folder

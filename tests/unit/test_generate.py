@@ -166,6 +166,35 @@ def test_training_checkpoint_loads_and_generates(trained_run):
     assert next(again.model.parameters()).dtype == torch.bfloat16
 
 
+def _load_script():
+    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_script_equals_transformers_on_the_export(trained_run, tmp_path, capsys):
+    """The run trained without BOS (data.add_bos=false): generate.py encodes a prompt as transformers' tokenizer does on
+    the HF export of the same step, so its greedy tokens equal transformers' generate; it says which step it loaded."""
+    from titanlike.checkpoint.hf import export_hf
+
+    out = export_hf(str(trained_run), str(tmp_path / "hf"), dtype="float32", progress=False)  # a run folder
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = "def main():"
+    ids = tok(prompt)["input_ids"]
+    loaded = load_for_inference(str(trained_run))
+    assert not loaded.add_bos and loaded.encode(prompt) == ids
+    want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                       max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert generate(loaded.model, [ids], max_new_tokens=8) == [want]
+    assert _load_script().main([str(trained_run), "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr()
+    new = generate(loaded.model, [ids], max_new_tokens=8, eos_id=loaded.stop_ids)[0]
+    assert printed.out == prompt + loaded.tokenizer.decode(new) + "\n"
+    assert printed.err.strip().splitlines()[-1] == f"loaded step 2 from {trained_run / 'checkpoint' / 'step-2'}"
+
+
 def _script(*args, timeout=120):
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -201,9 +230,7 @@ def test_script_bad_input_is_one_line(trained_run, tmp_path, capsys):
     ]
     # main() in this process for each case (a process per case would cost seconds of imports each), the script as a
     # process once: its exit status and that nothing else reaches stderr
-    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _load_script()
     for argv, expect in cases:
         try:
             code = script.main([*argv, "--max-new-tokens", "4"])

@@ -176,11 +176,11 @@ def _asdict(args) -> dict:
 
 
 def newest_step_model(ckpt_path: str):
-    """(step info, its meta.json, the model's ModelSpec) of the newest complete step of `ckpt_path` (a checkpoint
-    folder or a step folder); CheckpointError naming what is missing."""
-    info = layout.choose_step(ckpt_path, -1)
-    if info is None:
-        raise CheckpointError(f"{ckpt_path} holds no complete checkpoint step")
+    """(step info, its meta.json, the model's ModelSpec) of the newest complete step of `ckpt_path` (a run folder,
+    a checkpoint folder or a step folder: resolve.py); CheckpointError naming what is missing."""
+    from titanlike.checkpoint.resolve import resolve_step
+
+    info = resolve_step(ckpt_path, checksums=True)
     meta = read_meta_json(info.path)
     if not meta.get("model_args"):
         raise CheckpointError(f"{os.path.join(info.path, META)} is missing: cannot tell the model's shape")

@@ -83,9 +83,11 @@ def write_tokenizer(tok, data, out: str) -> None:
     if isinstance(tok, HFTokenizer):
         # The in-memory tokenizer the run used (GPT-2 vocab.json + merges.txt have no tokenizer.json); the
         # source folder's tokenizer_config.json (class, chat template) is kept, its bos/eos set below.
-        hf_tok, src = tok._tok, tok.path.parent
+        hf_tok, src = _with_bos_rule(tok._tok, tok.bos_id, data.add_bos), tok.path.parent
         if (src / "tokenizer_config.json").is_file():
             config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if "add_bos_token" in config or hf_tok is not tok._tok:  # a class that reads it must agree with the file
+            config.update(add_bos_token=bool(data.add_bos), add_eos_token=False)
         if (src / "chat_template.jinja").is_file():
             shutil.copy(src / "chat_template.jinja", os.path.join(out, "chat_template.jinja"))
     elif isinstance(tok, TiktokenTokenizer):
@@ -120,6 +122,29 @@ def write_tokenizer(tok, data, out: str) -> None:
                 os.remove(os.path.join(out, n))
         logger.warning(f"export: transformers' AutoTokenizer {why}: the {type(tok).__name__} files are left out; "
                        f"config.json and generation_config.json still carry its ids")
+
+
+def adds_bos(hf_tok, bos_id: int) -> bool:
+    """Whether a tokenizers.Tokenizer's post-processor prepends BOS (to what transformers' tokenizer(text) gives)."""
+    ids = hf_tok.encode("a", add_special_tokens=True).ids
+    return ids[:1] == [bos_id] and ids != hf_tok.encode("a", add_special_tokens=False).ids
+
+
+def _with_bos_rule(hf_tok, bos_id: int, add_bos: bool):
+    """The run's tokenizer.json, or a copy whose post-processor prepends BOS exactly when the run's documents started
+    with it (data.add_bos): transformers' tokenizer(prompt) then gives the ids the model was trained to continue."""
+    from tokenizers import Tokenizer, processors
+
+    if adds_bos(hf_tok, bos_id) == bool(add_bos):
+        return hf_tok
+    copy = Tokenizer.from_str(hf_tok.to_str())
+    if add_bos:
+        bos = copy.id_to_token(bos_id)
+        copy.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                            special_tokens=[(bos, bos_id)])
+    else:  # ids without specials; offsets as a byte-level file's own post-processor gives them
+        copy.post_processor = processors.ByteLevel(trim_offsets=False)
+    return copy
 
 
 def _byte_chars() -> dict[int, str]:

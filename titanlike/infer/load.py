@@ -24,6 +24,7 @@ import torch
 import models
 from titanlike.checkpoint import layout
 from titanlike.checkpoint.layout import CheckpointError
+from titanlike.checkpoint.resolve import is_step_folder, resolve_step
 
 
 @dataclasses.dataclass
@@ -36,6 +37,14 @@ class Loaded:
     stop_ids: list[int] = dataclasses.field(default_factory=list)  # the tokenizer's EOS (and document separator)
     source: str = ""  # the step folder or HF folder actually read
     step: int | None = None  # the training step of a checkpoint; None for an HF folder
+    # Whether a text prompt starts with the BOS token, as the model's documents did: the run's data.add_bos, or for
+    # an HF folder (or an HF import) what its tokenizer adds by itself (transformers' tokenizer(prompt) does the same)
+    add_bos: bool = False
+
+    def encode(self, text: str, bos: bool | None = None) -> list[int]:
+        """A text prompt's ids: BOS first when `bos` (default: as the model's documents, add_bos), then the text."""
+        bos = self.add_bos if bos is None else bos
+        return ([self.tokenizer.bos_id] if bos else []) + self.tokenizer.encode(text)
 
 
 def load_for_inference(source: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -47,55 +56,11 @@ def load_for_inference(source: str, *, device: str | torch.device = "cpu", dtype
     if not os.path.isdir(source):
         raise CheckpointError(f"{source} is a file: give the folder that holds it (a step folder or HF folder)")
     device = torch.device(device)
-    if os.path.isfile(os.path.join(source, "config.json")) and not _is_step(source):
+    if os.path.isfile(os.path.join(source, "config.json")) and not is_step_folder(source):
         if step is not None:
             raise CheckpointError(f"{source} is a Hugging Face folder: it has no steps, drop step={step}")
         return _from_hf(source, device, dtype)
-    return _from_checkpoint(_step_folder(source, step), device, dtype)
-
-
-def _is_step(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, layout.MARKER))
-
-
-def _step_folder(source: str, step: int | None) -> layout.StepInfo:
-    """The committed step to read: `source` itself, or the newest (or `step`) of the checkpoint folder it is or
-    holds. File sizes are checked here; load_model_weights verifies the checksums once, when it reads."""
-    if _is_step(source):
-        if step is not None:
-            raise CheckpointError(f"{source} is a step folder: drop step={step}, or give its checkpoint folder")
-        return layout.choose_step(source, -1, checksums=False)
-    folder = _checkpoint_folder(source)
-    found = {**{s: i for s, i in layout.scan(folder, "export-step").items() if i.loadable},
-             **{s: i for s, i in layout.scan(folder).items() if i.loadable}}  # step-N wins over its export
-    if not found:
-        raise CheckpointError(f"{folder} holds no complete checkpoint step (step-N or export-step-N with a "
-                              f"{layout.MARKER} marker): train with --checkpoint.enable, or point at another folder")
-    if step is not None and step not in found:
-        raise CheckpointError(f"no complete step {step} in {folder}; complete steps: {sorted(found)}")
-    if step is None and layout.scan(folder):  # the newest that is not damaged, as training would resume
-        info = layout.choose_step(folder, -1, checksums=False)
-        if info is not None and info.step >= max(found):
-            return info
-    return layout.choose_step(found[max(found) if step is None else step].path, -1, checksums=False)
-
-
-def _checkpoint_folder(source: str) -> str:
-    """`source` when it holds step folders, else its subfolder that does (a run folder's checkpoint.folder)."""
-    def has_steps(path: str) -> bool:
-        return bool(layout.scan(path) or layout.scan(path, "export-step"))
-
-    if has_steps(source):
-        return source
-    subs = [os.path.join(source, n) for n in sorted(os.listdir(source)) if os.path.isdir(os.path.join(source, n))]
-    with_steps = [p for p in subs if has_steps(p)]
-    if len(with_steps) == 1:
-        return with_steps[0]
-    if with_steps:
-        raise CheckpointError(f"{source} holds several checkpoint folders ({', '.join(with_steps)}): name one")
-    raise CheckpointError(f"{source} holds no checkpoint (no step-N folders, in it or in a subfolder such as "
-                          f"checkpoint/) and no config.json of a Hugging Face model: give a run, checkpoint or HF "
-                          f"folder")
+    return _from_checkpoint(resolve_step(source, step), device, dtype)
 
 
 def build_model(spec, args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -126,18 +91,35 @@ def _from_checkpoint(info: layout.StepInfo, device: torch.device, dtype: torch.d
     loaded_step = load_model_weights(info.path, model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    tok = _checkpoint_tokenizer(info.path)
-    return Loaded(model, spec, args, tok, args.max_seq_len, _stop_ids(tok), info.path, loaded_step)
+    tok, add_bos = _checkpoint_tokenizer(info.path)
+    return Loaded(model, spec, args, tok, args.max_seq_len, _stop_ids(tok), info.path, loaded_step, add_bos)
 
 
 def _checkpoint_tokenizer(step_path: str):
+    """(the run's tokenizer or None, whether its documents started with BOS)."""
     from titanlike.checkpoint.hf_tokenizer import find_tokenizer
 
     try:
         found = find_tokenizer(step_path, None)
     except CheckpointError:  # the run's tokenizer files moved: generation still works on token ids
-        return None
-    return None if found is None else found[0]
+        return None, False
+    if found is None:
+        return None, False
+    if os.path.isfile(os.path.join(step_path, layout.CONFIG)):  # the run's [data]: what training fed the model
+        return found[0], bool(found[1].add_bos)
+    return found[0], tokenizer_adds_bos(found[0])  # an HF import: its tokenizer's own rule
+
+
+def tokenizer_adds_bos(tok) -> bool:
+    """Whether an HF tokenizer file prepends BOS by itself (its post-processor), as transformers' tokenizer(text)
+    then does; a sentencepiece model does by default (add_bos_token); other formats do not."""
+    from titanlike.checkpoint.hf_tokenizer import adds_bos
+    from titanlike.data.tokenizers.hf import HFTokenizer
+    from titanlike.data.tokenizers.sentencepiece_model import SentencePieceTokenizer
+
+    if isinstance(tok, HFTokenizer):
+        return adds_bos(tok._tok, tok.bos_id)
+    return isinstance(tok, SentencePieceTokenizer)
 
 
 def _from_hf(hf_dir: str, device: torch.device, dtype: torch.dtype) -> Loaded:
@@ -163,7 +145,8 @@ def _from_hf(hf_dir: str, device: torch.device, dtype: torch.dtype) -> Loaded:
         except (OSError, ValueError, ImportError) as e:
             raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read ({e}); remove the tokenizer files to "
                                   f"generate from token ids") from None
-    return Loaded(model, spec, args, tok, args.max_seq_len, _hf_stop_ids(hf_dir, tok), hf_dir, None)
+    add_bos = tok is not None and tokenizer_adds_bos(tok)
+    return Loaded(model, spec, args, tok, args.max_seq_len, _hf_stop_ids(hf_dir, tok), hf_dir, None, add_bos)
 
 
 def _stop_ids(tok) -> list[int]:
