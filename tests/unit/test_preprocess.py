@@ -139,3 +139,23 @@ def test_indexed_bad_files(tmp_path):
     (tmp_path / "d.idx").write_bytes(b"NOTMMIDX" + bytes(40))
     with pytest.raises(ValueError, match="not a Megatron MMIDIDX"):
         IndexedDataset(tmp_path / "d")
+
+
+
+def test_long_documents_go_through_arrays_with_the_same_ids(tmp_path, tokdir, monkeypatch):
+    """A document over LONG_TEXT_CHARS (lowered here; a JSONL line of megabytes) is encoded into an array
+    (Tokenizer.encode_array: in pieces, test_data_streaming.py holds its ids to the whole text's) between two
+    short ones: the written documents are the same as encoding each whole."""
+    from titanlike.config.sections import Data
+    from titanlike.data import preprocess
+    from titanlike.data.tokenizers import build_tokenizer
+
+    monkeypatch.setattr(preprocess, "LONG_TEXT_CHARS", 1000)
+    big = "the quick brown fox, 42 jumps  over\nthe lazy dog. " * 400
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in (DOCS[0], big, DOCS[1])))
+    assert _run("--input", src, "--output-prefix", tmp_path / "o", "--tokenizer-model", tokdir / "tokenizer.json",
+                "--append-eod") == 0
+    tok = build_tokenizer(Data(tokenizer=str(tokdir / "tokenizer.json")))
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    assert [ds.get(i).tolist() for i in range(3)] == [tok.encode(t) + [tok.eod_id] for t in (DOCS[0], big, DOCS[1])]

@@ -25,6 +25,7 @@ import numpy as np
 
 from titanlike.data.indexed import IndexedDatasetWriter, optimal_dtype
 from titanlike.data.streaming import expand_files, parse_json_line
+from titanlike.data.tokenizers.base import LONG_TEXT_CHARS
 
 # A task is 256 lines or 1 MB, whichever comes first: small enough for a live bar and to spread a few huge
 # documents over the workers, large enough to amortise the pickling.
@@ -86,19 +87,24 @@ def _encode_chunk(chunk: list[tuple[int, int, bytes]]):
             good.append((f, lineno))
             for k in keys:
                 texts[k].append(got[k])
-    # One encode per document: with the Rust thread pool off (one core per worker) this beats encode_batch.
-    ids = {k: [tok.encode(t) for t in texts[k]] for k in keys}
+    # One encode per document: with the Rust thread pool off (one core per worker) this beats encode_batch. A huge
+    # document (a JSONL line of megabytes) is encoded in pieces, into an array (Tokenizer.encode_array).
+    ids = {k: [tok.encode(t) if len(t) <= LONG_TEXT_CHARS else tok.encode_array(t) for t in texts[k]] for k in keys}
     kept = []
     for i, (f, lineno) in enumerate(good):
-        if any(not ids[k][i] for k in keys):  # e.g. whitespace that a tokenizer drops: as empty as ""
+        if any(not len(ids[k][i]) for k in keys):  # e.g. whitespace that a tokenizer drops: as empty as ""
             bad.append((f, lineno, "empty document (no tokens)"))
         else:
             kept.append(i)
     out = {}
     for k in keys:
-        docs = [pre + ids[k][i] + post for i in kept]
-        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
-        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=_W["dtype"], count=int(lengths.sum()))
+        docs = [ids[k][i] for i in kept]
+        lengths = np.fromiter((len(pre) + len(d) + len(post) for d in docs), dtype=np.int64, count=len(docs))
+        if any(isinstance(d, np.ndarray) for d in docs):
+            flat = np.concatenate([np.asarray(x, dtype=_W["dtype"]) for d in docs for x in (pre, d, post)])
+        else:
+            flat = np.fromiter(itertools.chain.from_iterable(pre + d + post for d in docs), dtype=_W["dtype"],
+                               count=int(lengths.sum()))
         out[k] = (flat, lengths)
     bad.sort(key=lambda b: (b[0], b[1]))
     return out, bad, len(kept)

@@ -22,6 +22,7 @@ import gzip
 import json
 import logging
 import os
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlike.config.errors import ConfigError
+from titanlike.data.tokenizers.base import LONG_TEXT_CHARS, PIECE_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +245,23 @@ class StreamingTextDataset(IterableDataset):
                 st["epoch"], st["file"] = st["epoch"] + 1, 0
                 yield None
 
-    def _tokens(self, text: str) -> list[int]:
-        return ([self.tok.bos_id] if self.add_bos else []) + self.tok.encode(text) + (
-            [self.tok.eod_id] if self.add_eod else [])
+    def _tokens(self, text: str, where: str = "") -> np.ndarray:
+        """A document's ids; one over LONG_TEXT_CHARS is tokenised in pieces (same ids, time linear in its length,
+        memory bounded) and, given `where` (file:line), said so before and after: it takes a while (the builtin BPE
+        reads ~3 MB/s per core)."""
+        if where:
+            logger.info("tokenising a document of %.1f M characters (%s)", len(text) / 1e6, where)
+        t0 = time.perf_counter()
+        ids = self.tok.encode_array(text)
+        if where:
+            logger.info("tokenised a document of %.1f M characters (%s) in %.1f s: %d tokens", len(text) / 1e6,
+                        where, time.perf_counter() - t0, ids.size)
+        return np.concatenate([[self.tok.bos_id] if self.add_bos else [], ids,
+                               [self.tok.eod_id] if self.add_eod else []]).astype(np.int64, copy=False)
+
+    def _gives_tokens(self, text: str) -> bool:
+        """Whether a document gives any token, without tokenising a huge one whole (the start-up check)."""
+        return self.add_bos or self.add_eod or bool(self.tok.encode(text[:PIECE_CHARS])) or self._tokens(text).size > 0
 
     def check_usable(self, num_workers: int = 0) -> None:
         """Start-up check that every shard of this rank (one per DataLoader worker) has a document giving tokens.
@@ -260,7 +276,7 @@ class StreamingTextDataset(IterableDataset):
             for text in self._documents(st, reasons, log=False):
                 if text is None:
                     raise self._unusable(st, reasons, workers)
-                if self._tokens(text):
+                if self._gives_tokens(text):
                     break
                 self._count(reasons, "no tokens", f"a document of {len(text)} characters")
 
@@ -312,8 +328,10 @@ class StreamingTextDataset(IterableDataset):
                     whole_epoch, epoch_tokens = True, 0
                     reasons.clear()
                     continue
-                ids = self._tokens(text)
-                if not ids:
+                where = f"{self.files[self._file_order(st['epoch'])[st['file']]]}:{st['line']}" \
+                    if len(text) > LONG_TEXT_CHARS else ""
+                ids = self._tokens(text, where)
+                if not ids.size:
                     self._count(reasons, "no tokens", f"a document of {len(text)} characters")
                 epoch_tokens += len(ids)
                 st["buffer"] = np.concatenate([st["buffer"], np.asarray(ids, dtype=np.int64)])
