@@ -258,4 +258,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from titanlike.cli import run_main
+
+    sys.exit(run_main(main))

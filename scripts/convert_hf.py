@@ -77,5 +77,7 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     from titanlike.observe.log import setup_logging
 
+    from titanlike.cli import run_main
+
     setup_logging(0)  # the export's notes (tokenizer written or left out, and why); not in main(): tests call it
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_main(main))

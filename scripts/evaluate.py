@@ -146,10 +146,15 @@ def main(argv: list[str]) -> int:
         except (CheckpointError, ConfigError) as e:
             raise ValueError(str(e)) from e
     except (ValueError, ImportError) as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
+        if debug:  # the traceback, and still status 2
+            from titanlike.cli import debug_traceback
+
+            debug_traceback(e)
+        else:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader went away (`| head`): nothing to report
+        raise
     except Exception as e:  # noqa: BLE001 - a runtime failure: one line unless --debug
         if debug:
             raise
@@ -163,4 +168,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from titanlike.cli import run_main
+
+    sys.exit(run_main(main))

@@ -160,12 +160,19 @@ def main(argv: list[str]) -> int:
         _check(a)
         return run(a)
     except (CheckpointError, ValueError, OSError) as e:
-        if a.debug:
+        if isinstance(e, BrokenPipeError):  # stdout's reader went away (`| head`): nothing to report
             raise
+        if a.debug:  # the traceback, and still status 2
+            from titanlike.cli import debug_traceback
+
+            debug_traceback(e)
+            return 2
         msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
         print("error: " + " ".join(line.strip() for line in msg.splitlines() if line.strip()), file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from titanlike.cli import run_main
+
+    sys.exit(run_main(main))

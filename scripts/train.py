@@ -175,6 +175,8 @@ def _memory_check(cfg, world_size: int, gpu_mem: str | None, dry_run: bool, logg
 def _report_megatron(megatron, logger) -> None:
     """Every flag the translation could not map, with why (never dropped silently); once per job."""
     if int(os.environ.get("RANK", "0")) == 0:
+        for line in megatron.translation.said:  # which model the flags built, and why
+            logger.info(f"--megatron-args: model: {line}")
         for flag, why in megatron.translation.unmapped:
             logger.warning(f"--megatron-args: unmapped: {flag}: {why}")
 
@@ -189,9 +191,14 @@ def _write_megatron_toml(megatron, run_dir: str, logger) -> None:
 
 
 def _fail(e: BaseException, code: int, debug: bool) -> int:
-    if debug:
+    if isinstance(e, BrokenPipeError):  # stdout's reader went away (`--print-config | head`): no error to report
         raise e
-    print(f"error: {_one_line(e)}", file=sys.stderr)
+    if debug:  # the traceback, and still the status of the error's kind (2: fix the config)
+        from titanlike.cli import debug_traceback
+
+        debug_traceback(e)
+    else:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
     return code
 
 
@@ -226,7 +233,9 @@ def _finished(trainer, cfg, logger) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    from titanlike.cli import run_main
+
+    code = run_main(main)  # a closed stdout (`--help | head`) ends it quietly
     # Everything is closed and flushed by now (checkpoints committed, TensorBoard closed, process group destroyed).
     # Skip the interpreter's teardown: with gloo on torch 2.13 a background thread occasionally aborts it
     # ("terminate called without an active exception"), which would turn a finished run into a failed one.

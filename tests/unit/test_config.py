@@ -171,6 +171,7 @@ def test_toml_errors(tmp_path, text, message):
     (["--training.steps=ten"], "wrong type for 'training.steps' on the command line: expected int, got 'ten'"),
     (["--optimizer.lr=fast"], "expected float"),
     (["--compile.enable=maybe"], "expected bool"),
+    (["--checkpoint.enable", "maybe"], "^--checkpoint.enable takes true/false, got 'maybe'$"),
     (["--optimizer.betas=0.9,x"], "expected float"),
     (["--training.steps"], "--training.steps needs a value"),
     (["--training.steps", "--optimizer.lr=1"], "needs a value"),

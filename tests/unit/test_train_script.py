@@ -38,6 +38,21 @@ def test_os_errors_at_setup_exit_1_with_the_path(tmp_path):
     assert p.returncode == 2 and "is a file, not a folder" in p.stderr, p.stderr
 
 
+def test_debug_keeps_the_exit_status_and_shows_the_traceback():
+    p = _run("--training.sq_len=3", "--debug")
+    assert p.returncode == 2 and "Traceback" in p.stderr and "did you mean 'training.seq_len'" in p.stderr, p.stderr
+
+
+def test_closed_stdout_ends_quietly():
+    """`train.py --help | head`: the reader is gone before the help is written; no BrokenPipeError traceback."""
+    r, w = os.pipe()
+    os.close(r)  # before the child writes: its write fails with EPIPE
+    p = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=REPO_ROOT, stdout=w, stderr=subprocess.PIPE,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(w)
+    assert p.returncode == 141 and p.stderr == "", p.stderr  # 128 + SIGPIPE, as `yes | head` gives
+
+
 def test_help_says_how_to_run_and_where_keys_are():
     p = _run("--help")
     assert p.returncode == 0 and "--print-config" in p.stdout and "torchrun" in p.stdout, p.stderr

@@ -251,6 +251,8 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str, Any]]
             if tp is bool:  # a bare boolean flag means true; an explicit literal after it is consumed
                 if nxt is not None and nxt.strip().lower() in _TRUE | _FALSE:
                     text, i = nxt, i + 1
+                elif nxt is not None and not nxt.startswith("--"):  # meant as its value: not "unexpected argument"
+                    raise ConfigError(f"--{name} takes true/false, got {nxt!r}")
                 else:
                     text = "true"
             elif nxt is None or nxt.startswith("--"):
