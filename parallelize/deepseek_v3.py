@@ -1,6 +1,5 @@
-"""The DeepSeek-V3 parallelization plans. Order, kept visible: TP -> EP -> AC -> compile -> FSDP (as
-parallelize/llama3.py, with the expert-parallel hook after TP: both change parameter placements, which AC, compile
-and FSDP then see).
+"""The DeepSeek-V3 parallelization plans: its TP dict for MLA and the MoE, composed by parallelize/compose.py
+(TP -> EP -> CP -> AC -> compile -> FSDP; MLA's keys and values, per head after wkv_b, are gathered under CP like GQA's).
 
 Tensor parallel, per block (S = sequence, seq = Shard(1) with sequence parallel, else Replicate):
   attention_norm        SequenceParallel
@@ -30,16 +29,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.deepseek_v3 import SPEC
-from parallelize.ac import apply_ac
-from parallelize.compile import apply_compile
-from parallelize.cp import maybe_cp
-from parallelize.ep import maybe_ep
-from parallelize.fsdp import maybe_fsdp
+from parallelize.compose import Recipe, compose_plans
 # The MoE-under-TP styles Qwen3's plan defined first (routed experts and router replicated over TP).
 from parallelize.qwen3 import ReplicateParams, ReplicateRouter
-from parallelize.tp import (
-    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
-)
+from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
+
 
 class SumGradOverTP(ParallelStyle):
     """Identity in forward on the module's first input; in backward its gradient is summed over the TP ranks
@@ -114,53 +108,6 @@ def deepseek_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_p
     return plan
 
 
-def _check(model: nn.Module, dims, cfg) -> None:
-    # Config validation ran it too; checking here keeps a hand-built ParallelDims honest.
-    problems = SPEC.check(model.args, dims, cfg.model.flavor)
-    if problems:
-        raise ValueError(problems[0])
-
-
-def _maybe_tp(model: nn.Module, dims, cfg) -> None:
-    if not dims.tp_enabled:
-        return
-    par = cfg.parallelism
-    tp_mesh = dims.get_mesh("tp")
-    plan = deepseek_tp_plan(model, sequence_parallel=par.enable_sequence_parallel,
-                            loss_parallel=par.enable_loss_parallel, ep_enabled=dims.ep > 1)
-    apply_tp(model, tp_mesh, plan)
-    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
-                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
-
-
-def parallelize_deepseek_v3(model: nn.Module, dims, cfg) -> nn.Module:
-    """Default plan: TP -> EP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model.
-    pp: parallelize/pp.py splits the model first and calls this on each stage (modules it lacks are None)."""
-    _check(model, dims, cfg)
-    _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that EP/AC/compile/FSDP then see
-    maybe_ep(model, dims, cfg)
-    maybe_cp(model, dims)  # MLA's keys and values (per head, after wkv_b) are gathered like GQA's
-    apply_ac(model, cfg.activation_checkpoint)
-    # MoE blocks compile with fullgraph=True too (checked on CPU, torch 2.13: eager vs compiled within 2e-6, and TP 2
-    # against one process with TITANLIKE_TEST_TP_COMPILE=1 in tests/unit/test_deepseek_v3.py; the grouped-GEMM path
-    # of models/common/moe.py was not compiled on a GPU here). Expert-parallel blocks compile child by child, their
-    # all-to-all exchange eager (compile.py says why).
-    apply_compile(model, cfg.compile)
-    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
-    return model
-
-
-def parallelize_deepseek_v3_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-    """FSDP2/HSDP only (EP and CP too where set); ignores the AC and compile sections (a baseline for debugging)."""
-    if dims.tp_enabled:
-        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
-                         f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
-    _check(model, dims, cfg)
-    maybe_ep(model, dims, cfg)
-    maybe_cp(model, dims)
-    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
-    return model
-
-
-# Plan name (model.plan) -> plan; models/deepseek_v3's ModelSpec points here.
-PLANS = {"default": parallelize_deepseek_v3, "fsdp_only": parallelize_deepseek_v3_fsdp_only}
+# Plan name (model.plan) -> plan; models/deepseek_v3's ModelSpec points here. MoE blocks compile with fullgraph too;
+# expert-parallel blocks child by child, their all-to-all exchange eager (parallelize/compile.py says why).
+PLANS = compose_plans(Recipe(SPEC, tp_plan=deepseek_tp_plan, experts=True))

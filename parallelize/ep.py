@@ -86,10 +86,10 @@ def _ep_class(cls: type) -> type:
     return _ep_classes[cls]
 
 
-def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
+def apply_ep(model: nn.Module, dims) -> list[nn.Module]:
     """Shard every MoE layer's routed experts of `model` over dims' "ep" axis, in place (the plan's TP/EP step,
     before AC, compile and FSDP); returns the experts modules. parallelize/fsdp.py then gives them FSDP over their
-    replicas (fsdp_experts). `cfg` (the JobConfig) is accepted for the plans' uniform call and not read."""
+    replicas (fsdp_experts)."""
     ep_mesh = dims.get_mesh("ep")
     if ep_mesh is None:
         raise RuntimeError("apply_ep: parallelism.ep > 1 needs ParallelDims.build_mesh() first")
@@ -114,10 +114,10 @@ def apply_ep(model: nn.Module, dims, cfg=None) -> list[nn.Module]:
     return experts
 
 
-def maybe_ep(model: nn.Module, dims, cfg=None) -> None:
+def maybe_ep(model: nn.Module, dims) -> None:
     """A plan's EP step: apply_ep when parallelism.ep > 1, nothing otherwise."""
     if dims.ep > 1:
-        apply_ep(model, dims, cfg)
+        apply_ep(model, dims)
 
 
 def ep_experts(model: nn.Module) -> list[nn.Module]:

@@ -1,4 +1,5 @@
-"""The GPT parallelization plans. Order kept visible, as in parallelize/llama3.py: (TP) -> CP -> AC -> compile -> FSDP.
+"""The GPT parallelization plans: its TP dict, the re-tie after TP and the FSDP groups of a tied embedding, composed
+by parallelize/compose.py (TP -> CP -> AC -> compile -> FSDP).
 
 Tied embeddings (models/gpt: output.weight is tok_embeddings.weight):
 - TP: the embedding is vocabulary-sharded by rows (Shard(0)) and so is the column-parallel output projection, so
@@ -20,20 +21,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.gpt import SPEC
-from parallelize.ac import apply_ac
-from parallelize.compile import apply_compile
-from parallelize.cp import maybe_cp
-from parallelize.fsdp import maybe_fsdp
-from parallelize.tp import (
-    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
-)
-
-
-def _refuse_unimplemented(dims, allow: tuple[str, ...] = ()) -> None:
-    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
-        if name not in allow and degree > 1:
-            raise ValueError(f"parallelism.{name}={degree}: this gpt plan does not implement {name.upper()}; "
-                             f"set parallelism.{name}=1")
+from parallelize.compose import Recipe, compose_plans
+from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
 
 
 def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -65,21 +54,6 @@ def gpt_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -
     return plan
 
 
-def _maybe_tp(model: nn.Module, dims, cfg) -> None:
-    if not dims.tp_enabled:
-        return
-    par = cfg.parallelism
-    problems = SPEC.check(model.args, dims, cfg.model.flavor)
-    if problems:
-        raise ValueError(problems[0])
-    tp_mesh = dims.get_mesh("tp")
-    apply_tp(model, tp_mesh, gpt_tp_plan(sequence_parallel=par.enable_sequence_parallel,
-                                         loss_parallel=par.enable_loss_parallel))
-    model.tie_weights()  # both Shard(0) on the TP mesh: one DTensor parameter again
-    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
-                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
-
-
 def _fsdp_groups(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(input_modules, output_modules) for apply_fsdp: a tied embedding goes into the output group."""
     if getattr(model, "tied", False) and model.tok_embeddings is not None and model.output is not None:
@@ -88,26 +62,7 @@ def _fsdp_groups(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return SPEC.input_modules, SPEC.output_modules
 
 
-def parallelize_gpt(model: nn.Module, dims, cfg) -> nn.Module:
-    """Default plan: TP -> CP -> AC -> per-block compile -> FSDP2/HSDP."""
-    _refuse_unimplemented(dims, allow=("tp", "pp", "cp"))
-    _maybe_tp(model, dims, cfg)
-    maybe_cp(model, dims)
-    apply_ac(model, cfg.activation_checkpoint)
-    apply_compile(model, cfg.compile)
-    maybe_fsdp(model, dims, cfg, *_fsdp_groups(model))
-    return model
-
-
-def parallelize_gpt_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-    """FSDP2/HSDP (and CP) only; ignores AC and compile."""
-    if dims.tp_enabled:
-        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
-                         f"model.plan='default' or set parallelism.tp=1")
-    _refuse_unimplemented(dims, allow=("pp", "cp"))
-    maybe_cp(model, dims)
-    maybe_fsdp(model, dims, cfg, *_fsdp_groups(model))
-    return model
-
-
-PLANS = {"default": parallelize_gpt, "fsdp_only": parallelize_gpt_fsdp_only}
+PLANS = compose_plans(Recipe(
+    SPEC, tp_plan=lambda model, *, ep_enabled, **kw: gpt_tp_plan(**kw),
+    after_tp=lambda model: model.tie_weights(),  # both Shard(0) on the TP mesh: one DTensor parameter again
+    fsdp_groups=_fsdp_groups))

@@ -1,37 +1,16 @@
-"""The Llama 3 parallelization plans. Order matters and is kept visible: (TP) -> AC -> compile -> FSDP.
-
-CP (parallelize/cp.py) goes after TP and before AC. AC before compile so the checkpoint is traced into each block's graph; compile before FSDP so FSDP2's
-hooks run outside the compiled blocks; FSDP last because it wraps whatever the block has become.
-"""
+"""The Llama 3 parallelization plans: its TP dict, composed by parallelize/compose.py in the order
+TP -> CP -> AC -> compile -> FSDP (compose.py says why that order)."""
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
 )
 
 from models.llama3 import SPEC
-from parallelize.ac import apply_ac
-from parallelize.compile import apply_compile
-from parallelize.cp import maybe_cp
-from parallelize.fsdp import maybe_fsdp
-from parallelize.tp import (
-    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
-)
-
-
-def _refuse_unimplemented(dims, allow: tuple[str, ...] = ()) -> None:
-    # Config validation refuses these first; checking here keeps a hand-built ParallelDims honest.
-    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
-        if name in allow:
-            continue
-        if degree > 1:
-            raise ValueError(
-                f"parallelism.{name}={degree}: this llama3 plan does not implement {name.upper()} (Llama 3 has no "
-                f"experts to shard); set parallelism.{name}=1"
-            )
+from parallelize.compose import Recipe, compose_plans
+from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
 
 
 def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -63,44 +42,5 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True)
     return plan
 
 
-def _maybe_tp(model: nn.Module, dims, cfg) -> None:
-    """Tensor (+ sequence, loss, async) parallel over the "tp" mesh axis with llama_tp_plan (parallelize/tp.py)."""
-    if not dims.tp_enabled:
-        return
-    par = cfg.parallelism
-    problems = SPEC.check(model.args, dims, cfg.model.flavor)  # config validation ran it too; a hand-built dims
-    if problems:
-        raise ValueError(problems[0])
-    tp_mesh = dims.get_mesh("tp")
-    plan = llama_tp_plan(sequence_parallel=par.enable_sequence_parallel, loss_parallel=par.enable_loss_parallel)
-    apply_tp(model, tp_mesh, plan)
-    maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
-                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
-
-
-def parallelize_llama(model: nn.Module, dims, cfg) -> nn.Module:
-    """Default plan: TP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
-    # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
-    _refuse_unimplemented(dims, allow=("tp", "pp", "cp"))
-    _maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
-    maybe_cp(model, dims)  # before AC and compile, which trace the attention kernel it installs
-    apply_ac(model, cfg.activation_checkpoint)
-    apply_compile(model, cfg.compile)
-    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
-    return model
-
-
-def parallelize_llama_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-    """Alternative plan: FSDP2/HSDP (and CP where set) only; ignores the AC and compile sections (a baseline for
-    debugging)."""
-    if dims.tp_enabled:
-        raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
-                         f"model.plan='default' (TP -> AC -> compile -> FSDP) or set parallelism.tp=1")
-    _refuse_unimplemented(dims, allow=("pp", "cp"))  # pp: applied per stage, as in parallelize_llama
-    maybe_cp(model, dims)
-    maybe_fsdp(model, dims, cfg, SPEC.input_modules, SPEC.output_modules)
-    return model
-
-
-# Plan name (model.plan) -> plan; models/llama3's ModelSpec points here.
-PLANS = {"default": parallelize_llama, "fsdp_only": parallelize_llama_fsdp_only}
+# Plan name (model.plan) -> plan; models/llama3's ModelSpec points here. Llama 3 has no experts: EP is refused.
+PLANS = compose_plans(Recipe(SPEC, tp_plan=lambda model, *, ep_enabled, **kw: llama_tp_plan(**kw)))

@@ -1,6 +1,5 @@
 """The Qwen3 parallelization plans (dense and MoE); parallelize/mixtral.py builds its plans with the same functions.
-Order, kept visible: TP -> EP -> AC -> compile -> FSDP (as parallelize/llama3.py, with the expert-parallel hook after
-TP: both change parameter placements, which AC, compile and FSDP then see). Compile: every block, fullgraph; the
+Composed by parallelize/compose.py: TP -> EP -> CP -> AC -> compile -> FSDP. Compile: every block, fullgraph; the
 expert-parallel MoE blocks child by child, their all-to-all exchange eager (parallelize/compile.py says why).
 
 MoE blocks under TP: the router and the routed experts are not TP-sharded. The MoE gathers the sequence (when
@@ -11,6 +10,8 @@ and their gradients (identical on every TP rank) need no reduction.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -18,14 +19,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.qwen3 import SPEC
-from parallelize.ac import apply_ac
-from parallelize.compile import apply_compile
-from parallelize.cp import maybe_cp
-from parallelize.ep import maybe_ep
-from parallelize.fsdp import maybe_fsdp
-from parallelize.tp import (
-    ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel, apply_tp, maybe_enable_async_tp,
-)
+from parallelize.compose import Recipe, compose_plans
+from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
 
 
 class ReplicateParams(ParallelStyle):
@@ -112,59 +107,8 @@ def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_pa
 
 
 def make_plans(spec, qk_norm: bool) -> dict:
-    """PLANS ("default", "fsdp_only") for a decoder family with these module names (`spec`: its ModelSpec)."""
-
-    def refuse_unimplemented(dims, allow: tuple[str, ...]) -> None:
-        # Config validation refuses these first; checking here keeps a hand-built ParallelDims honest.
-        for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
-            if degree > 1 and name not in allow:
-                raise ValueError(f"parallelism.{name}={degree}: this {spec.name} plan does not implement "
-                                 f"{name.upper()}; set parallelism.{name}=1")
-
-    def check(model: nn.Module, dims, cfg) -> None:
-        problems = spec.check(model.args, dims, cfg.model.flavor)  # config validation ran it too
-        if problems:
-            raise ValueError(problems[0])
-
-    def maybe_tp(model: nn.Module, dims, cfg) -> None:
-        if not dims.tp_enabled:
-            return
-        par = cfg.parallelism
-        tp_mesh = dims.get_mesh("tp")
-        plan = decoder_tp_plan(model, sequence_parallel=par.enable_sequence_parallel,
-                               loss_parallel=par.enable_loss_parallel, qk_norm=qk_norm, ep_enabled=dims.ep > 1)
-        apply_tp(model, tp_mesh, plan)
-        maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
-                              compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
-
-    def parallelize_default(model: nn.Module, dims, cfg) -> nn.Module:
-        """TP -> EP -> CP -> AC -> per-block compile -> FSDP2/HSDP. `cfg` is the JobConfig; returns the model."""
-        # pp: parallelize/pp.py splits the model first and calls the plan on each stage (modules it lacks are None).
-        refuse_unimplemented(dims, allow=("tp", "pp", "ep", "cp"))
-        check(model, dims, cfg)
-        maybe_tp(model, dims, cfg)  # first: it changes the parameter placements that AC/compile/FSDP then see
-        maybe_ep(model, dims, cfg)
-        maybe_cp(model, dims)  # before AC and compile, which trace the attention kernel it installs
-        apply_ac(model, cfg.activation_checkpoint)
-        apply_compile(model, cfg.compile)
-        maybe_fsdp(model, dims, cfg, spec.input_modules, spec.output_modules)
-        return model
-
-    def parallelize_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
-        """FSDP2/HSDP only (EP and CP too where set); ignores the AC and compile sections (a baseline for debugging)."""
-        if dims.tp_enabled:
-            raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
-                             f"model.plan='default' (TP -> EP -> AC -> compile -> FSDP) or set parallelism.tp=1")
-        refuse_unimplemented(dims, allow=("pp", "ep", "cp"))
-        check(model, dims, cfg)
-        maybe_ep(model, dims, cfg)
-        maybe_cp(model, dims)
-        maybe_fsdp(model, dims, cfg, spec.input_modules, spec.output_modules)
-        return model
-
-    parallelize_default.__name__ = f"parallelize_{spec.name}"
-    parallelize_fsdp_only.__name__ = f"parallelize_{spec.name}_fsdp_only"
-    return {"default": parallelize_default, "fsdp_only": parallelize_fsdp_only}
+    """PLANS ("default", "fsdp_only") for a Llama-named decoder family with MoE blocks (`spec`: its ModelSpec)."""
+    return compose_plans(Recipe(spec, tp_plan=partial(decoder_tp_plan, qk_norm=qk_norm), experts=True))
 
 
 # Plan name (model.plan) -> plan; models/qwen3's ModelSpec points here.

@@ -8,7 +8,6 @@ from par_helpers import meta_model
 from parallelize import get_plan
 from parallelize.llama3 import PLANS
 from parallelize.ac import is_checkpointed
-from parallelize.llama3 import parallelize_llama, parallelize_llama_fsdp_only
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
 
@@ -23,8 +22,8 @@ def my_plan(model, dims, cfg):
 
 
 def test_registered_plans():
-    assert get_plan("llama3", "default") is parallelize_llama
-    assert get_plan("llama3", "fsdp_only") is parallelize_llama_fsdp_only
+    assert get_plan("llama3", "default") is PLANS["default"]
+    assert get_plan("llama3", "fsdp_only") is PLANS["fsdp_only"]
     assert set(PLANS) >= {"default", "fsdp_only"}  # the table models/llama3's ModelSpec names
 
 
@@ -65,5 +64,5 @@ def test_errors():
 @pytest.mark.parametrize("plan", ["default", "fsdp_only"])
 def test_plans_refuse_expert_parallelism(plan):
     dims = ParallelDims(world_size=2, ep=2, dp_shard=2)
-    with pytest.raises(ValueError, match=r"parallelism.ep=2: this llama3 plan does not implement EP"):
+    with pytest.raises(ValueError, match=r"parallelism.ep=2: the llama3 plan does not implement EP"):
         get_plan("llama3", plan)(meta_model(), dims, JobConfig())
