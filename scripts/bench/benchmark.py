@@ -1,8 +1,8 @@
 """Throughput matrix: titanlike and (optionally) the peer, torchtitan, on the same shapes in one run.
 
     python scripts/bench/benchmark.py --flavor 1B --seq 4096 --batch 2 --compile on --float8 none,tensorwise \
-        --peer auto --out $OUT/bench.json
-    python scripts/bench/benchmark.py --matrix bench.toml --out $OUT/bench.json   # cases from a TOML file
+        --peer auto --out results/bench.json
+    python scripts/bench/benchmark.py --matrix bench.toml --out results/bench.json   # cases from a TOML file
 
 The peer's launcher is scripts/bench/peer_torchtitan.sh (`--peer auto` names the one in this checkout; it needs
 torchtitan 0.2.2's wheels, see docs/benchmarks.md "How to reproduce"); --peer takes any other launcher's path too,
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
         comparisons = compare_to_bf16(results)
         if a.out:  # after every case: a run cut short by the machine's time limit keeps what it measured
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as f:
                 json.dump({**out, "results": results}, f, indent=2)
     print("\n" + format_table(results))

@@ -2,7 +2,7 @@
 # The peer of scripts/bench/benchmark.py (`--peer auto`): torchtitan 0.2.2 on local synthetic inputs.
 #
 # usage, on the GPU machine from the repository root, after installing the wheels (.whl/ and .peer/, filled by
-# ../shared/gpu/wheels.sh --peer) into /tmp/site:
+# scripts/bench/fetch_wheels.sh --peer) into /tmp/site:
 #   NPROC=2 MODEL=llama3 bash scripts/bench/peer_torchtitan.sh FLAVOR [torchtitan flags...]
 #   NPROC=2 bash scripts/bench/peer_torchtitan.sh 8B_4L --training.seq_len 8192 --activation_checkpoint.mode selective \
 #       --compile.enable

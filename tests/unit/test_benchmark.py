@@ -204,3 +204,12 @@ def test_peer_shell_entry_with_stand_in_torchrun(tmp_path):
     lines = p.stdout.splitlines()
     assert [r["step"] for r in bench.parse_peer(p.stdout)] == [1, 2] and "building" not in p.stdout
     assert len(lines) == 2 + 40 and lines[-1] == "RuntimeError: rank failed 40"
+
+
+def test_fetch_wheels_script_documents_itself_and_refuses_unknown_arguments():
+    script = Path(__file__).resolve().parents[2] / "scripts/bench/fetch_wheels.sh"
+    ok = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "--peer" in ok.stdout and "/tmp/site" in ok.stdout
+    bad = subprocess.run(["bash", str(script), "--pear"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "fetch_wheels.sh: unknown argument '--pear' (use --peer and/or --extra NAME==VERSION ...)"]
