@@ -43,9 +43,16 @@ def fragmentation(fsdp: bool) -> float:
 MOE_IMBALANCE = 1.0
 
 
+def allowance_parts(peak_bytes: int, n_groups: int, device_kind: str = "cuda", fsdp: bool = False
+                    ) -> tuple[int, int]:
+    """(the caching allocator's fragmentation, CUDA context + NCCL buffers): bytes to add to a traced peak of live
+    tensor bytes on one rank; (0, 0) on CPU, where there is neither."""
+    if device_kind != "cuda":
+        return 0, 0
+    nccl = NCCL_BYTES_PER_GROUP * min(n_groups, NCCL_MAX_GROUPS)
+    return int(fragmentation(fsdp) * peak_bytes), CUDA_CONTEXT_BYTES + nccl
+
+
 def allowance(peak_bytes: int, n_groups: int, device_kind: str = "cuda", fsdp: bool = False) -> int:
     """Bytes to add to a traced peak of live tensor bytes on one rank (0 on CPU, where there is no context)."""
-    if device_kind != "cuda":
-        return 0
-    nccl = NCCL_BYTES_PER_GROUP * min(n_groups, NCCL_MAX_GROUPS)
-    return CUDA_CONTEXT_BYTES + nccl + int(fragmentation(fsdp) * peak_bytes)
+    return sum(allowance_parts(peak_bytes, n_groups, device_kind, fsdp))

@@ -29,11 +29,36 @@ def fake_world(rank: int, world_size: int):
                            "process of its own (scripts/plan.py)")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    forget_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_dtensor_caches()
+
+
+def forget_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches of sharding propagation and redistribution plans. A DeviceMesh compares
+    equal to any mesh of the same shape, names and ranks, so a mesh of the next fake world (another rank of the same
+    layout: a TP x PP stage; or the planner's next candidate) hits entries made in the previous one, and the specs
+    they hand back carry the previous world's mesh, whose process groups no longer exist (or, by name, are now other
+    groups). A real run has one world per process and never meets this. Each cache is looked up, since they differ
+    between torch versions."""
+    from torch.distributed.tensor import DTensor
+
+    prop = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's copy
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    import torch.distributed.tensor._redistribute as redistribute
+
+    if hasattr(redistribute, "clear_redistribute_planner_cache"):
+        redistribute.clear_redistribute_planner_cache()
+    if hasattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear"):
+        redistribute._gen_transform_infos.cache_clear()
 
 
 def fake_mode():
@@ -81,4 +106,22 @@ def own_propagation_mode():
         yield
         return
     with mock.patch.object(sp, "detect_fake_mode", lambda *a, **k: None):
+        yield
+
+
+@contextlib.contextmanager
+def quiet_trace():
+    """Two warnings the trace raises once per rank kind and candidate that say nothing about the layout:
+      - DTensor's "random operators may not have complete support on cpu device mesh": the trace's mesh is on the
+        CPU (module docstring); a GPU run's is not.
+      - FSDP2's "returned a view tensor ... an in-place op on this view ... wrong gradients" (torch >= 2.13): under
+        TP with sequence parallel an FSDP-wrapped input module (the embedding) hands out its sequence shard with
+        DTensor.to_local(), which is a view, in the run as in the trace. The hazard it names needs an in-place op on
+        that output; the blocks that take it add to it out of place (h = x + attention(...)), and TP x FSDP training
+        matches one process (tests/multiproc/tp_worker.py, HSDP 2 x 2 x TP 2)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         yield

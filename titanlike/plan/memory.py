@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from titanlike.config import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.plan import calibration
-from titanlike.plan.fake import fake_mode, fake_world, gpu_cfg, gpu_choices, own_propagation_mode
+from titanlike.plan.fake import fake_mode, fake_world, gpu_cfg, gpu_choices, own_propagation_mode, quiet_trace
 from titanlike.plan.moe import NOTE as MOE_NOTE
 from titanlike.plan.moe import balanced_routing, has_moe
 
@@ -61,11 +61,26 @@ class RankMemory:
     activations: int  # saved for backward, at the peak (under the chosen AC mode)
     fsdp_buffers: int  # unsharded params/grads + all-gather / reduce-scatter buffers, at the peak
     temporaries: int  # backward temporaries (activation gradients), optimizer-step temporaries, at the peak
-    other: int  # buffers (RoPE tables), inputs
+    other: int  # buffers (RoPE tables, float8 scales), inputs, at the peak
     peak: int  # traced peak of live tensor bytes
     peak_categories: dict  # the tracker's own categories at the peak
-    allowance: int  # calibration.allowance: CUDA context, NCCL, fragmentation
+    fragmentation: int = 0  # the caching allocator's, on top of the peak (calibration.py)
+    context_nccl: int = 0  # CUDA context and NCCL buffers, outside torch's reserved memory (calibration.py)
     fsdp: bool = False  # FSDP shards this rank's parameters (the allocator fragments more: calibration.py)
+    # parameters, gradients and optimizer state live at the peak (the peak may fall before every gradient exists);
+    # with activations .. other they sum to `peak`
+    peak_parameters: int = 0
+    peak_gradients: int = 0
+    peak_optimizer_states: int = 0
+
+    @property
+    def state(self) -> int:
+        """Parameters, gradients and optimizer state: all live at the optimizer step, so a lower bound of the peak."""
+        return self.parameters + self.gradients + self.optimizer_states + self.float8_scales
+
+    @property
+    def allowance(self) -> int:
+        return self.fragmentation + self.context_nccl
 
     @property
     def total(self) -> int:
@@ -75,7 +90,24 @@ class RankMemory:
     def reserved(self) -> int:
         """What torch.cuda.max_memory_reserved() should show: the peak plus the allocator's fragmentation (the
         CUDA context and NCCL buffers are outside it)."""
-        return self.peak + int(calibration.fragmentation(self.fsdp) * self.peak)
+        return self.peak + self.fragmentation
+
+
+# The printed table: (label, RankMemory attribute, role). A "term" adds to the next "total", whose sum starts from
+# the previous total of the same block; a "part" is a part of the line above and is not added again.
+ROWS = [
+    ("held at the optimizer step", None, "head"),
+    ("parameters", "parameters", "term"), ("gradients", "gradients", "term"),
+    ("optimizer states", "optimizer_states", "term"), ("  of which master weights", "master_weights", "part"),
+    ("float8 scales", "float8_scales", "term"), ("= state (a lower bound)", "state", "total"),
+    ("at the traced peak", None, "head"),
+    ("parameters", "peak_parameters", "term"), ("gradients", "peak_gradients", "term"),
+    ("optimizer states", "peak_optimizer_states", "term"), ("activations", "activations", "term"),
+    ("FSDP buffers", "fsdp_buffers", "term"), ("temporaries", "temporaries", "term"),
+    ("other (buffers, inputs)", "other", "term"), ("= traced peak", "peak", "total"),
+    ("+ allocator fragmentation", "fragmentation", "term"), ("= ~ torch peak reserved", "reserved", "total"),
+    ("+ CUDA context, NCCL", "context_nccl", "term"), ("= needed", "total", "total"),
+]
 
 
 @dataclasses.dataclass
@@ -96,19 +128,16 @@ class MemoryEstimate:
         return self.peak <= gpu_mem_bytes
 
     def format(self) -> str:
-        rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
-                ("  of which master weights", "master_weights"), ("float8 scales", "float8_scales"),
-                ("activations @peak", "activations"), ("FSDP buffers @peak", "fsdp_buffers"),
-                ("temporaries @peak", "temporaries"), ("other @peak", "other"), ("traced peak", "peak"),
-                ("~ torch peak reserved", "reserved"), ("+ context/NCCL/frag.", "allowance"),
-                ("= needed", "total")]
         heads = [f"rank {r.rank}" for r in self.ranks]
         w = max(12, *(len(h) for h in heads))
         lines = [f"memory estimate: {self.world_size} rank(s) on {self.device_kind}, GiB per rank "
                  f"(traced in {self.seconds:.1f} s; allowance {'calibrated' if self.calibrated else 'UNCALIBRATED'})"]
-        lines += [f"  {'':26}" + "".join(f"{h:>{w}}" for h in heads)]
-        for label, attr in rows:
-            lines.append(f"  {label:26}" + "".join(f"{getattr(r, attr) / GiB:>{w}.3f}" for r in self.ranks))
+        lines += [f"  {'':28}" + "".join(f"{h:>{w}}" for h in heads)]
+        for label, attr, role in ROWS:
+            if role == "head":
+                lines.append(f"  {label}:")
+                continue
+            lines.append(f"    {label:26}" + "".join(f"{getattr(r, attr) / GiB:>{w}.3f}" for r in self.ranks))
         lines += [f"  rank {r.rank}: {r.kind}" for r in self.ranks]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -166,7 +195,7 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
     from titanlike.plan.step import trace_step
 
     device = torch.device("cpu")
-    with fake_world(rank, world_size), gpu_choices(cfg, gpu), own_propagation_mode():
+    with fake_world(rank, world_size), gpu_choices(cfg, gpu), own_propagation_mode(), quiet_trace():
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh(device.type)
         mode = fake_mode() if fake else None
@@ -184,11 +213,13 @@ def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: s
                 mode.__exit__(None, None, None)
         n_groups = sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(dims, a) > 1)
     peak = result.peak
+    frag, context_nccl = calibration.allowance_parts(peak, n_groups, "cuda" if gpu else "cpu", dims.fsdp_enabled)
     mem = RankMemory(kind=kind, rank=rank, parameters=result.parameters, gradients=result.gradients,
                      optimizer_states=result.optimizer_states, master_weights=result.master_weights,
                      float8_scales=result.float8_scales, activations=result.at_peak("act"),
                      fsdp_buffers=result.at_peak("fsdp"), temporaries=result.at_peak("temp"),
                      other=result.at_peak("other"), peak=peak, peak_categories=result.categories,
-                     allowance=calibration.allowance(peak, n_groups, "cuda" if gpu else "cpu", dims.fsdp_enabled),
-                     fsdp=dims.fsdp_enabled)
+                     fragmentation=frag, context_nccl=context_nccl, fsdp=dims.fsdp_enabled,
+                     peak_parameters=result.at_peak("param"), peak_gradients=result.at_peak("grad"),
+                     peak_optimizer_states=result.at_peak("opt"))
     return mem, built.notes + result.notes

@@ -39,11 +39,16 @@ class StepResult:
     notes: list
 
     def at_peak(self, group: str) -> int:
-        got = sum(v for k, v in self.categories.items() if GROUPS.get(k) == group)
+        """Bytes of one group at the peak; the groups of GROUPS sum to `peak` exactly."""
+        got = self.at_peak_raw(group)
+        step_temps = max(0, self.at_peak_raw("opt") - self.optimizer_states)
+        moved = min(self.at_peak_raw("other"), self.master_weights)
         if group == "temp":  # the optimizer step's temporaries are counted by the tracker as optimizer state
-            got += max(0, self.at_peak_raw("opt") - self.optimizer_states)
+            got += step_temps
+        if group == "opt":
+            got += moved - step_temps
         if group == "other":  # master-weight bits made before the tracker started: tracked as "Other"
-            got -= min(got, self.master_weights)
+            got -= moved
         return got
 
     def at_peak_raw(self, group: str) -> int:
@@ -184,7 +189,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         first = getattr(part, built.spec.input_modules[0], None) is not None
         last = getattr(part, built.spec.output_modules[-1], None) is not None
         with amp:
-            x = inputs if first else _hidden(part, built, inputs, cfg, gpu)
+            x = inputs if first else _hidden(built, inputs, cfg, dims, gpu)
             return _forward(part, built, x, labels, kwargs, last, fused_loss)
 
     def contexts(part):
@@ -251,10 +256,15 @@ def _live(tracker) -> int:
     return sum(v.get("Total", 0) if isinstance(v, dict) else 0 for v in snap.values()) if snap else 0
 
 
-def _hidden(part, built, inputs, cfg, gpu: bool) -> torch.Tensor:
-    """A later pipeline stage's input: hidden states as the previous stage sends them (the compute dtype)."""
+def _hidden(built, inputs, cfg, dims, gpu: bool) -> torch.Tensor:
+    """A later pipeline stage's input: hidden states as the previous stage sends them (the compute dtype). `inputs`
+    is already this rank's CP share; under sequence parallelism every plan keeps the residual stream between
+    blocks sequence-sharded over "tp" (Shard(1)) and the stage boundary sends the local shard, which the next
+    block's input style reads as Shard(1): the whole sequence here would be read as tp times longer."""
     dtype = getattr(torch, cfg.training.mixed_precision_param) if gpu else torch.float32
     b, s = inputs.shape
+    if dims.tp_enabled and cfg.parallelism.enable_sequence_parallel:
+        s //= dims.tp
     return torch.zeros(b, s, built.model_args.dim, dtype=dtype, requires_grad=True)
 
 
