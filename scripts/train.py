@@ -71,10 +71,13 @@ def main(argv: list[str]) -> int:
                     raise ValueError(f"--gpus={gpus}: a whole number >= 1, with --dry-run only (a run's world size "
                                      f"is torchrun's --nproc_per_node x --nnodes)")
                 world_size = int(gpus)
+            # printing a config needs no world: the degrees are checked against one only when one is given
+            check_world = (None if "--print-config" in flags and gpus is None and "WORLD_SIZE" not in os.environ
+                           else world_size)
             if block is None:
-                cfg = load_config(argv, world_size=world_size)
+                cfg = load_config(argv, world_size=check_world)
             else:
-                cfg, megatron = load_with_megatron_args(argv, block, world_size)
+                cfg, megatron = load_with_megatron_args(argv, block, check_world)
                 _report_megatron(megatron, logger)
             if "--print-config" in flags:
                 print(config_to_toml(cfg), end="")

@@ -39,6 +39,7 @@ class Shape:
     float8_active: int = 0  # parameters per token in the Linear layers float8 converts (not the output, experts)
     expert_active: int = 0  # parameters per token in routed experts (grouped GEMMs)
     moe_experts: int = 0  # routed experts per MoE layer
+    expert_params: int = 0  # all routed experts' parameters (sharded over EP and FSDP, not over TP)
 
 
 @dataclass

@@ -31,6 +31,7 @@ class Candidate:
     layout: Layout
     cost: dict[str, float]
     peak_bytes: float | None = None  # traced estimate (the largest rank kind); None: not estimated
+    lower_bound: float | None = None  # state_lower_bound, where it alone exceeded the budget (not traced)
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -60,16 +61,18 @@ def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
     kv_dim = 2 * getattr(args, "n_kv_heads", heads) * head_dim
     moe = getattr(args, "moe", None)
     topk = int(getattr(moe, "top_k", 0) or getattr(moe, "topk", 0) or 0) if moe is not None else 0
-    float8_active, expert_active, experts = _linear_and_expert_params(cfg, spec, args, topk)
+    float8_active, expert_active, experts, expert_params = _linear_and_expert_params(cfg, spec, args, topk)
     shape = Shape(params=counts.total, active=counts.active, dim=dim, n_layers=args.n_layers, kv_dim=kv_dim,
                   moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
-                  float8_active=float8_active, expert_active=expert_active, moe_experts=experts)
+                  float8_active=float8_active, expert_active=expert_active, moe_experts=experts,
+                  expert_params=expert_params)
     return shape, spec, args
 
 
-def _linear_and_expert_params(cfg: JobConfig, spec, args, topk: int) -> tuple[int, int, int]:
+def _linear_and_expert_params(cfg: JobConfig, spec, args, topk: int) -> tuple[int, int, int, int]:
     """(parameters a token passes through in the Linear layers float8 would convert, in the routed experts, the
-    routed experts per MoE layer), read off the model built on the meta device (no memory)."""
+    routed experts per MoE layer, all routed experts' parameters), read off the model built on the meta device (no
+    memory)."""
     import torch
     from torch import nn
 
@@ -82,8 +85,9 @@ def _linear_and_expert_params(cfg: JobConfig, spec, args, topk: int) -> tuple[in
     keep = build_filter(list(f8.filter_fqns), f8.recipe, False)  # (filter_small needs torchao's H100 table)
     float8_active = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and keep(m, n))
     grouped = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    expert_params = sum(p.numel() for m in grouped for p in m.parameters())
     expert_active = sum(sum(p.numel() for p in m.parameters()) * topk // m.num_experts for m in grouped)
-    return float8_active, expert_active, (grouped[0].num_experts if grouped else 0)
+    return float8_active, expert_active, (grouped[0].num_experts if grouped else 0), expert_params
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -170,24 +174,61 @@ def _checked(base: JobConfig, over: dict[str, object], world: int, spec, args) -
     return cfg
 
 
+# Bytes per parameter a rank holds at the optimizer step at the least: the weights (2, bf16; fp32 under FSDP), the
+# gradients (2) and AdamW's two fp32 moments (8). With every parameter counted as sharded as far as it can be, this
+# is a lower bound of any layout's peak that needs no trace.
+MIN_STATE_BYTES_PER_PARAM = 12
+
+
+def state_lower_bound(shape: Shape, lay: Layout) -> float:
+    """Bytes per GPU of parameters, gradients and optimizer state under `lay`, at the least: dense parameters split
+    over TP, PP and FSDP (dp_shard x cp), routed experts over PP and FSDP (EP ranks are a part of dp_shard; TP
+    replicates experts); the largest pipeline stage holds at least the average."""
+    shard = lay.dp_shard * lay.cp
+    dense = (shape.params - shape.expert_params) / (lay.tp * lay.pp * shard)
+    return MIN_STATE_BYTES_PER_PARAM * (dense + shape.expert_params / (lay.pp * shard))
+
+
 def plan(base: JobConfig, world: int, gpu: GpuKind, memory_gib: float, estimate: Callable[[JobConfig, int], float],
          top: int = 5, margin: float = 0.05, max_estimates: int = 16, allow_float8: bool = True,
-         log: Callable[[str], None] = logging.getLogger("titanlike").info) -> tuple[list[Candidate], list[Candidate]]:
+         log: Callable[[str], None] = logging.getLogger("titanlike").info,
+         progress: Callable[[str], None] = lambda line: None) -> tuple[list[Candidate], list[Candidate]]:
     """(the `top` fastest layouts that fit memory_gib with `margin` to spare, every candidate ranked). `estimate`
     (cfg, world) -> peak bytes of the largest rank; it runs on the fastest candidates in order, at most
-    `max_estimates` times."""
+    `max_estimates` times. A candidate whose parameters, gradients and optimizer state alone exceed the budget
+    (state_lower_bound) is not traced; one that cannot be estimated is logged in one line and skipped. `log` gets
+    one line per candidate estimated or skipped, `progress` one before each estimate starts."""
+    shape, _, _ = model_shape(base)
     ranked = sorted(enumerate_layouts(base, world, gpu, allow_float8=allow_float8),
                     key=lambda c: -c.cost["tokens_per_s_per_gpu"])
     budget = memory_gib * GIB * (1 - margin)
     fits: list[Candidate] = []
-    for cand in ranked[:max_estimates]:
-        cand.peak_bytes = estimate(cand.cfg, world)
+    pruned, tried = [], 0
+    for cand in ranked:
+        if tried == max_estimates or len(fits) == top:
+            break
+        bound = state_lower_bound(shape, cand.layout)
+        if bound > budget:
+            cand.lower_bound = bound
+            pruned.append(cand)
+            continue
+        tried += 1
+        progress(f"estimating {tried}/{max_estimates}: {cand.describe()}")
+        try:
+            cand.peak_bytes = estimate(cand.cfg, world)
+        except Exception as e:  # noqa: BLE001 - an estimator gap on one layout must not end the plan
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            cand.notes.append(f"not estimated: {type(e).__name__}: {first}")
+            log(f"  {cand.describe():<60} skipped: the estimate failed ({type(e).__name__}: {first})")
+            continue
         log(f"  {cand.describe():<60} {cand.cost['tokens_per_s_per_gpu']:>9,.0f} tok/s/GPU predicted, "
             f"{cand.peak_bytes / GIB:6.1f} GiB")
         if cand.peak_bytes <= budget:
             fits.append(cand)
-            if len(fits) == top:
-                break
+    if pruned:
+        least = min(c.lower_bound for c in pruned)
+        log(f"  {len(pruned)} layout(s) not traced: their parameters, gradients and optimizer state alone "
+            f"need at least {least / GIB:,.1f} GiB per GPU (budget {budget / GIB:,.1f} GiB)")
     return fits, ranked
 
 
