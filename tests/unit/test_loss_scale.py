@@ -147,6 +147,23 @@ def test_overflow_skips_halves_and_resumes_exactly(tmp_path, caplog):
         assert torch.equal(p_res[k], p_full[k]), k
 
 
+@pytest.mark.parametrize("scaling, names", [
+    ({"static_scale": 2.0**66}, "at the static loss scale 7.3787e+19: lower loss_scaling.static_scale"),
+    ({"initial_scale": 2.0**66, "min_scale": 2.0**66}, "at its floor, loss_scaling.min_scale = 7.3787e+19: lower "
+                                                       "loss_scaling.min_scale")])
+def test_a_stop_for_overflows_at_the_floor_names_the_loss_scale_keys(tmp_path, scaling, names):
+    """2**66 overflows fp32's grad norm on CPU at every step and cannot be lowered: the run stops after
+    training.max_consecutive_bad_steps, and the fix is the scale's key, not the learning rate (finite losses)."""
+    from titanlike.resilience.nonfinite import NonFiniteError
+
+    cfg = _cfg(tmp_path, steps=4, training={"mixed_precision_param": "float16", "max_consecutive_bad_steps": 2},
+               loss_scaling=scaling)
+    with pytest.raises(NonFiniteError) as err:
+        _run(cfg)
+    msg = str(err.value)
+    assert "2 consecutive steps" in msg and names in msg and "optimizer.lr" not in msg and "\n" not in msg, msg
+
+
 def test_megatron_line_fields():
     line = megatron_format(609, {"loss": 6.159759, "lr": 5.999998e-05, "grad_norm": 1.0951, "loss_scale": 131072.0,
                                  "skipped_iters": 0, "nan_iters": 0}, 438.3, 500000, 32)

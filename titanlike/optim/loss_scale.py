@@ -71,6 +71,16 @@ class LossScaler:
         floor = (self.scale <= self.min_scale) if self.dynamic else torch.ones_like(self.scale, dtype=torch.bool)
         return (self._overflow > 0) & floor
 
+    def floor_advice(self) -> str:
+        """What to change when steps keep overflowing at the floor (at_floor): the scale's own keys, since a
+        smaller learning rate does not make scaled gradients fit in fp16."""
+        scale = self.scale.item()
+        if not self.dynamic:
+            return (f"the gradients overflow fp16 at the static loss scale {scale:g}: lower loss_scaling.static_scale "
+                    f"(or set it to 0 for a dynamic scale)")
+        return (f"the gradients still overflow fp16 with the dynamic loss scale at its floor, loss_scaling.min_scale "
+                f"= {scale:g}: lower loss_scaling.min_scale")
+
     def log_metrics(self) -> dict[str, float]:
         """Host values for a log step: the scale, and the skipped / NaN-loss steps since the last log step."""
         skipped, nan = int(self.skipped.item()), int(self.nan_steps.item())

@@ -51,6 +51,9 @@ class NonFiniteGuard:
         self.nan_steps = z()  # steps with a non-finite loss on this rank (Megatron's "number of nan iterations")
         self._reported = 0
         self._interval_mark = (0, 0)  # (skipped, nan_steps) at the last interval_counts()
+        # fp16: the steps counted here overflowed at the lowest loss scale; with finite losses that is the scale's
+        # doing, and this says which keys to change (LossScaler.floor_advice)
+        self.scale_advice = None
 
     def before_optimizer_step(self, step: int, microbatch_losses: list[torch.Tensor],
                               grad_norm: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
@@ -93,9 +96,9 @@ class NonFiniteGuard:
     def check(self) -> int:
         """Host-side report on a log step; returns the number of skipped updates so far."""
         skipped, consecutive = int(self.skipped.item()), int(self.consecutive.item())
+        mb = int(self.bad_microbatches.item())
+        which = [i for i in range(32) if mb >> i & 1]
         if skipped > self._reported:
-            mb = int(self.bad_microbatches.item())
-            which = [i for i in range(32) if mb >> i & 1]
             logger.warning(f"skipped {skipped - self._reported} update(s) with a non-finite gradient norm; last at "
                            f"step {int(self.last_bad.item())} (non-finite loss on this rank in micro-batch(es) "
                            f"{which if which else 'none'}); {skipped} skipped in total")
@@ -103,8 +106,12 @@ class NonFiniteGuard:
         if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
             reason = (f"{consecutive} consecutive steps had a non-finite loss or gradient norm, the first at step "
                       f"{int(self.first_bad.item())}")
-            raise NonFiniteError(f"{reason}; stopping. Lower optimizer.lr, check the data around that step, or "
-                                 f"resume from the last checkpoint (checkpoint.load_step)", reason=reason)
+            if self.scale_advice is not None and not which:  # finite losses: the scaled gradients overflowed
+                fix = f"{self.scale_advice()}; or resume from the last checkpoint (checkpoint.load_step)"
+            else:
+                fix = ("lower optimizer.lr, check the data around that step, or resume from the last checkpoint "
+                       "(checkpoint.load_step)")
+            raise NonFiniteError(f"{reason}; stopping: {fix}", reason=reason)
         return skipped
 
 

@@ -43,6 +43,8 @@ class Updater:
         self.scaler = LossScaler(cfg.loss_scaling, device) if t.mixed_precision_param == "float16" else None
         if self.scaler is not None:
             self.lr_scheduler = SkipAwareLR(self.lr_scheduler, self.scaler)
+            if self.guard is not None:  # a stop for overflows at the floor names the scale's keys
+                self.guard.scale_advice = self.scaler.floor_advice
         self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the LR of the last update, for the log
 
     @property
