@@ -24,7 +24,6 @@ counts above 256).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,56 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.ffn import FeedForward
-from models.common.router import (SCORE_FUNCS, AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
+from models.common.moe_args import MoEArgs, moe_problems
+from models.common.router import (AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
 
 __all__ = ["MoEArgs", "MoE", "GroupedExperts", "Router", "host_sizes", "moe_problems", "update_expert_bias"]
-
-
-@dataclass
-class MoEArgs:
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 0            # each routed expert's SwiGLU hidden size
-    num_shared_experts: int = 0    # shared experts: one SwiGLU FeedForward of hidden shared_hidden_dim
-    shared_hidden_dim: int = 0     # 0 = num_shared_experts * hidden_dim
-    score_func: str = "softmax"    # "softmax" | "sigmoid"
-    route_norm: bool = False       # renormalise the k selected weights to sum to 1
-    route_scale: float = 1.0       # multiply the selected weights
-    n_groups: int = 1              # group-limited routing: experts split into n_groups groups ...
-    topk_groups: int = 1           # ... each token may use experts of its topk_groups best groups
-    aux_loss_coeff: float = 0.0    # Switch/GShard load-balancing loss (Megatron --moe-aux-loss-coeff)
-    seq_aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
-    z_loss_coeff: float = 0.0      # router z-loss
-    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (expert bias, selection only)
-    capacity_factor: float = 0.0   # 0 = dropless; > 0: per-expert capacity ceil(cf * tokens * top_k / E), rest dropped
-
-
-def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
-    """Everything wrong with `args` (and the expert-parallel degree ep), one line each naming the key and the fix."""
-    p, e, k = prefix, args.num_experts, args.top_k
-    out = []
-    if args.score_func not in SCORE_FUNCS:
-        out.append(f"{p}.score_func={args.score_func!r} is unknown; use one of {list(SCORE_FUNCS)}")
-    if e < 1:
-        out.append(f"{p}.num_experts={e} must be at least 1")
-    top_k_ok = 1 <= k <= e
-    if not top_k_ok:
-        out.append(f"{p}.top_k={k} must lie in 1..{p}.num_experts={e}; lower top_k or add experts")
-    if e >= 1 and ep >= 1 and e % ep:
-        divs = [d for d in range(1, e + 1) if e % d == 0]
-        out.append(f"parallelism.ep={ep} does not divide {p}.num_experts={e}; use ep in {{{','.join(map(str, divs))}}}")
-    g, tg = args.n_groups, args.topk_groups
-    if g < 1 or (e >= 1 and e % g):
-        out.append(f"{p}.n_groups={g} does not divide {p}.num_experts={e}; use a divisor of num_experts (1 = no groups)")
-    elif not 1 <= tg <= g:
-        out.append(f"{p}.topk_groups={tg} must lie in 1..{p}.n_groups={g}; lower topk_groups")
-    elif top_k_ok and k > tg * (e // g):
-        out.append(f"{p}.top_k={k} exceeds the {tg * (e // g)} experts that {p}.topk_groups={tg} groups of "
-                   f"{e // g} hold; raise topk_groups or lower top_k")
-    if args.capacity_factor < 0:
-        out.append(f"{p}.capacity_factor={args.capacity_factor} is negative; use 0 (dropless) or a positive factor")
-    return out
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

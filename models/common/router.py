@@ -7,16 +7,13 @@ bf16 rounding (near-ties flip experts), and the gate is a tiny matmul (dim x num
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from models.common.moe import MoEArgs
-
-SCORE_FUNCS = ("softmax", "sigmoid")
+from models.common.moe_args import MoEArgs
 
 
 class Router(nn.Module):

@@ -50,7 +50,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF FQNs -> titanlike FQNs. A missing lm_head (tied-embedding checkpoints such as Llama 3.2)
-    becomes a copy of the embedding, since titanlike never ties."""
+    becomes a copy of the embedding: titanlike's Llama does not tie (only its GPT family does)."""
     out: dict[str, torch.Tensor] = {}
     for key, layer, suffix, value in hf_layer_items(hf_state_dict, out):
         if suffix not in _LAYER_MAP_INV:

@@ -9,7 +9,7 @@ HF channel j * head_dim/2 + i. wv, wo and everything else keep their layout.
 Experts: export writes the per-expert keys of the published checkpoints (mlp.experts.<e>.{gate,up,down}_proj.weight),
 which transformers 4.x loads as they are and 5.x fuses on load; import reads those or the fused tensors that a 5.x
 model's own state_dict holds (mlp.experts.gate_up_proj [E, 2*hidden, dim], mlp.experts.down_proj [E, dim, hidden]).
-Tied embeddings: a checkpoint without lm_head gets a copy of the embedding (titanlike never ties; flavors.py).
+Tied embeddings: a checkpoint without lm_head gets a copy of the embedding (titanlike's Qwen3 does not tie; flavors.py).
 """
 from __future__ import annotations
 
