@@ -151,14 +151,17 @@ def plan_main(argv: list[str]) -> int:
     _say(f"{len(ranked)} layouts pass the config check")
     if not fits:
         bounds = [c.lower_bound for c in ranked if c.lower_bound is not None]
+        fix = "more GPUs, or a shorter sequence / smaller global batch"
         if smallest:
             least, what = min(smallest) / GIB, f"the smallest estimate among the {len(smallest)} traced was"
         elif bounds:
             least, what = min(bounds) / GIB, "every layout's parameters, gradients and optimizer state alone need at least"
+            fix = "or more GPUs (the weights and optimizer state shard over them)"
         else:
-            least, what = float("nan"), "no layout could be estimated; the smallest estimate is"
+            _say(f"no layout fits {n} x {mem:g} GiB: none of them could be estimated (above)")
+            return 1
         _say(f"no layout fits {n} x {mem:g} GiB: {what} {least:,.1f} GiB per GPU; use GPUs with at least "
-             f"{least / 0.95:,.1f} GiB, more GPUs, or a shorter sequence / smaller global batch")
+             f"{least / 0.95:,.1f} GiB, {fix}")
         return 1
     _say(f"\ntop {len(fits)} that fit:")
     for i, c in enumerate(fits, 1):
