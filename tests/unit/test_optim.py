@@ -44,6 +44,43 @@ def test_scheduler_drives_optimizer_lr():
     assert lrs[11] == pytest.approx(1 - 0.9 * 1 / 89)
 
 
+@pytest.mark.parametrize("mode", ["stretch", "keep"])
+def test_resume_with_more_steps_warns_and_follows_on_steps_change(mode, caplog):
+    """A 20-step cosine run resumed with training.steps=40: "stretch" gives the 40-step schedule from step 21 on (its
+    first step included, though the optimizer's saved LR is the old schedule's); "keep" stays on the 20-step one, at
+    its final LR. The warning names the key that picks the other."""
+    cfg = _sched(warmup_steps=2, on_steps_change=mode)
+
+    def run(steps: int):
+        model = torch.nn.Linear(4, 4)
+        opt = build_optimizer(model, Optimizer(lr=1e-3), torch.device("cpu"))
+        return opt, build_lr_scheduler(opt, cfg, steps)
+
+    opt, sched = run(20)
+    for _ in range(20):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)  # where the first run ended: min_lr_factor x lr
+    opt, sched = run(40)
+    opt.load_state_dict(saved_opt)  # the order a checkpoint loads in: the optimizer, then the schedule
+    with caplog.at_level("WARNING", logger="titanlike"):
+        sched.load_state_dict(saved_sched)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    if mode == "stretch":
+        assert lrs == pytest.approx([1e-3 * lr_factor(s, 40, cfg) for s in range(20, 40)])
+        assert lrs[4] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 22 / 37))))  # step 25
+        assert 'lr_scheduler.on_steps_change="keep"' in caplog.text and "planned 20 steps" in caplog.text
+    else:
+        assert lrs == pytest.approx([1e-4] * 20)
+        assert 'lr_scheduler.on_steps_change="stretch"' in caplog.text
+    assert sched.state_dict()["total_steps"] == (40 if mode == "stretch" else 20)
+
+
 def test_no_decay_on_norms_biases_embeddings():
     class M(torch.nn.Module):
         def __init__(self):

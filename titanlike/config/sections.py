@@ -99,6 +99,10 @@ class LRScheduler:
     decay_type: str = "cosine"  # cosine | linear | wsd (warmup-stable-decay) | constant
     decay_ratio: float = 0.2  # wsd only: fraction of steps spent in the final decay
     min_lr_factor: float = 0.1  # min LR = lr * min_lr_factor
+    # Resuming with another training.steps than the checkpoint's run (a warning says so either way): "stretch" the
+    # schedule over the new total (the LR jumps to where the new schedule is at that step), or "keep" the saved
+    # schedule's shape (steps past its end stay at its final LR)
+    on_steps_change: str = "stretch"
 
 
 @dataclass

@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "metrics.log_format": ("titanlike", "megatron"),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
+    "lr_scheduler.on_steps_change": ("stretch", "keep"),
     "parallelism.fsdp_reshard_after_forward": RESHARD_MODES,
     "parallelism.pp_schedule": PP_SCHEDULES,
     "activation_checkpoint.mode": AC_MODES,
