@@ -215,11 +215,33 @@ def _interrupted(e: BaseException, trainer, cfg) -> int:
     name = getattr(e, "signame", "SIGINT")
     where = getattr(e, "phase", "the run")
     step = f" at step {trainer.step}" if trainer is not None and trainer.step else ""
-    saved = (cfg is not None and cfg.checkpoint.enable)
-    tail = ("nothing was saved since the newest complete checkpoint: rerun the same command to resume from it"
-            if saved else "checkpointing is off (checkpoint.enable=false), nothing was saved")
+    if cfg is None:
+        tail = "nothing was saved"
+    elif not cfg.checkpoint.enable:
+        tail = "checkpointing is off (checkpoint.enable=false), nothing was saved"
+    elif _complete_steps(trainer, cfg):
+        tail = "nothing was saved since the newest complete checkpoint: rerun the same command to resume from it"
+    else:  # a new run stopped before its first save: there is nothing to resume
+        tail = ("nothing was saved: this run has no checkpoint yet, so rerunning the same command starts it over"
+                + (" (from checkpoint.initial_load_path)" if cfg.checkpoint.initial_load_path else ""))
     print(f"error: interrupted by {name} during {where}{step}; {tail}", file=sys.stderr)
     return 128 + int(getattr(signal, name, signal.SIGINT))
+
+
+def _complete_steps(trainer, cfg) -> list[int]:
+    """The run's own committed checkpoint steps (the folder the trainer uses, also before it exists)."""
+    from titanlike.checkpoint import complete_steps
+    from titanlike.resilience.ft import ft_run_dir
+
+    if trainer is not None and getattr(trainer, "checkpointer", None) is not None:
+        folder = trainer.checkpointer.folder
+    else:
+        run = ft_run_dir(cfg.fault_tolerance, os.path.join(cfg.job.dump_folder, cfg.job.run_name or "run"))
+        folder = os.path.join(run, cfg.checkpoint.folder)
+    try:
+        return complete_steps(folder)
+    except OSError:
+        return []
 
 
 def _finished(trainer, cfg, logger) -> int:

@@ -146,3 +146,32 @@ def test_sigterm_while_stuck_waiting_for_data_or_a_checkpoint(tmp_path, where):
     code, out = _signal_when(cmd, "stalling", signal.SIGTERM, env={"STALL_IN": where, "PYTHONPATH": str(REPO_ROOT)})
     phase = "waiting for data" if where == "data" else "checkpoint load"
     assert code == 143 and f"interrupted by SIGTERM during {phase}" in out and "Traceback" not in out, out
+
+
+def test_a_signal_before_the_first_checkpoint_says_nothing_can_be_resumed(tmp_path, capsys):
+    """Checkpointing on, but the run has no committed step yet (a new run stopped while starting): the line must
+    not advise resuming; once a step is committed, it does."""
+    import importlib.util
+    import json
+
+    from titanlike.config.load import load_config
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    spec = importlib.util.spec_from_file_location("_train_script_sig", REPO_ROOT / "scripts" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(train)  # installs its start-up handlers: put pytest's back
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    cfg = load_config(["--config", "configs/debug_model.toml", f"--job.dump_folder={tmp_path}", "--job.run_name=r",
+                       "--checkpoint.enable"])
+    assert train._interrupted(Interrupted("SIGTERM", "distributed init"), None, cfg) == 143
+    err = capsys.readouterr().err
+    assert "nothing was saved: this run has no checkpoint yet, so rerunning the same command starts it over" in err
+    assert "resume" not in err and err.count("\n") == 1, err
+    step = tmp_path / "r" / cfg.checkpoint.folder / "step-5"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text(json.dumps({"step": 5, "files": {}}))
+    train._interrupted(Interrupted("SIGTERM", "checkpoint load"), None, cfg)
+    assert "rerun the same command to resume from it" in capsys.readouterr().err
