@@ -46,6 +46,7 @@ from titanlike.checkpoint.staging import (
     KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process,
 )
 from titanlike.distributed.timeouts import keep_own_timeout
+from titanlike.optim.container import optimizers_of
 
 logger = logging.getLogger("titanlike")
 # A lone process saving asynchronously: DCP's writer thread warns it "assumes the intent" of one process. It is ours.
@@ -81,7 +82,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
                  config_toml: str = "", strict: bool = True):
         self.cfg, self.folder = cfg, folder
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
-        opts = optimizer if isinstance(optimizer, (list, tuple)) else getattr(optimizer, "optimizers", [optimizer])
+        opts = optimizer if isinstance(optimizer, (list, tuple)) else optimizers_of(optimizer)
         self.optimizers = [o for o in opts if o is not None]
         if self.optimizers and len(self.optimizers) != len(self.parts):
             raise ValueError(f"CheckpointManager: {len(self.optimizers)} optimizers for {len(self.parts)} model parts")

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlike.config.sections import Optimizer
+from titanlike.optim.container import optimizers_of
 
 
 def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
@@ -83,7 +84,7 @@ def fused_clip_optimizers(optimizer) -> list[torch.optim.Optimizer] | None:
     Those take the clipping inside their kernel: `grad_scale` (the attribute GradScaler feeds them) divides every
     gradient on the fly, which saves clipping's separate read-modify-write of all fp32 gradients (12 GB per step
     on the 1.5B model, ~3% of an H100 step)."""
-    opts = getattr(optimizer, "optimizers", [optimizer])
+    opts = optimizers_of(optimizer)
     ok = all(isinstance(o, torch.optim.Adam) and o.defaults.get("fused") for o in opts)  # AdamW subclasses Adam
     return list(opts) if opts and ok else None
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers behind `optimizer`: a container's (one per pipeline stage), or the one optimizer itself."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
 class OptimizersContainer(torch.optim.Optimizer):
     """Several optimizers (one per stage module) acting as one: step/zero_grad go to each; `param_groups` is the
     concatenation of theirs (the same dicts), so one LR scheduler drives all of them.

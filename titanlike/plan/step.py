@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.common.backends import sdpa_context
 from titanlike.optim.adamw import clip_grad_norm_
+from titanlike.optim.container import optimizers_of
 from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum, loss_targets, plain_loss
 
 # The trackers' categories (FSDPMemTracker's _FSDPRefType, MemTracker's _MemRefType) -> the estimate's groups.
@@ -74,16 +75,12 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def _optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "optimizers", [optimizer]))
-
-
 def _tracker(parts, optimizer, extra: list):
     """FSDPMemTracker for one FSDP-wrapped part (its all-gather/reduce-scatter categories), else MemTracker."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    opts = _optimizers(optimizer)
+    opts = optimizers_of(optimizer)
     if len(parts) == 1 and isinstance(parts[0], FSDPModule) and len(opts) == 1:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
@@ -244,7 +241,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     if in_flight > 1:  # the other micro-batches' saved activations the schedule holds at the same time
         cats["Activation"] = cats.get("Activation", 0) + (in_flight - 1) * act_per_mb
         peak += (in_flight - 1) * act_per_mb
-    opt_states = sum(_nbytes(x) for o in _optimizers(optimizer) for s in o.state.values() for x in _tensors(s))
+    opt_states = sum(_nbytes(x) for o in optimizers_of(optimizer) for s in o.state.values() for x in _tensors(s))
     f8 = sum(_nbytes(b) for part in parts for n, b in part.named_buffers() if "amax" in n or "scale" in n)
     return StepResult(parameters=sum(_nbytes(p) for p in params), gradients=grads,
                       optimizer_states=opt_states + master_bytes, master_weights=master_bytes, float8_scales=f8,

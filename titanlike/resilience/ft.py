@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
 from titanlike.checkpoint.states import FLAT_OPTIM
+from titanlike.optim.container import optimizers_of
 from titanlike.resilience.comm_watch import CommError
 
 logger = logging.getLogger("titanlike")
@@ -109,7 +110,7 @@ class FaultTolerance:
             raise ValueError("fault_tolerance.enable needs the lighthouse address: --fault_tolerance.lighthouse="
                              "http://HOST:PORT (or $TORCHFT_LIGHTHOUSE); start one with python scripts/lighthouse.py")
         self.parts = list(model_parts)
-        self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))
+        self.optimizers = optimizers_of(optimizer)
         self.lr_scheduler, self.dataloader, self.trainer = lr_scheduler, dataloader, trainer
         # Streaming data's state is per rank and gathered with a collective: it cannot move between groups.
         self._data_moves = not isinstance(getattr(dataloader, "dataset", None), IterableDataset)

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from titanlike.optim.container import optimizers_of
+
 logger = logging.getLogger("titanlike")
 
 
@@ -27,7 +29,7 @@ def skips_on_device(optimizer) -> bool:
     """Whether every optimizer (a PP container's too) skips an update itself where its `found_inf` is 1: fused
     AdamW, or one that declares it (titanlike/optim/master_weights.py). Others need the host to decide."""
     return all(getattr(o, "skips_on_device", False) or all(g.get("fused") for g in o.param_groups)
-               for o in getattr(optimizer, "optimizers", [optimizer]))
+               for o in optimizers_of(optimizer))
 
 
 class NonFiniteGuard:
@@ -42,7 +44,7 @@ class NonFiniteGuard:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, max_consecutive: int):
-        self.optimizers = list(getattr(optimizer, "optimizers", [optimizer]))  # a PP container holds several
+        self.optimizers = optimizers_of(optimizer)  # a PP container holds several
         self.on_device = skips_on_device(optimizer)
         self.max_consecutive = max_consecutive
         z = lambda: torch.zeros((), device=device)  # noqa: E731

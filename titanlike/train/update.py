@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
-from titanlike.optim.container import OptimizersContainer
+from titanlike.optim.container import OptimizersContainer, optimizers_of
 from titanlike.optim.loss_scale import LossScaler, SkipAwareLR
 from titanlike.optim.lr import build_lr_scheduler
 from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
@@ -83,7 +83,7 @@ class Updater:
         if self.guard is not None:
             self.guard.before_optimizer_step(step, mb_losses, grad_norm, bad=self.scaler.at_floor())
         if skips_on_device(self.optimizer):
-            for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            for opt in optimizers_of(self.optimizer):
                 opt.found_inf = overflow
             return True
         return not bool(overflow.item())
