@@ -105,7 +105,3 @@ def layer_items(msd: dict[str, torch.Tensor]):
         if key.startswith(LAYER_PREFIX):
             layer, suffix = key[len(LAYER_PREFIX):].split(".", 1)
             yield int(layer), suffix, value
-
-
-def n_layers_of(msd: dict[str, torch.Tensor]) -> int:
-    return 1 + max((layer for layer, _, _ in layer_items(msd)), default=-1)

@@ -37,10 +37,6 @@ class LossScaler:
         self._overflow = z()
         self._reported = (0, 0)  # (skipped, nan) at the last log step: Megatron logs per-interval counts
 
-    def backward_scale(self) -> torch.Tensor:
-        """Multiply the loss by this before backward (a device tensor: the scale changes without a recompile)."""
-        return self.scale
-
     def overflow(self, scaled_grad_norm: torch.Tensor) -> torch.Tensor:
         """1.0 where the (scaled) global grad norm is not finite, else 0.0; remembered for `update`."""
         self._overflow = (~torch.isfinite(scaled_grad_norm)).float()

@@ -36,7 +36,6 @@ import time
 
 import torch
 from torch._guards import active_fake_mode
-from torch.distributed.tensor import DTensor
 
 from titanlike.config import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -141,14 +140,6 @@ class MemoryEstimate:
         lines += [f"  rank {r.rank}: {r.kind}" for r in self.ranks]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
 
 
 def _rank_kinds(dims: ParallelDims) -> list[tuple[int, int | None, str]]:
