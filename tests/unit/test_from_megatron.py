@@ -60,6 +60,7 @@ def test_gpt2_large(tmp_path: Path) -> None:
     t = translate(parse(tokenize(GPT2_LARGE)))
     cfg = _load(t, tmp_path, world_size=4)  # tp 2 * dp 2
     assert (cfg.model.name, cfg.model.flavor) == ("gpt", "gpt2-large")
+    assert cfg.model.args == {"attn_dropout": 0.1, "hidden_dropout": 0.1}  # the block's dropout, on the flavor
     assert (cfg.parallelism.tp, cfg.parallelism.enable_sequence_parallel) == (2, True)
     assert cfg.training.mixed_precision_param == "bfloat16" and cfg.model.attn_backend == "flash"
     assert cfg.optimizer.betas == [0.9, 0.95] and cfg.optimizer.eps == 1e-8 and cfg.training.seed == 1234
@@ -69,26 +70,27 @@ def test_gpt2_large(tmp_path: Path) -> None:
     assert "FSDP" in notes["--use-distributed-optimizer"] and "--lr-decay-iters" in notes
     assert "--distributed-backend" in notes and "--no-masked-softmax-fusion" in notes
     un = _unmapped(t)
-    for flag in ("--attention-dropout", "--hidden-dropout", "--init-method-std", "--recompute-method"):
-        assert un[flag]
+    assert un["--recompute-method"] and "--attention-dropout" not in un and "--init-method-std" not in un
 
 
 def test_llama_block(tmp_path: Path) -> None:
     t = translate(parse(tokenize(LLAMA)))
     cfg = _load(t, tmp_path, world_size=8)  # tp 2 * pp 2 * cp 2
     assert (cfg.model.name, cfg.model.flavor, cfg.model.n_layers) == ("llama3", "8B", -1)
+    # no --rotary-base: Megatron's 10000, not the flavor's 500000
+    assert cfg.model.args == {"rope_theta": 10000.0, "use_scaled_rope": False}
     assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.cp) == (2, 2, 2)
     assert cfg.parallelism.pp_layers_per_stage == 4 and cfg.parallelism.pp_schedule == "Interleaved1F1B"
     assert (cfg.data.tokenizer_type, cfg.data.tokenizer_model) == ("HuggingFaceTokenizer", "/tok/llama3")
     assert cfg.training.seq_len == 8192
-    assert "--untie-embeddings-and-output-weights" in _unmapped(t)
+    assert "--untie-embeddings-and-output-weights" not in _unmapped(t)  # the family's own choice
 
 
-def test_off_flavor_shape_names_the_closest() -> None:
+def test_off_flavor_shape_is_the_closest_flavor_with_model_args() -> None:
     t = translate(parse(["--num-layers", "30", "--hidden-size", "1300", "--num-attention-heads", "20"]))
-    assert t.values["model"] == {"name": "gpt", "flavor": "gpt2-large", "n_layers": 30, "vocab_pad_multiple": 128}
-    un = _unmapped(t)
-    assert "closest is 'gpt2-large'" in un["--hidden-size"] and "--num-attention-heads" in un
+    assert t.values["model"] == {"name": "gpt", "flavor": "gpt2-large", "n_layers": 30, "vocab_pad_multiple": 128,
+                                 "args": {"dim": 1300}}
+    assert not t.required() and "flavor gpt2-large with model.args {dim = 1300}" in t.said[-1]
 
 
 def test_unknown_and_unmappable_are_listed() -> None:
@@ -163,6 +165,21 @@ def test_script_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert mod.main([]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "from_megatron: --seq-length needs a value"
+    (tmp_path / "empty.sh").write_text("")
+    (tmp_path / "garbage.sh").write_text("asdf qwerty %%% ::: --\n")
+    for argv, line in (([str(tmp_path / "empty.sh")], "no pretrain_gpt.py launch and no --flags found"),
+                       ([str(tmp_path / "garbage.sh")], "no pretrain_gpt.py launch and no --flags found"),
+                       (["/nonexistent"], "cannot read /nonexistent: No such file or directory"),
+                       (["--", "--num-layers", "abc"], "--num-layers 'abc': expected a whole number"),
+                       (["--bogus"], "unknown option --bogus")):
+        assert mod.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith(f"from_megatron: {line}"), err
+    assert mod.main(["--help"]) == 0 and "usage" not in capsys.readouterr().err
+    assert mod.main(["--", "--micro-batch-size", "2"]) == 0  # no model flags: said on stderr, in one line
+    assert capsys.readouterr().err == ("model: no model-shape flags (--num-layers, --hidden-size, "
+                                       "--num-attention-heads): the model is the config's (without --config: "
+                                       "llama3's debug flavor)\n")
 
 
 def test_docs_table_is_true_to_the_code() -> None:
@@ -172,7 +189,7 @@ def test_docs_table_is_true_to_the_code() -> None:
         assert f"| `{flag}` | `{key}` |" in doc, flag
     for flag, (key, _) in m._SWITCHES.items():
         assert f"| `{flag}` | `{key} = " in doc, flag
-    for flag in [*m._NOTED, *m._WHY]:
+    for flag in [*m._NOTED, *m._WHY, *m.megatron_model.VALUED, *m.megatron_model.SWITCHES]:
         assert f"| `{flag}` |" in doc, flag
     for flag, (key, value) in m.DEFAULTS.items():
         assert f"| `{flag}` | `{key} = {m._toml_value(value)}` |" in doc, flag

@@ -101,13 +101,56 @@ def test_block_is_one_argument_or_a_file(tmp_path: Path) -> None:
 
 
 def test_flags_that_change_the_model_must_map(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"--megatron-args: --hidden-size: .*closest is 'gpt2-large' .*\(also "
-                                          r"unmapped and needed: --num-attention-heads\)"):
-        load_with_megatron_args([], "--num-layers 30 --hidden-size 1300 --num-attention-heads 20", 1)
-    with pytest.raises(ConfigError, match=r"--megatron-args: \$DATA_ARGS: a shell variable"):
+    cfg, _ = load_with_megatron_args([], "--num-layers 3 --hidden-size 96 --num-attention-heads 6", 1)
+    assert (cfg.model.name, cfg.model.n_layers, cfg.model.args) == ("gpt", 3, {"dim": 96, "n_heads": 6})
+    with pytest.raises(ConfigError, match=r"--megatron-args: \$DATA_ARGS: a shell variable the script does not set"):
         load_with_megatron_args([], "--lr 1e-3 $DATA_ARGS", 1)
+    with pytest.raises(ConfigError, match=r"^--megatron-args: --data-path: '\$DATA_PATH' holds a shell variable"):
+        load_with_megatron_args([], "--lr 1e-3 --data-path $DATA_PATH", 1)
     with pytest.raises(MegatronError, match="--lr needs a value"):
         load_with_megatron_args([], "--lr --bf16", 1)
+
+
+LAUNCH = r"""#!/bin/bash
+#SBATCH --nodes=1
+export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)
+TP=1
+MODEL_ARGS="--num-layers 2 --hidden-size 128 \
+    --num-attention-heads 4"
+TRAIN=(--micro-batch-size 2 --train-iters 7)
+torchrun --nproc_per_node=1 pretrain_gpt.py $MODEL_ARGS "${TRAIN[@]}" \
+    --tensor-model-parallel-size $TP --seq-length 32 --mock-data 2>&1 | tee log.txt
+"""
+
+
+def test_a_whole_launch_script_translates_with_its_variables() -> None:
+    """The script's own variables and arrays are expanded; a `|` before the launch does not drop it; --mock-data
+    is the mock dataset."""
+    cfg, run = load_with_megatron_args([], LAUNCH, 1)
+    assert (cfg.model.name, cfg.model.flavor, cfg.parallelism.tp, cfg.training.steps) == ("gpt", "debugmodel", 1, 7)
+    assert (cfg.training.local_batch_size, cfg.training.seq_len, cfg.data.dataset) == (2, 32, "mock")
+    assert "the shape is flavor gpt/debugmodel" in run.translation.said
+
+
+@pytest.mark.parametrize("block, message", [
+    ("asdf qwerty %%% ::: --", "no pretrain_gpt.py launch and no --flags found"),
+    ("", "no pretrain_gpt.py launch and no --flags found"),
+    ("--num-layers abc", "--num-layers 'abc': expected a whole number"),
+    ("--num-layers 2 --hidden-size 64", "--num-attention-heads is missing"),
+])
+def test_nothing_to_train_is_refused_in_one_line(block: str, message: str, tmp_path: Path) -> None:
+    (tmp_path / "empty.sh").write_text("")
+    for given in (block, f"@{tmp_path / 'empty.sh'}") if block == "" else (block,):
+        _, text = take_block(["--megatron-args", given])
+        with pytest.raises(MegatronError, match=re.escape(message)) as e:
+            load_with_megatron_args([], text, 1)
+        assert "\n" not in str(e.value)
+
+
+def test_no_model_flags_say_so() -> None:
+    cfg, run = load_with_megatron_args([], "--micro-batch-size 2 --seq-length 32", 1)
+    assert run.translation.said == ["no model-shape flags (--num-layers, --hidden-size, --num-attention-heads): "
+                                    "the model is the config's (without --config: llama3's debug flavor)"]
 
 
 def test_config_is_the_base_and_overrides_win(tmp_path: Path) -> None:

@@ -1,33 +1,23 @@
 """Megatron-LM `pretrain_gpt.py` flags -> a titanlike TOML (scripts/from_megatron.py, docs/megatron.md).
 
-FLAGS below is the documentation: Megatron flag -> (section.key, converter). Flags that shape the model, the LR
-schedule or the data are read together by the small functions after it. Every flag that cannot be mapped comes back in
-`unmapped` with the reason; flags that need no key (titanlike's default already does it) come back in `notes`.
+translate_text() takes a whole launch script (megatron_shell.py finds the launch and expands the script's own
+variables). The tables below are the documentation: Megatron flag -> (section.key, converter). The model flags are
+read together by megatron_model.py; the LR schedule and the data by the small functions after the tables. Every flag
+that cannot be mapped comes back in `unmapped` with the reason; flags that need no key come back in `notes`; what
+the user must hear (which model was chosen, and why) in `said`.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 
-from models import DEFAULT_MODEL, get_spec
+from titanlike.config import megatron_model
 from titanlike.config.load import _toml_value
+from titanlike.config.megatron_model import number
+from titanlike.config.megatron_shell import MegatronError, read_launch
 from titanlike.config.sections import JobConfig, LossScaling
 
-
-class MegatronError(ValueError):
-    """A flag block that cannot be read or that contradicts itself (a flag without its value, --fp16 with --bf16)."""
-
-
-def _num(v: str) -> float:
-    return float(v)
-
-
-def _whole(v: str) -> int:
-    """Megatron parses some counts as floats (--loss-scale-window 1000.0): accept those when they are whole."""
-    x = float(v)
-    if x != int(x):
-        raise ValueError(v)
-    return int(x)
+__all__ = ["MegatronError", "Translation", "parse", "to_toml", "tokenize", "translate", "translate_text"]
+_num, _whole = float, int  # the converters of the table: number() reads the flag's text as one of these
 
 
 _PLAIN = {  # Megatron flag -> (section.key, converter from the flag's text)
@@ -74,6 +64,7 @@ _SWITCHES = {  # flags without a value -> (section.key, value)
     "--reset-position-ids": ("data.reset_position_ids", True),
     "--eod-mask-loss": ("data.eod_mask_loss", True),
     "--use-flash-attn": ("model.attn_backend", "flash"),
+    "--mock-data": ("data.dataset", "mock"),  # Megatron's synthetic tokens; titanlike's mock dataset is the same idea
 }
 _NOTED = {  # flags titanlike already does by default: no key, a note
     "--use-distributed-optimizer": "FSDP (parallelism.dp_shard=-1) shards optimizer state by default",
@@ -83,7 +74,6 @@ _NOTED = {  # flags titanlike already does by default: no key, a note
     "--no-bias-gelu-fusion": "no fusion knob; use compile.enable for fused kernels",
     "--no-bias-dropout-fusion": "no fusion knob; use compile.enable for fused kernels",
     "--no-gradient-accumulation-fusion": "no fusion knob",
-    "--disable-bias-linear": "the RoPE/SwiGLU family has no linear biases (the gpt family keeps GPT-2's)",
     "--overlap-grad-reduce": "FSDP overlaps the gradient reduce-scatter with backward by default",
     "--overlap-param-gather": "FSDP prefetches the next block's parameters during compute by default",
     "--transformer-impl": "titanlike has one implementation (torch); FP8 is float8.enable",
@@ -92,23 +82,18 @@ _WHY = {  # flags known to have no titanlike equivalent yet -> why
     "--load": ("Megatron checkpoints are converted, not read by the trainer: python scripts/convert_megatron.py "
                "import <--load folder> <out>, then checkpoint.initial_load_path=<out>; titanlike resumes from its "
                "own checkpoints by itself"),
-    "--init-method-std": "init std is a flavor field (models/*/args.py init_std), not a config key",
-    "--attention-dropout": "dropout is a flavor field (gpt args attn_dropout), not a config key",
-    "--hidden-dropout": "dropout is a flavor field (gpt args hidden_dropout), not a config key",
-    "--num-experts": "MoE sizes live in the MoE families' flavors (mixtral, deepseek_v3, qwen3): pick one",
-    "--moe-router-topk": "MoE sizes live in the MoE families' flavors (mixtral, deepseek_v3, qwen3): pick one",
+    "--num-experts": ("a mixture of experts is a flavor of an MoE family (models/): give it with --config and "
+                      "drop the MoE flags"),
+    "--moe-router-topk": "the router's top-k is part of an MoE family's flavor (see --num-experts)",
     "--recompute-method": "titanlike checkpoints whole blocks (activation_checkpoint.mode=full) or by op",
     "--tensorboard-dir": "TensorBoard writes under the run folder: metrics.save_tb_folder is relative to it",
 }
-_MODEL = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--max-position-embeddings",
-          "--num-query-groups", "--position-embedding-type", "--normalization")
-_MODEL_SWITCHES = ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights")
 _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters",
           "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path",
           "--make-vocab-size-divisible-by")
-VALUED = set(_PLAIN) | set(_MODEL) | set(_SCHED) | {"--distributed-backend", "--transformer-impl", "--load",
-    "--init-method-std", "--attention-dropout", "--hidden-dropout", "--num-experts", "--moe-router-topk",
-    "--recompute-method", "--tensorboard-dir"}
+VALUED = set(_PLAIN) | set(megatron_model.VALUED) | set(_SCHED) | {"--distributed-backend", "--transformer-impl",
+    "--load", "--num-experts", "--moe-router-topk", "--recompute-method", "--tensorboard-dir",
+    "--max-position-embeddings"}
 # Megatron's defaults where titanlike's differ: set when the block leaves the flag out, so the run is the one Megatron
 # would have trained (flag -> key, Megatron's default; --adam-beta1/2 are read together in _schedule).
 DEFAULTS = {
@@ -124,10 +109,11 @@ _LAUNCHER = {"nproc_per_node", "nnodes", "node_rank", "master_addr", "master_por
 FLAG_TABLE = {**{k: v[0] for k, v in _PLAIN.items()}, **{k: v[0] for k, v in _SWITCHES.items()}}
 
 
-# Unmapped flags that change *what* is trained (the model's shape, MoE, an unexpanded $VAR that may hold anything):
-# a TOML can still be written and edited by hand, but `scripts/train.py --megatron-args` refuses to train without them.
-_REQUIRED = {"--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups", "--num-layers",
-             "--num-experts", "--moe-router-topk"}
+# Unmapped flags that change *what* is trained (the model, MoE, the data, a $VAR the script never sets, words that
+# are no flag: a placeholder like `[... other args ...]`): a TOML can still be written and edited by hand, but
+# `scripts/train.py --megatron-args` refuses to train without them.
+_REQUIRED = megatron_model.FLAGS | {"--num-experts", "--moe-router-topk", "--data-path", "--save"}
+_REQUIRED_WHY = ("shell variable", "stray words")
 
 
 @dataclass
@@ -135,10 +121,11 @@ class Translation:
     values: dict[str, dict[str, object]] = field(default_factory=dict)
     unmapped: list[tuple[str, str]] = field(default_factory=list)
     notes: list[tuple[str, str]] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)  # lines the user must read: the model chosen, and why
 
     def required(self) -> list[tuple[str, str]]:
         """The unmapped flags without which a run would train something else than the flag block asks for."""
-        return [(f, why) for f, why in self.unmapped if f in _REQUIRED or "shell variable" in why or "is not a" in why]
+        return [(f, why) for f, why in self.unmapped if f in _REQUIRED or any(w in why for w in _REQUIRED_WHY)]
 
     def set(self, dotted: str, value: object) -> None:
         section, key = dotted.split(".")
@@ -146,37 +133,29 @@ class Translation:
 
 
 def tokenize(text: str) -> list[str]:
-    """Shell flag block -> tokens: comments, line continuations, quotes and `VAR="` wrappers dropped."""
-    out: list[str] = []
-    for line in text.splitlines():
-        line = re.sub(r"(^|\s)#.*", "", line).replace("\\", " ")
-        line = re.sub(r"^\s*[A-Za-z_]\w*=", "", line).replace('"', " ").replace("'", " ")
-        out.extend(line.split())
-    return out
+    """A launch script or flag block -> the flags given to its pretrain script (megatron_shell.py)."""
+    return read_launch(text).flags
 
 
-_COMMAND_ENDS = {"|", "||", "&&", ";", "&"}
-STRAY = "(stray words)"  # parse()'s key for words after a --flag=value
+_MULTI = {"--data-path"}  # flags of several values (a blend: 0.3 prefix_a 0.7 prefix_b); the others take one
+STRAY = "(stray words)"  # parse()'s key for words that follow no flag taking them
 
 
 def parse(tokens: list[str]) -> dict[str, list[str]]:
-    """{flag: values} ([] for a switch). Tokens before the first flag (python, pretrain_gpt.py) are skipped."""
+    """{flag: values} ([] for a switch). A `$VAR` the script never set is the value of a flag still waiting for one
+    (`--data-path $DATA_PATH`), else an item of its own (it may hold several flags)."""
     flags: dict[str, list[str]] = {}
     current = None
     for tok in tokens:
-        if tok in _COMMAND_ENDS:  # `... | tee log`, `... && echo done`: the rest is another command
-            break
-        if ">" in tok:  # a redirect (2>&1, >log): shell plumbing, not a flag value
-            continue
-        if tok.startswith("$"):
+        if tok.startswith("$") and not (current in VALUED and not flags[current]):
             flags[tok], current = [], None
-        elif tok.startswith("--"):
+        elif tok.startswith("--") and len(tok) > 2:
             name, eq, val = tok.partition("=")
             flags[name] = [val] if eq else []
             current = None if eq else name  # --flag=value is complete: words after it are strays
-        elif current is None and flags and not tok.endswith(".py") and tok not in ("python", "python3"):  # launcher
+        elif current is None or (current in VALUED and flags[current] and current not in _MULTI):
             flags.setdefault(STRAY, []).append(tok)
-        elif current is not None:
+        else:  # (a flag unknown here takes every word up to the next flag)
             flags[current].append(tok)
     for name, vals in flags.items():
         if name in VALUED and not vals:
@@ -184,69 +163,12 @@ def parse(tokens: list[str]) -> dict[str, list[str]]:
     return flags
 
 
-def _closest(flavors: dict, dim: int, heads: int, match) -> tuple[str, bool]:
-    exact = [n for n, a in flavors.items() if a.dim == dim and a.n_heads == heads and match(a)]
-    if exact:
-        return exact[0], True
-    return min(flavors, key=lambda n: (abs(flavors[n].dim - dim), abs(flavors[n].n_heads - heads))), False
-
-
-def _model(f: dict[str, list[str]], t: Translation) -> None:
-    one = lambda k: int(f[k][0]) if k in f else None  # noqa: E731
-    layers, dim, heads = one("--num-layers"), one("--hidden-size"), one("--num-attention-heads")
-    ffn = one("--ffn-hidden-size")
-    rope = (f.get("--position-embedding-type", [""])[0] == "rope" or "--swiglu" in f
-             or f.get("--normalization", [""])[0] == "RMSNorm" or "--group-query-attention" in f)
-    for k in ("--position-embedding-type", "--normalization", "--swiglu", "--group-query-attention"):
-        if k in f:
-            t.notes.append((k, f"chose the {DEFAULT_MODEL} family (RoPE, SwiGLU, RMSNorm, GQA)" if rope
-                            else "the gpt family's default"))
-    if "--untie-embeddings-and-output-weights" in f:
-        t.unmapped.append(("--untie-embeddings-and-output-weights", "tying is a flavor field (tie_embeddings)"))
-    if dim is None or heads is None:
-        for k in ("--num-layers", "--ffn-hidden-size", "--num-query-groups", "--hidden-size", "--num-attention-heads"):
-            if k in f:
-                t.unmapped.append((k, "needs --hidden-size and --num-attention-heads to pick a flavor"))
-        return
-    if rope:  # the default family is the RoPE/SwiGLU/RMSNorm/GQA one
-        from models.common.ffn import ffn_hidden_dim
-        name = DEFAULT_MODEL
-        kv = one("--num-query-groups") if "--group-query-attention" in f else heads
-        match = lambda a: a.n_kv_heads == kv and (  # noqa: E731
-            ffn is None or ffn == ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier))
-    else:
-        name = "gpt"
-        match = lambda a: ffn is None or ffn == a.hidden_dim  # noqa: E731
-    flavors = get_spec(name).flavors
-    flavor, exact = _closest(flavors, dim, heads, match)
-    t.set("model.name", name)
-    t.set("model.flavor", flavor)
-    a = flavors[flavor]
-    if layers is not None and layers != a.n_layers:
-        t.set("model.n_layers", layers)
-    if not exact:
-        why = (f"titanlike sizes live in flavors; no {name} flavor has this shape, closest is {flavor!r} "
-               f"(dim {a.dim}, {a.n_heads} heads): add a flavor to models/{name}/flavors.py")
-        for k in ("--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups"):
-            if k in f:
-                t.unmapped.append((k, why))
-    else:
-        for k in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups"):
-            if k in f:
-                t.notes.append((k, f"matches flavor {name}/{flavor}"))
-    if "--max-position-embeddings" in f:
-        seq = one("--seq-length")
-        if seq is not None and one("--max-position-embeddings") != seq:
-            t.unmapped.append(("--max-position-embeddings", "titanlike sizes positions to training.seq_len"))
-        else:
-            t.notes.append(("--max-position-embeddings", "titanlike sizes positions to training.seq_len"))
-
-
 def _schedule(f: dict[str, list[str]], t: Translation) -> None:
     one = lambda k: f[k][0]  # noqa: E731
     if "--min-lr" in f:
         if "--lr" in f:
-            t.set("lr_scheduler.min_lr_factor", float(one("--min-lr")) / float(one("--lr")))
+            t.set("lr_scheduler.min_lr_factor", number("--min-lr", one("--min-lr"), float) /
+                  number("--lr", one("--lr"), float))
         else:
             t.unmapped.append(("--min-lr", "needs --lr (min_lr_factor = min_lr / lr)"))
     if "--lr-decay-style" in f:
@@ -256,10 +178,11 @@ def _schedule(f: dict[str, list[str]], t: Translation) -> None:
         else:
             t.unmapped.append(("--lr-decay-style", f"{style!r} has no decay_type (cosine, linear, wsd, constant)"))
     if "--lr-warmup-iters" in f:
-        t.set("lr_scheduler.warmup_steps", int(one("--lr-warmup-iters")))
+        t.set("lr_scheduler.warmup_steps", number("--lr-warmup-iters", one("--lr-warmup-iters"), int))
     if "--lr-warmup-fraction" in f:
         if "--train-iters" in f:
-            t.set("lr_scheduler.warmup_steps", round(float(one("--lr-warmup-fraction")) * int(one("--train-iters"))))
+            t.set("lr_scheduler.warmup_steps", round(number("--lr-warmup-fraction", one("--lr-warmup-fraction"), float)
+                                                     * number("--train-iters", one("--train-iters"), int)))
         else:
             t.unmapped.append(("--lr-warmup-fraction", "needs --train-iters to become warmup_steps"))
     if "--lr-decay-iters" in f:
@@ -269,24 +192,35 @@ def _schedule(f: dict[str, list[str]], t: Translation) -> None:
             t.unmapped.append(("--lr-decay-iters", "titanlike decays over training.steps; a different decay "
                                "length has no key"))
     if "--adam-beta1" in f or "--adam-beta2" in f:
-        t.set("optimizer.betas", [float(f.get("--adam-beta1", ["0.9"])[0]), float(f.get("--adam-beta2", ["0.999"])[0])])
+        t.set("optimizer.betas", [number(k, f.get(k, [d])[0], float) for k, d in (("--adam-beta1", "0.9"),
+                                                                                  ("--adam-beta2", "0.999"))])
     if "--recompute-granularity" in f:
         g = one("--recompute-granularity")
         t.set("activation_checkpoint.mode", "full" if g == "full" else "selective")
         if g == "selective":
             t.set("activation_checkpoint.selective_option", "attention")
     if "--recompute-num-layers" in f:
-        n = int(one("--recompute-num-layers"))
+        n = number("--recompute-num-layers", one("--recompute-num-layers"), int)
         if n == 1:
             t.notes.append(("--recompute-num-layers", "1: every block is checkpointed (activation_checkpoint.mode)"))
         else:
             t.unmapped.append(("--recompute-num-layers", "titanlike checkpoints per block, not groups of blocks"))
-    if "--data-path" in f:
+    remote = [p for p in f.get("--data-path", []) if "://" in p]
+    if "--mock-data" in f and "--data-path" in f:
+        t.notes.append(("--data-path", "--mock-data trains on synthetic tokens: the data path is not read"))
+    elif remote:
+        t.unmapped.append(("--data-path", f"{remote[0]}: titanlike reads local files only; copy the dataset's "
+                           f".bin/.idx here and give their path"))
+    elif "--data-path" in f and not any("$" in p for p in f["--data-path"]):
         t.set("data.dataset", "indexed")
         t.set("data.paths", list(f["--data-path"]))
     if "--eval-interval" in f or "--eval-iters" in f:
         t.set("validation.enable", True)
-    if "--save" in f:
+    if "--save" in f and "://" in one("--save"):
+        t.unmapped.append(("--save", f"{one('--save')}: titanlike writes checkpoints to a local or mounted folder; "
+                                     f"give one (job.dump_folder)"))
+        t.values.get("job", {}).pop("dump_folder", None)
+    elif "--save" in f:
         t.set("checkpoint.enable", True)
         t.notes.append(("--save", "checkpoints go to <job.dump_folder>/<run name>/<checkpoint.folder>"))
 
@@ -295,18 +229,19 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     t = Translation()
     for name, vals in flags.items():
         if name.startswith("$"):
-            t.unmapped.append((name, "a shell variable: expand it first"))
+            t.unmapped.append((name, "a shell variable the script does not set (it may hold more flags): set it in "
+                                     "the script, or write its flags"))
         elif name == STRAY:
-            t.unmapped.append((" ".join(vals), "stray words, not after a flag that takes them"))
+            t.unmapped.append((" ".join(vals), "stray words, not after a flag that takes them (a placeholder? write "
+                                               "the flags it stands for)"))
+        elif name.lstrip("-") in _LAUNCHER:
+            t.unmapped.append((name, "a torchrun launcher flag: pass it to torchrun/scripts/slurm, not the config"))
         elif any("$" in v for v in vals):  # --data-path=$DATA_DIR/x: the value is not known here
-            t.unmapped.append((name, f"{' '.join(vals)!r} holds a shell variable: expand it first"))
+            t.unmapped.append((name, f"{' '.join(vals)!r} holds a shell variable the script does not set: set it "
+                                     f"in the script, or write the value"))
         elif name in _PLAIN:
             key, conv = _PLAIN[name]
-            try:
-                t.set(key, conv(" ".join(vals)))
-            except ValueError:
-                kind = "number" if conv is _num else "whole number"
-                t.unmapped.append((name, f"value {' '.join(vals)!r} is not a {kind}"))
+            t.set(key, conv(" ".join(vals)) if conv is str else number(name, " ".join(vals), conv))
         elif name in _SWITCHES:
             t.set(*_SWITCHES[name])
             if vals:
@@ -315,9 +250,7 @@ def translate(flags: dict[str, list[str]]) -> Translation:
             t.notes.append((name, _NOTED[name]))
         elif name in _WHY:
             t.unmapped.append((name, _WHY[name]))
-        elif name.lstrip("-") in _LAUNCHER:
-            t.unmapped.append((name, "a torchrun launcher flag: pass it to torchrun/scripts/slurm, not the config"))
-        elif name not in _MODEL and name not in _MODEL_SWITCHES and name not in _SCHED:
+        elif name not in megatron_model.FLAGS and name not in _SCHED:
             t.unmapped.append((name, "turns off a Megatron feature or fusion titanlike has no key for" if
                                name.startswith("--no-") else "unknown to this translator: no titanlike key"))
     # several stages per rank: Megatron's interleaved 1F1B
@@ -329,12 +262,27 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     t.set("metrics.log_format", "megatron")
     _precision(flags, t)
     _vocab_padding(flags, t)
-    _model(flags, t)
+    if not any(k in megatron_model.FLAGS and any("$" in x for x in v) for k, v in flags.items()):
+        megatron_model.build(flags, t)  # (else the unmapped list names the model flag whose value is unknown)
     _schedule(flags, t)
     for flag, (key, value) in DEFAULTS.items():
         section, name = key.split(".")
         if flag not in flags and name not in t.values.get(section, {}):  # --lr-warmup-fraction also sets warmup
             t.set(key, value)
+    return t
+
+
+def translate_text(text: str) -> Translation:
+    """A launch script or flag block -> its Translation; MegatronError (one line) when there is nothing to translate
+    or the flags contradict themselves."""
+    launch = read_launch(text)
+    if not launch.flags:
+        raise MegatronError(f"{launch.script} is launched without flags (line {launch.line}): nothing to translate; "
+                            f"give a pretrain_gpt.py launch or its flags")
+    t = translate(parse(launch.flags))
+    if launch.launcher:
+        t.notes.append(("(launcher)", f"{' '.join(launch.launcher)} {launch.script}: how the job starts, not config "
+                                      f"(titanlike: torchrun ... scripts/train.py)"))
     return t
 
 
@@ -378,6 +326,7 @@ def to_toml(t: Translation, header: str = "Translated from Megatron-LM flags by 
     for section, table in sorted(t.values.items(), key=lambda kv: order.index(kv[0])):
         lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     lines.append("")
+    lines += [f"# model: {text}" for text in t.said]
     lines += [f"# note: {flag}: {text}" for flag, text in t.notes]
     lines += [f"# unmapped: {flag}: {why}" for flag, why in t.unmapped]
     return "\n".join(lines) + "\n"

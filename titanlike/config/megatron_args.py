@@ -12,7 +12,7 @@ from pathlib import Path
 
 from titanlike.config.errors import ConfigError
 from titanlike.config.load import _toml_value, load_config
-from titanlike.config.megatron import Translation, parse, to_toml, tokenize, translate
+from titanlike.config.megatron import Translation, to_toml, translate_text
 from titanlike.config.sections import JobConfig
 
 FLAG = "--megatron-args"
@@ -81,7 +81,7 @@ def _pop_config(argv: list[str]) -> tuple[list[str], str | None]:
 def load_with_megatron_args(argv: list[str], block: str, world_size: int | None) -> tuple[JobConfig, MegatronRun]:
     """Translate `block`, refuse it when a flag it cannot map changes what is trained (MegatronError from the
     translator for contradictions; ConfigError here), and load it under the rest of argv as load_config would."""
-    t = translate(parse(tokenize(block)))
+    t = translate_text(block)
     needed = t.required()
     if needed:
         flag, why = needed[0]
