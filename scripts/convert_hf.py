@@ -43,7 +43,8 @@ def main(argv: list[str]) -> int:
     tok.add_argument("--no-tokenizer", action="store_true", help="no tokenizer files, no bos/eos ids")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     exp.add_argument("--max-position-embeddings", type=int, default=None,
-                     help="default: the sequence length the checkpoint was trained with")
+                     help="default: the model's context, its flavor's max_seq_len, not the training seq_len "
+                          "(YaRN: original x factor; a learned position table: its rows)")
     for sp in (imp, exp):
         sp.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)

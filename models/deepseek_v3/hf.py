@@ -141,7 +141,8 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
     """A transformers DeepseekV3Config dict for these ModelArgs (legacy rope keys: read by transformers 4.x and
-    5.x). ValueError for what DeepseekV3ForCausalLM cannot express."""
+    5.x). With YaRN, max_position_embeddings is original_max_position_embeddings x factor, whatever is given.
+    ValueError for what DeepseekV3ForCausalLM cannot express."""
     m = args.moe
     if args.n_moe_layers and m.score_func != "sigmoid":
         raise ValueError(f"moe.score_func={m.score_func!r}: DeepseekV3ForCausalLM routes with sigmoid only (this "
@@ -167,6 +168,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
         "attention_bias": False, "num_nextn_predict_layers": 0, "torch_dtype": str(dtype).replace("torch.", ""),
     }
     if args.rope_factor > 1:
+        # transformers checks YaRN's factor against max_position_embeddings / original_max_position_embeddings
+        # (and warns when they differ): the context YaRN stretches the original one to is original x factor.
+        cfg["max_position_embeddings"] = round(args.rope_original_max_position * args.rope_factor)
         cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": args.rope_factor,
                                "original_max_position_embeddings": args.rope_original_max_position,
                                "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow,

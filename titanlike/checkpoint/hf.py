@@ -239,7 +239,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     if len(shards) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
-    hf_cfg = spec.hf.hf_config(args, torch_dtype, max_position_embeddings)
+    hf_cfg = spec.hf.hf_config(args, torch_dtype, max_position_embeddings or model_context(info.path, spec, args))
     ids = token_ids(tok, info.path) if with_tokenizer else None
     if ids is not None:
         hf_cfg.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"])
@@ -257,6 +257,28 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
         os.rmdir(out_dir)  # empty (checked above)
     os.rename(tmp, out_dir)
     return out_dir
+
+
+def model_context(step: str, spec, args) -> int:
+    """The positions the model is built for, which config.json's max_position_embeddings states: its flavor's
+    max_seq_len (the run's model.flavor and model.args in the step's config.toml, else the flavor of the same
+    architecture), not the training.seq_len it was trained at (the args' max_seq_len); never less than that."""
+    flavor = None
+    path = os.path.join(step, layout.CONFIG)
+    if os.path.isfile(path):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            with open(path, "rb") as f:
+                model = tomllib.load(f).get("model", {})
+            flavor = spec.flavor_args(model.get("flavor", ""), model.get("args") or None)
+        except (OSError, ValueError, TypeError):  # an unreadable config or a flavor this version lacks
+            flavor = None
+    if flavor is None and spec.find_flavor(args) is not None:
+        flavor = spec.flavors[spec.find_flavor(args)]
+    return max(args.max_seq_len, getattr(flavor, "max_seq_len", 0) or 0)
 
 
 def _layer_index(key: str) -> int:
