@@ -44,6 +44,7 @@ from titanlike.config.load import SCRIPT_FLAGS, split_flags
 from titanlike.config.megatron import MegatronError
 from titanlike.config.megatron_args import load_with_megatron_args, take_block
 from titanlike.observe.log import setup_logging
+from titanlike.cli import tell_launcher
 from titanlike.resilience.signals import Interrupted
 
 
@@ -202,6 +203,7 @@ def _fail(e: BaseException, code: int, debug: bool) -> int:
         debug_traceback(e)
     else:
         print(f"error: {_one_line(e)}", file=sys.stderr)
+    tell_launcher(f"error: {_one_line(e)}")
     return code
 
 
@@ -225,6 +227,7 @@ def _interrupted(e: BaseException, trainer, cfg) -> int:
         tail = ("nothing was saved: this run has no checkpoint yet, so rerunning the same command starts it over"
                 + (" (from checkpoint.initial_load_path)" if cfg.checkpoint.initial_load_path else ""))
     print(f"error: interrupted by {name} during {where}{step}; {tail}", file=sys.stderr)
+    tell_launcher(f"error: interrupted by {name} during {where}{step}; {tail}")
     return 128 + int(getattr(signal, name, signal.SIGINT))
 
 
@@ -248,8 +251,10 @@ def _finished(trainer, cfg, logger) -> int:
     if trainer.preempted:  # a clean stop at a step boundary
         name = trainer.signals.received or "a signal"
         if not cfg.checkpoint.enable:  # nothing to resume from: not a clean exit for the scheduler
-            print(f"error: stopped by {name} at step {trainer.step}; checkpointing is off (checkpoint.enable=false), "
-                  f"so nothing was saved", file=sys.stderr)
+            line = (f"error: stopped by {name} at step {trainer.step}; checkpointing is off (checkpoint.enable=false), "
+                    f"so nothing was saved")
+            print(line, file=sys.stderr)
+            tell_launcher(line)
             return 128 + int(getattr(signal, name, signal.SIGTERM)) if name.startswith("SIG") else 143
         logger.info(f"preempted at step {trainer.step}: checkpoint saved ({name}); rerun the same command to resume")
         return 0

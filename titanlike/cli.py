@@ -2,9 +2,11 @@
 status when --debug shows its traceback."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Callable
 
@@ -31,3 +33,24 @@ def run_main(main: Callable[[list[str]], int], argv: list[str] | None = None) ->
 def debug_traceback(e: BaseException) -> None:
     """--debug: the traceback on stderr; the caller still returns the error's own exit status (2 for bad input)."""
     traceback.print_exception(type(e), e, e.__traceback__)
+
+
+def tell_launcher(message: str) -> None:
+    """Under torchrun (it sets TORCHELASTIC_ERROR_FILE for each worker): the error's first line goes into this
+    worker's error file, so torchrun's failure summary shows it as the rank's "traceback" instead of a link to its
+    docs. torchrun still prints its own ChildFailedError traceback above that summary: the agent process raises it,
+    out of a worker's reach. Never raises."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    lines = message.strip().splitlines()
+    first = lines[0] if lines else message
+    # The format torch's ErrorHandler.record_exception writes (torch 2.11 and 2.13 read it alike); the summary
+    # prints py_callstack, so it holds the one line, not a traceback.
+    data = {"message": {"message": first, "extraInfo": {"py_callstack": first, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+            json.dump(data, f)
+        os.replace(f"{path}.tmp-{os.getpid()}", path)
+    except OSError:
+        pass

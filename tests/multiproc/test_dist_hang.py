@@ -58,3 +58,30 @@ def test_killed_rank_is_reported_as_exited_not_stuck(tmp_path):
     assert p.returncode != 0, out
     assert "error: rank 0, step 3: rank 1 exited or was killed" in out, out
     assert "likely stuck" not in out and "raise comm." not in out, out
+    # checkpointing is off: nothing to resume from, and the advice says so
+    assert "checkpointing is off (checkpoint.enable=false), so nothing was saved and a rerun starts over" in out, out
+    assert "resume" not in out, out
+    # torchrun's summary shows the one line (the worker's error file), not a link to its docs
+    assert "traceback : error: rank 0, step 3: rank 1 exited or was killed" in out, out
+
+
+def test_rank_killed_during_a_save_is_named_and_the_previous_step_kept(tmp_path):
+    """rank 1 is SIGKILLed as it starts writing step 2's checkpoint: rank 0's save fails in gloo; the message names
+    rank 1, says the save of step 2 is incomplete and step 1 is kept, and a rerun resumes from step 1."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "hang_worker.py"), "--config", "configs/debug_model.toml", "--data.dataset=mock",
+           "--model.vocab_size=128", "--training.seq_len=16", "--training.local_batch_size=2",
+           "--training.device=cpu", "--training.steps=6", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
+           "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=save",
+           "--comm.heartbeat_interval_seconds=0.2", "--checkpoint.enable", "--checkpoint.interval=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HANG_SLEEP": "0",
+           "HANG_KILL_IN": "save"}
+    p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert ("error: rank 0, step 2: rank 1 exited or was killed, so a collective lost its peer while saving the "
+            "checkpoint of step 2: that save is incomplete and was not committed; step 1, the newest complete "
+            "checkpoint, is kept") in out, out
+    assert "rerun the same command to resume from step 1, the newest complete checkpoint" in out, out
+    ckpt = tmp_path / "save" / "checkpoint"
+    assert sorted(os.listdir(ckpt)) == ["step-1"], os.listdir(ckpt)  # no partial step-2 left behind

@@ -120,3 +120,21 @@ def test_a_rank_whose_process_is_gone_is_marked_exited(tmp_path):
     lines = summarize_heartbeats(str(tmp_path), stale_after=30, me=0)
     assert f"<- exited or was killed (process {gone.pid} no longer exists)" in lines[1], lines
     assert "exited" not in lines[0]
+
+
+def test_the_error_line_reaches_torchruns_failure_summary(tmp_path, monkeypatch):
+    """scripts/ write their error's first line into torchrun's per-worker error file: torch's own reader (the one
+    its failure summary uses) takes it as the rank's message."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titanlike.cli import tell_launcher
+
+    path = tmp_path / "error.json"
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    tell_launcher("error: not under torchrun")
+    assert not path.exists()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    tell_launcher("error: rank 0, step 3: rank 1 exited or was killed (...).\nHeartbeats: ...")
+    summary = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1,
+                                                              error_file=str(path))}).format_msg()
+    assert "  traceback : error: rank 0, step 3: rank 1 exited or was killed (...).\n" in summary, summary

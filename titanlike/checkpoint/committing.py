@@ -64,8 +64,10 @@ class CommitMixin:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = layout.complete_steps(self.folder)
-        raise CheckpointError(f"checkpoint: saving step {step} failed: {why}. Earlier checkpoints are untouched "
-                              f"(complete steps in {self.folder}: {kept or 'none'})") from None
+        err = CheckpointError(f"checkpoint: saving step {step} failed: {why}. Earlier checkpoints are untouched "
+                              f"(complete steps in {self.folder}: {kept or 'none'})")
+        err.cause = exc  # a lost peer behind it is reported as such, naming the rank (comm_watch.HangWatch)
+        raise err from None
 
     def _commit(self, step: int, tmp: str, final: str, marker: dict, *, stall: float, write: float,
                 checked: tuple[dict, float, str | None], prune: bool = True, wait: float = 0.0) -> None:
@@ -87,6 +89,7 @@ class CommitMixin:
         deleted = self._rank0_do(layout.prune, self.folder, self.cfg.keep_latest_k, step,
                                  (self.verified_step,) if self.verified_step is not None else (),
                                  tuple(sorted(self.bad_steps))) if prune else []
+        self.saving = None
         self.stats.append({"step": step, "mode": marker["mode"], "stall_s": stall, "wait_s": wait, "write_s": write,
                            "checksum_s": checksum})
         if marker["mode"] == "disabled" or marker["model_only"]:
@@ -130,6 +133,7 @@ class CommitMixin:
                 dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._ctl)
             if done.item() < 1:
                 return
+        self.saving = p.step  # the collectives below finish that save
         if p.staging is not None and not self._staging_done and block and count_stall:
             self.wait_for_staging()  # the staging part of a blocking wait is still this save's own stall
         t0 = time.perf_counter()

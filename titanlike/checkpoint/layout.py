@@ -233,7 +233,8 @@ def check_step(info: StepInfo, checksums: bool = True, share: tuple[int, int] = 
     """Check a committed step's files: against MANIFEST.json (sizes, and every chunk's CRC32 unless checksums is
     False), else the marker's sizes (steps saved before manifests: no note), else, with an unreadable marker and
     no manifest, the sizes DCP's .metadata implies. A manifest that exists but does not parse makes the step
-    damaged (a size check only, with a warning, when checksums is False). `share=(r, n)`: this rank's part of the work (merge the problems)."""
+    damaged (a size check only, with a warning, when checksums is False). `share=(r, n)`: this rank's part of the
+    work (merge the problems)."""
     notes, path = [], info.path
     try:
         manifest = integrity.read_manifest(path)

@@ -113,6 +113,9 @@ class CheckpointManager(CommitMixin, LoadMixin):
         # neither count as kept nor are removed (layout.prune).
         self.verified_step: int | None = None
         self.bad_steps: set[int] = set()
+        # The step a save is writing or committing (None between saves): a failure that ends the run there says
+        # which save is incomplete (titanlike/resilience/comm_watch.py).
+        self.saving: int | None = None
         if self.mode != "disabled" and self.dist:  # async_save needs a CPU-capable group (the default may be NCCL)
             self._async_pg = dist.new_group(backend="gloo")
         for pg in (self._ctl, self._async_pg):
@@ -232,6 +235,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         """Save the full training state as step-<step> (async per cfg.async_mode)."""
         self._finish_pending(block=True)  # one save in flight at a time (the wait is logged with the previous save)
         t0 = time.perf_counter()
+        self.saving = step
         self._check_prestage(block=True)  # a pre-staging still running: waiting for it counts as this save's stall
         final = layout.step_path(self.folder, step)
         tmp = self._rank0_do(self._prepare, step, "step")
@@ -267,6 +271,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         self._finish_pending(block=True)
         dtype = getattr(torch, self.cfg.export_dtype)
         t0 = time.perf_counter()
+        self.saving = step
         tmp = self._rank0_do(self._prepare, step, "export-step")
         self._barrier()
         self._write_sync(self._state_dict(model_only=True, dtype=dtype), tmp, step)

@@ -117,6 +117,44 @@ def comm_failure_kind(exc: BaseException) -> str | None:
     return None
 
 
+def _comm_cause(exc: BaseException) -> BaseException | None:
+    """The communication failure behind `exc`: itself (a plain RuntimeError or torch's DistError from a
+    collective, not one of titanlike's own errors), or one a failed save wrapped (the CheckpointError's `cause`,
+    DCP's CheckpointException's per-rank `failures`, chained exceptions). None when there is none."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if (type(exc) is RuntimeError or isinstance(exc, getattr(dist, "DistError", ()))) and comm_failure_kind(exc):
+            return exc
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            exc = sorted(failures.items())[0][1][0]
+            continue
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+def _complete_steps(checkpointer) -> list[int]:
+    from titanlike.checkpoint.layout import complete_steps
+
+    try:
+        return complete_steps(checkpointer.folder)
+    except (OSError, AttributeError):
+        return []
+
+
+def _rerun(checkpointer) -> str:
+    """What rerunning the same command does: resume only where a complete checkpoint exists."""
+    if checkpointer is None:
+        return "rerun the same command to resume from the newest complete checkpoint, if any"
+    if not checkpointer.cfg.enable:
+        return "checkpointing is off (checkpoint.enable=false), so nothing was saved and a rerun starts over"
+    kept = _complete_steps(checkpointer)
+    if not kept:
+        return "no checkpoint was saved yet, so a rerun starts over"
+    return f"rerun the same command to resume from step {kept[-1]}, the newest complete checkpoint"
+
+
 # ------------------------------------------------------------------------------------------ heartbeat
 def read_heartbeats(folder: str) -> dict[int, dict]:
     out = {}
@@ -269,10 +307,12 @@ class HangWatch:
             set_collective_timeout(self.cfg.train_timeout_seconds)
             self.key, self.timeout = "comm.train_timeout_seconds", self.cfg.train_timeout_seconds
 
-    def comm_error(self, exc: BaseException, step: int) -> CommError | None:
-        """A CommError describing `exc` if it is a communication failure (timeout or lost peer), else None."""
-        ours = type(exc) is RuntimeError or isinstance(exc, getattr(dist, "DistError", ()))  # not our own errors
-        kind = comm_failure_kind(exc) if ours else None
+    def comm_error(self, exc: BaseException, step: int, checkpointer=None) -> CommError | None:
+        """A CommError describing `exc` if it is a communication failure (timeout or lost peer), else None; also
+        when a checkpoint save failed because of one (the save's error carries it). `checkpointer` (the run's
+        CheckpointManager): the step it was saving, and what a rerun resumes from."""
+        exc = _comm_cause(exc)
+        kind = comm_failure_kind(exc) if exc is not None else None
         if kind is None:
             return None
         self.failed = True
@@ -291,6 +331,11 @@ class HangWatch:
             what = f"a collective timed out after {self.key}={self.timeout:g} s"
         else:
             what = "a peer rank closed its connection (it crashed, was killed, or gave up after its own timeout)"
+        saving = getattr(checkpointer, "saving", None)
+        if saving is not None:  # nothing of that save counts: it has no commit marker
+            kept = _complete_steps(checkpointer)
+            what += (f" while saving the checkpoint of step {saving}: that save is incomplete and was not committed"
+                     + (f"; step {kept[-1]}, the newest complete checkpoint, is kept" if kept else ""))
         lines = [f"rank {self.rank}, step {step}: {what} ({type(exc).__name__}: {first})."]
         if self.heartbeat is not None:
             self.heartbeat.beat(force_record=True)  # this rank's own line, fresh
@@ -302,15 +347,15 @@ class HangWatch:
         dumped = dump_flight_recorder(self.traces, self.rank)
         if dumped:
             lines.append(f"Flight recorder of this rank: {dumped} (compare with the other ranks' files there).")
+        rerun = _rerun(checkpointer)
         if dead:
-            lines.append("Fix: the exited rank's own log (and torchrun's summary: exit code or signal) says why it "
-                         "stopped; rerun the same command to resume from the newest complete checkpoint.")
+            lines.append(f"Fix: the exited rank's own log (and torchrun's summary: exit code or signal) says why it "
+                         f"stopped; {rerun}.")
         elif kind == "timeout":
             lines.append(f"Fix: find why the marked rank stalls (its own log; `py-spy dump --pid PID`); if steps are "
                          f"legitimately that slow (huge checkpoint, slow storage), raise {self.key}.")
         else:
-            lines.append("Fix: the peer's own log says why it stopped (a crash or its own timeout); rerun the same "
-                         "command to resume from the newest complete checkpoint.")
+            lines.append(f"Fix: the peer's own log says why it stopped (a crash or its own timeout); {rerun}.")
         return CommError("\n".join(lines))
 
     def close(self) -> None:

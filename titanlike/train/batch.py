@@ -74,8 +74,8 @@ class BatchLayout:
             return None
         keys = " / ".join(k for k, on in (("data.document_masking", self.documents), ("data.reset_position_ids",
                           self.reset_positions), ("data.eod_mask_loss", self.eod_mask_loss)) if on)
+        verb = "it changes" if " / " not in keys else "they change"
         return (f"{keys} found no end-of-document token (id {self.eod_id}) inside the first {self._tokens} tokens "
-                f"of this rank: every sequence is one document, so {'it changes' if ' / ' not in keys else 'they change'}"
-                f" nothing; add EOD tokens to the data (scripts/preprocess_data.py --append-eod; data.add_eod for text "
+                f"of this rank: every sequence is one document, so {verb} nothing; add EOD tokens to the data (scripts/preprocess_data.py --append-eod; data.add_eod for text "
                 f"data), set data.eod_token to the token that ends your documents, or turn {keys} off (unless your "
                 f"documents are longer than that)")

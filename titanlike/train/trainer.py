@@ -262,7 +262,7 @@ class Trainer:
         try:
             return self._train_loop()
         except RuntimeError as e:
-            err = self.hang.comm_error(e, self.step)
+            err = self.hang.comm_error(e, self.step, self.checkpointer)
             if err is None:
                 raise
             raise err from e
