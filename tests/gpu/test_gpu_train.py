@@ -75,3 +75,20 @@ def test_train_script_fsdp2_nccl(tmp_path):
         "--training.device=cuda", "--compile.enable", "--activation_checkpoint.mode=selective"]).stdout
     losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines() if " loss " in line]
     assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, out
+
+
+def test_default_async_mode_is_async_on_a_gpu_and_the_last_save_commits(tmp_path):
+    """checkpoint.async_mode's default (auto) on one GPU: the saves are async (the loop does not wait for the disk),
+    and the last step's save, still in flight when the loop ends, is committed before the process exits."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), "--config", "configs/debug_model.toml",
+                        f"--job.dump_folder={tmp_path}", "--job.run_name=run", "--training.device=cuda",
+                        "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=2"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for step in (2, 4):
+        marker = json.loads((tmp_path / "run" / "checkpoint" / f"step-{step}" / "COMMITTED").read_text())
+        assert marker["mode"] == "async", marker

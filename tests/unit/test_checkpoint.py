@@ -85,6 +85,19 @@ class Run:
         return losses
 
 
+def test_async_mode_auto_is_sync_on_cpu_and_the_last_async_save_commits_at_close(tmp_path):
+    """The default (auto) saves synchronously on a CPU (async on a GPU: tests/gpu/test_gpu_checkpoint.py); an
+    async save of the last step is still in flight after maybe_save and committed by close(), before the run exits."""
+    assert Checkpoint().async_mode == "auto"
+    run = Run(tmp_path / "cpu", interval=100)
+    assert run.ckpt.mode == "disabled"
+    run = Run(tmp_path / "async", async_mode="async", interval=100)
+    run.train(2, last=2)
+    run.ckpt.close()
+    assert complete_steps(str(tmp_path / "async")) == [2]
+    assert layout.read_marker(str(tmp_path / "async" / "step-2"))["mode"] == "async"
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_full_state_roundtrip_continues_identically(tmp_path, mode):
     a = Run(tmp_path, async_mode=mode, interval=2)

@@ -176,7 +176,9 @@ class Checkpoint:
     # On load, check every file against the CRC32s in its step's MANIFEST.json (reads the step once more, split
     # over all ranks); false = file sizes only
     verify_checksums: bool = True
-    async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
+    # auto (async on a GPU, disabled on a CPU) | disabled (the loop waits for the write) | async (the loop waits only
+    # for the copy to host memory) | async_with_pinned_mem; a save in flight at the end is committed before exit
+    async_mode: str = "auto"
     io_threads: int = 1  # writer threads per rank (DCP FileSystemWriter thread_count; one file per thread)
     # async_with_pinned_mem: allocate and pin the staging buffers in the background as training starts, not inside
     # the first save (which then stalled a step for ~30 s on an 8B model); costs that host memory from step 1

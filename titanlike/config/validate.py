@@ -41,7 +41,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallelism.pp_schedule": PP_SCHEDULES,
     "activation_checkpoint.mode": AC_MODES,
     "float8.recipe": FLOAT8_RECIPES,
-    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.async_mode": ("auto", "disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "fault_tolerance.process_group": ("auto", "gloo", "nccl"),
 }
