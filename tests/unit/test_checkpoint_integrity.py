@@ -263,8 +263,10 @@ def test_preflight_refuses_an_unwritable_folder(tmp_path, monkeypatch):
     assert "checkpoint.folder" in msg
     monkeypatch.undo()
     (tmp_path / "file").write_text("")
-    with pytest.raises(CheckpointError, match="is not writable"):  # a folder that cannot even be created
-        Run(tmp_path / "file" / "ckpt").ckpt.preflight()
+    with pytest.raises(CheckpointError, match=f"ckpt lies under {tmp_path / 'file'}, a file: move"):
+        Run(tmp_path / "file" / "ckpt").ckpt.preflight()  # a folder that cannot even be created
+    with pytest.raises(CheckpointError, match=f"checkpoint folder {tmp_path / 'file'} is a file, not a folder"):
+        Run(tmp_path / "file").ckpt.preflight()
     run.ckpt.preflight()  # writable: passes, and leaves no probe file behind
     assert os.listdir(tmp_path / "ckpt") == []
     Run(tmp_path / "off", enable=False).ckpt.preflight()  # checkpointing off: nothing checked, nothing created

@@ -76,3 +76,35 @@ def test_debug_keeps_exit_2(tmp_path, capsys):
     assert _script("generate").main([str(tmp_path / "nope"), "--prompt", "x", "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "does not exist" in err
+
+
+def test_damaged_inputs_and_file_outputs_are_one_line(run, tmp_path, capsys):
+    """A truncated or garbage safetensors file, an output path that is a file or under one, a Megatron checkpoint
+    whose .metadata is garbage: exit 2 and one line naming the file, no traceback."""
+    convert_hf, convert_megatron = _script("convert_hf"), _script("convert_megatron")
+    hf = tmp_path / "hf"
+    assert convert_hf.main(["export", str(run), str(hf), "--no-progress", "--dtype", "float32"]) == 0
+    weights = (hf / "model.safetensors").read_bytes()
+    for name, data in (("truncated", weights[: len(weights) // 2]), ("garbage", b"not a safetensors file at all")):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_bytes((hf / "config.json").read_bytes())
+        (bad / "model.safetensors").write_bytes(data)
+        assert convert_hf.main(["import", str(bad), str(tmp_path / f"{name}_out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{bad / 'model.safetensors'} is not a readable safetensors file" in err[0], err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, words in ((afile, f"{afile} is a file, not a folder"), (afile / "sub", f"lies under {afile}, which is")):
+        assert convert_hf.main(["export", str(run), str(out), "--no-progress"]) == 2
+        assert convert_megatron.main(["export", str(run), str(out)]) == 2
+        assert convert_hf.main(["import", str(hf), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 3 and all(words in line for line in err), err
+    meg = tmp_path / "meg"
+    (meg / "iter_0000001").mkdir(parents=True)
+    (meg / "latest_checkpointed_iteration.txt").write_text("1")
+    (meg / "iter_0000001" / ".metadata").write_bytes(b"garbage, not a pickle")
+    assert convert_megatron.main(["import", str(meg), str(tmp_path / "meg_out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{meg / 'iter_0000001' / '.metadata'} could not be read" in err[0], err

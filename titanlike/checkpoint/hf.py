@@ -26,6 +26,7 @@ import models
 from titanlike.checkpoint import layout
 from titanlike.checkpoint.hf_tokenizer import find_tokenizer, token_ids, write_tokenizer
 from titanlike.checkpoint.layout import META, CheckpointError
+from titanlike.checkpoint.resolve import check_output_folder
 from titanlike.checkpoint.states import MODEL, full_model_state, quiet_dcp, read_meta_json, read_metadata, tensor_shapes
 
 logger = logging.getLogger("titanlike")
@@ -84,8 +85,6 @@ def shard_files(hf_dir: str) -> dict[str, list[str]]:
 def read_hf_model(hf_dir: str, progress: bool = False) -> tuple[str, object, dict[str, torch.Tensor]]:
     """(family name, its model args, titanlike state dict) of an HF folder, through the family's HF adapter; the
     tensors keep their saved dtype. CheckpointError naming the file at fault. (import_hf and generation's loader.)"""
-    from safetensors import safe_open
-
     config, model_name = read_hf_config(hf_dir)
     spec = models.get_spec(model_name)
     try:
@@ -95,14 +94,14 @@ def read_hf_model(hf_dir: str, progress: bool = False) -> tuple[str, object, dic
     files = shard_files(hf_dir)
     total = 0
     for fname in files:
-        with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+        with _safetensors(hf_dir, fname) as f:  # every file's header, before any tensor is read
             total += len(list(f.keys()))
     hf_sd = {}
     with _progress(total, "read HF shards", progress) as bar:
         for fname in sorted(files):
-            with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+            with _safetensors(hf_dir, fname) as f:
                 for key in f.keys():
-                    hf_sd[key] = f.get_tensor(key)
+                    hf_sd[key] = _tensor(f, key, os.path.join(hf_dir, fname))
                     bar.update(1)
     try:
         sd = spec.hf.from_hf(hf_sd, args)
@@ -111,9 +110,32 @@ def read_hf_model(hf_dir: str, progress: bool = False) -> tuple[str, object, dic
     return model_name, args, sd
 
 
+def _safetensors(hf_dir: str, fname: str):
+    """safe_open of one file; CheckpointError naming it when its header does not parse (truncated, not safetensors)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = os.path.join(hf_dir, fname)
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                              f"download it again") from None
+
+
+def _tensor(f, key: str, path: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: tensor {key} cannot be read ({e}): the file is truncated or damaged; "
+                              f"download it again") from None
+
+
 def import_hf(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
     """HF folder -> out_dir/step-0 (+ out_dir/tokenizer). Returns {"path", "model_args", "flavor"}."""
     read_hf_config(hf_dir)  # an unsupported folder fails before the existing-output check, as before
+    check_output_folder(out_dir)
     final = layout.step_path(out_dir, 0)
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
@@ -199,6 +221,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     info, meta, spec = newest_step_model(ckpt_path)
     args = spec.args_cls(**meta["model_args"])
     torch_dtype = getattr(torch, dtype)
+    check_output_folder(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; nothing is overwritten: choose another folder")
     # Before the weights: a tokenizer that cannot be built fails the export at once.

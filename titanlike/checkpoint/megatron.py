@@ -25,6 +25,7 @@ import models
 from titanlike.checkpoint import layout, megatron_format
 from titanlike.checkpoint.hf import newest_step_model, write_model_step
 from titanlike.checkpoint.layout import CheckpointError
+from titanlike.checkpoint.resolve import check_output_folder
 from titanlike.checkpoint.states import full_model_state
 
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -82,6 +83,7 @@ def read_megatron(save_dir: str, iteration: int | None = None, family: str | Non
 def import_megatron(save_dir: str, out_dir: str, iteration: int | None = None, family: str | None = None,
                     overrides: dict | None = None, vocab_size: int | None = None, dtype: str | None = None) -> dict:
     """Megatron-LM --save folder -> out_dir/step-0. Returns {"path", "model", "model_args", "flavor", "notes", ...}."""
+    check_output_folder(out_dir)
     final = layout.step_path(out_dir, 0)
     if os.path.exists(final):  # before reading a large checkpoint
         raise CheckpointError(f"{final} already exists; nothing is overwritten: choose another output folder")
@@ -132,6 +134,7 @@ def export_megatron(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", itera
     if spec.megatron is None:
         raise CheckpointError(f"model {spec.name} has no Megatron adapter (models/{spec.name}/megatron.py); export it "
                               f"with scripts/convert_hf.py instead")
+    check_output_folder(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; nothing is overwritten: choose another folder")
     args = spec.args_cls(**meta["model_args"])

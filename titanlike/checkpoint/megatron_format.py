@@ -125,7 +125,12 @@ def read_torch_dist(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     common = os.path.join(path, "common.pt")
     margs = args_of(load_pickled(common), common) if os.path.isfile(common) else {}
     reader = FileSystemReader(path)
-    md = reader.read_metadata()
+    try:
+        md = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: the file is not DCP's metadata
+        raise CheckpointError(f"{os.path.join(path, '.metadata')} could not be read ({type(e).__name__}: {e}): "
+                              f"the file is damaged or not written by torch.distributed.checkpoint; copy the "
+                              f"checkpoint again") from None
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and k.startswith(MODEL_PREFIXES) and "_extra_state" not in k}
     if not target:

@@ -32,6 +32,11 @@ def probe_writable(folder: str, what: str, fix: str) -> None:
     """Create `folder` if needed, then create, fsync and remove a small file in it; CheckpointError naming the
     folder, the reason and `fix` if any of that fails."""
     probe = os.path.join(folder, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+    file = next((p for p in _self_and_parents(folder) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if file is not None:  # not a permission problem: say what is in the way
+        where = "is a file, not a folder" if file == os.path.abspath(folder) else f"lies under {file}, a file"
+        raise CheckpointError(f"{what} {folder} {where}: move the file away, or point checkpoint.folder (or "
+                              f"job.dump_folder) elsewhere")
     try:
         os.makedirs(folder, exist_ok=True)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -43,6 +48,15 @@ def probe_writable(folder: str, what: str, fix: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise CheckpointError(f"{what} {folder} is not writable ({describe_error(e)}): {fix}") from None
+
+
+def _self_and_parents(folder: str) -> list[str]:
+    path, out = os.path.abspath(folder), []
+    while True:
+        out.append(path)
+        if os.path.dirname(path) == path:
+            return out
+        path = os.path.dirname(path)
 
 
 def _share(t: torch.Tensor) -> float:

@@ -67,3 +67,14 @@ def resolve_step(source: str, step: int | None = None, checksums: bool = False) 
         if info is not None and info.step >= max(found):
             return info
     return layout.choose_step(found[max(found) if step is None else step].path, -1, checksums=checksums)
+
+
+def check_output_folder(path: str) -> None:
+    """CheckpointError (one line) when `path` cannot become a tool's output folder: it is a file, or lies under one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a folder: give a new or empty folder for the output")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{path} lies under {parent}, which is a file: give an output folder elsewhere")
