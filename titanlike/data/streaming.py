@@ -256,12 +256,15 @@ class StreamingTextDataset(IterableDataset):
         if where:
             logger.info("tokenised a document of %.1f M characters (%s) in %.1f s: %d tokens", len(text) / 1e6,
                         where, time.perf_counter() - t0, ids.size)
-        return np.concatenate([[self.tok.bos_id] if self.add_bos else [], ids,
-                               [self.tok.eod_id] if self.add_eod else []]).astype(np.int64, copy=False)
+        pre = np.asarray([self.tok.bos_id] if self.add_bos else [], dtype=np.int64)
+        post = np.asarray([self.tok.eod_id] if self.add_eod else [], dtype=np.int64)
+        return np.concatenate([pre, ids, post])
 
     def _gives_tokens(self, text: str) -> bool:
         """Whether a document gives any token, without tokenising a huge one whole (the start-up check)."""
-        return self.add_bos or self.add_eod or bool(self.tok.encode(text[:PIECE_CHARS])) or self._tokens(text).size > 0
+        if self.add_bos or self.add_eod or self.tok.encode(text[:PIECE_CHARS]):
+            return True
+        return len(text) > PIECE_CHARS and self._tokens(text).size > 0
 
     def check_usable(self, num_workers: int = 0) -> None:
         """Start-up check that every shard of this rank (one per DataLoader worker) has a document giving tokens.
