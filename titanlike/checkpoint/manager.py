@@ -5,6 +5,8 @@ layout loads any other), LR scheduler, data loader position, trainer counters, p
 Layout and commit protocol: layout.py. Saves happen every `interval` steps and at the last step, in one of three
 modes:
 
+  auto (default)         async on a GPU; disabled on a CPU, where the copy to memory would cost what the write
+                         does. A save still in flight when the run ends is committed before it exits (close()).
   disabled               synchronous `dcp.save`; the loop waits for the write.
   async                  the loop waits only while the state is copied to CPU memory, then a thread writes it.
   async_with_pinned_mem  the copy goes to cached pinned (shared) memory on a background stream, overlapping the
@@ -66,6 +68,15 @@ class _Pending:
     wait: float = 0.0  # time a later save (not close) waited for this write
 
 
+def resolve_async_mode(mode: str, parts) -> str:
+    """checkpoint.async_mode as run: "auto" is "async" when the model lives on a GPU (the loop waits only for the
+    copy to host memory, not for the disk), else "disabled"."""
+    if mode != "auto":
+        return mode
+    on_gpu = any(p.device.type == "cuda" for part in parts for p in part.parameters())
+    return "async" if on_gpu else "disabled"
+
+
 class CheckpointManager(CommitMixin, LoadMixin):
     """Save/load the training state under `folder` (usually <run dir>/<checkpoint.folder>).
 
@@ -99,7 +110,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         self.stats: list[dict] = []  # per committed save: step, mode, stall_s, wait_s, write_s; per load: load_s
         self._pending: _Pending | None = None
         self._staging_done = True
-        self.mode = cfg.async_mode if cfg.enable else "disabled"
+        self.mode = resolve_async_mode(cfg.async_mode, self.parts) if cfg.enable else "disabled"
         # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
         # interleave with the training collectives, nor with the writer's own collectives.
         # Both wait for the slowest rank's write of a whole checkpoint: they keep gloo's 30 min timeout, not the
