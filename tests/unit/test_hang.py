@@ -138,3 +138,23 @@ def test_the_error_line_reaches_torchruns_failure_summary(tmp_path, monkeypatch)
     summary = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1,
                                                               error_file=str(path))}).format_msg()
     assert "  traceback : error: rank 0, step 3: rank 1 exited or was killed (...).\n" in summary, summary
+
+
+def test_a_lost_peer_inside_a_failed_save_is_found():
+    """A save that failed in DCP's collectives (CheckpointError over DCP's CheckpointException over gloo's
+    RuntimeError) is a communication failure; a failed save for another reason, or our own errors, are not."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from titanlike.checkpoint import CheckpointError
+    from titanlike.resilience.comm_watch import _comm_cause
+
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:63657")
+    dcp = CheckpointException("save", {1: (ValueError("x"), None), 0: (gloo, traceback.extract_stack())})
+    err = CheckpointError("checkpoint: saving step 2 failed: ...")
+    err.cause = dcp
+    assert _comm_cause(err) is gloo and _comm_cause(gloo) is gloo
+    full = CheckpointError("checkpoint: saving step 2 failed: disk full")
+    full.cause = OSError(28, "No space left on device")
+    assert _comm_cause(full) is None and _comm_cause(CheckpointError("Connection closed by peer")) is None

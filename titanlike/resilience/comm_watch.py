@@ -128,7 +128,7 @@ def _comm_cause(exc: BaseException) -> BaseException | None:
             return exc
         failures = getattr(exc, "failures", None)
         if isinstance(failures, dict) and failures:
-            exc = sorted(failures.items())[0][1][0]
+            exc = failures[min(failures)][0]
             continue
         exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
     return None
