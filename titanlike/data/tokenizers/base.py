@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 # A text longer than this is tokenised in pieces (encode_array): tokenizers' costs grow faster than linearly on one
-# huge string (the builtin BPE: 5.7 s and ~1 GB for 3.8 MB of text whole, 1.3 s in 4 KiB pieces; a 100 MB JSONL
+# huge string (the builtin BPE: 5.7 s and ~1 GB for 3.8 MB of text whole, 1.4 s in 16 KiB pieces; a 100 MB JSONL
 # line took minutes and 15 GiB), so a piece of PIECE_CHARS keeps time linear and memory bounded.
 LONG_TEXT_CHARS = 1 << 20
 PIECE_CHARS = 1 << 14
@@ -47,8 +47,9 @@ class Tokenizer:
                      ) -> np.ndarray:
         """encode(text) as an int64 array; a text over `long_chars` characters is encoded piece by piece, cut
         before a space between two words: the tokenizers used here never join tokens across that space (regex
-        pre-tokenizers start a word there; sentencepiece starts one with the space as its "▁"), so the ids are
-        those of the whole text. Only a run of `piece_chars` characters without such a space is cut inside it."""
+        pre-tokenizers start a word there; sentencepiece, with its default normalisation, starts one with the space
+        as its "▁"), so the ids are those of the whole text. Only where the last half of a piece holds no such space
+        is it cut elsewhere."""
         if len(text) <= long_chars:
             return np.asarray(self.encode(text), dtype=np.int64)
         return np.concatenate([np.asarray(self.encode(text[a:b]), dtype=np.int64)
