@@ -56,6 +56,8 @@ def test_tiktoken_llama3_format(tmp_path):
     assert tok.token_to_id("<|eot_id|>") == n + 9 and tok.token_to_id("<|start_header_id|>") == n + 6
     assert tok.encode("the") == [257] and tok.encode("the the") == [257, 258]
     assert tok.decode(tok.encode(TEXT)) == TEXT
+    long = " ".join([TEXT] * 40)  # a huge document's pieces (cut between words) give the whole text's ids
+    assert tok.encode_array(long, piece_chars=64, long_chars=10).tolist() == tok.encode(long)
     assert tok.bos_id not in tok.encode("<|begin_of_text|> is text here")
     assert tok.encode("x", bos=True, eos=True)[::2] == [tok.bos_id, tok.eos_id]
     eot = build_tokenizer(Data(tokenizer=str(path), eod_token="<|eot_id|>"))
@@ -77,6 +79,8 @@ def test_sentencepiece_model(tmp_path):
     assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.eod_id == 2
     text = "the cat went there"
     assert tok.decode(tok.encode(text)) == text
+    long = " ".join([TEXT] * 40)  # a huge document's pieces (cut between words) give the whole text's ids
+    assert tok.encode_array(long, piece_chars=64, long_chars=10).tolist() == tok.encode(long)
     assert tok.encode(text, bos=True, eos=True) == [1, *tok.encode(text), 2]
     assert tok.eos_id not in tok.encode("</s> stays text")
     assert max(tok.encode("東京 🚀")) < tok.vocab_size  # byte fallback: nothing is out of vocabulary
