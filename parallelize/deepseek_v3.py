@@ -1,5 +1,6 @@
 """The DeepSeek-V3 parallelization plans: its TP dict for MLA and the MoE, composed by parallelize/compose.py
-(TP -> EP -> CP -> AC -> compile -> FSDP; MLA's keys and values, per head after wkv_b, are gathered under CP like GQA's).
+(TP -> EP -> CP -> AC -> compile -> FSDP; MLA's keys and values, per head after wkv_b, are gathered under CP like
+GQA's).
 
 Tensor parallel, per block (S = sequence, seq = Shard(1) with sequence parallel, else Replicate):
   attention_norm        SequenceParallel

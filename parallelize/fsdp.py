@@ -66,7 +66,8 @@ def apply_fsdp(
         # The last block's backward runs right after the loss/output backward: resharding it after forward
         # would only free memory to all-gather the same parameters again moments later.
         last = i == len(blocks) - 1
-        fully_shard(block, **config, reshard_after_forward=reshard and not (last and reshard_after_forward == "default"))
+        keep_last = last and reshard_after_forward == "default"
+        fully_shard(block, **config, reshard_after_forward=reshard and not keep_last)
 
     # Final norm + output projection: one group, never resharded after forward (their backward comes first).
     tail = [getattr(model, name) for name in output_modules if getattr(model, name, None) is not None]

@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
             # Only files that were written: the tokenizer flag when the HF folder had a tokenizer file.
             tok = f" --data.tokenizer={r['tokenizer']}" if r["tokenizer"] else ""
             print(f"wrote {r['path']} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}).\n"
-                  f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} --model.name={r['model']} "
+                  f"train from it: --checkpoint.enable --checkpoint.initial_load_path={a.out} "
+                  f"--model.name={r['model']} "
                   f"{flavor} "
                   f"--model.vocab_size={args.vocab_size}{tok}")
             if not r["tokenizer"]:

@@ -10,8 +10,8 @@ newest complete step unless --step N), a scripts/convert_hf.py import, or an HF 
 The tokenizer is the run's own (its config.toml) or the HF folder's; without one, give --tokens. A text prompt starts
 with the BOS token when the model's documents did (the run's data.add_bos; for an HF folder, when its tokenizer adds
 it, as transformers' tokenizer(prompt) does): --bos / --no-bos decide instead. Which step was loaded goes to stderr.
-One prompt streams its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one left-padded
-batch and print in order. Greedy unless --temperature > 0; generation stops at the tokenizer's EOS.
+One prompt streams its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one
+left-padded batch and print in order. Greedy unless --temperature > 0; generation stops at the tokenizer's EOS.
 
 Bad input (missing or damaged checkpoint, unknown model, a prompt longer than the model's context, bad sampling
 values) exits with status 2 and one line naming the problem and the fix; --debug shows the traceback.
@@ -75,7 +75,8 @@ def _token_prompts(specs: list[str], vocab_size: int) -> list[list[int]]:
         try:
             ids = [int(x) for x in spec.replace(" ", ",").split(",") if x]
         except ValueError:
-            raise ValueError(f"--tokens {spec!r}: give comma-separated integer token ids, e.g. --tokens 1,2,3") from None
+            raise ValueError(f"--tokens {spec!r}: give comma-separated integer token ids, e.g. --tokens 1,2,3") \
+                from None
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if not ids or bad:
             raise ValueError(f"--tokens {spec!r}: ids must lie in 0..{vocab_size - 1} (the model's vocabulary)"

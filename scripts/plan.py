@@ -155,7 +155,8 @@ def plan_main(argv: list[str]) -> int:
         if smallest:
             least, what = min(smallest) / GIB, f"the smallest estimate among the {len(smallest)} traced was"
         elif bounds:
-            least, what = min(bounds) / GIB, "every layout's parameters, gradients and optimizer state alone need at least"
+            least = min(bounds) / GIB
+            what = "every layout's parameters, gradients and optimizer state alone need at least"
             fix = "or more GPUs (the weights and optimizer state shard over them)"
         else:
             _say(f"no layout fits {n} x {mem:g} GiB: none of them could be estimated (above)")

@@ -3,8 +3,8 @@
     python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --json-keys text \\
         --tokenizer-type Llama3Tokenizer --tokenizer-model /models/my_model/tokenizer.model --append-eod --workers 8
 
-The work is titanlike/data/preprocess.py's run(); docs/data.md describes the format. Exit status: 0 done (bad lines, if any, listed), 1 stopped by
---strict, 2 bad arguments or files (including input where no line gives a document).
+The work is titanlike/data/preprocess.py's run(); docs/data.md describes the format. Exit status: 0 done (bad lines, if
+any, listed), 1 stopped by --strict, 2 bad arguments or files (including input where no line gives a document).
 """
 from __future__ import annotations
 

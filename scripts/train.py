@@ -191,7 +191,8 @@ def _write_megatron_toml(megatron, run_dir: str, logger) -> None:
     with open(path + ".tmp", "w") as f:  # the TOML that was run, then the flag block it came from
         f.write(f"{megatron.toml}\n# The flag block given to --megatron-args:\n{flags}\n")
     os.replace(path + ".tmp", path)
-    logger.info(f"--megatron-args: the equivalent TOML is {path} (train it again: --config that file and the same overrides)")
+    logger.info(f"--megatron-args: the equivalent TOML is {path} (train it again: --config that file and the same "
+                f"overrides)")
 
 
 def _fail(e: BaseException, code: int, debug: bool) -> int:

@@ -2,8 +2,8 @@
 as the model's attention (model.attn_backend = "fa4", or "auto" on a Hopper+ GPU where the package imports).
 
 Why: at head dim 64 (Llama-3.2-1B) cuDNN's SDPA reaches ~350 TFLOP/s forward + backward on the H100 and FA4's SM90
-kernels ~415 (docs/benchmarks.md, attention kernels, 2026-11-23, H100). The kernels read grouped KV heads as they are and take the
-[B, S, H, D] layout the projections produce, so nothing is transposed or repeated.
+kernels ~415 (docs/benchmarks.md, attention kernels, 2026-11-23, H100). The kernels read grouped KV heads as they are
+and take the [B, S, H, D] layout the projections produce, so nothing is transposed or repeated.
 
 FA4 launches JIT-compiled kernels from Python, which torch.compile cannot trace: forward and backward are wrapped as
 custom ops (opaque nodes with fake implementations for tracing), and autograd connects them.

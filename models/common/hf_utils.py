@@ -59,7 +59,8 @@ def hf_layer_items(hf_state_dict: dict[str, torch.Tensor],
 
 
 def untie_output(out: dict[str, torch.Tensor]) -> None:
-    """A checkpoint without lm_head ties it to the embedding; the decoder families other than GPT do not tie, so the output gets a copy."""
+    """A checkpoint without lm_head ties it to the embedding; the decoder families other than GPT do not tie, so the
+    output gets a copy."""
     if "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"].clone()
 

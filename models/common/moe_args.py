@@ -43,7 +43,8 @@ def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
         out.append(f"parallelism.ep={ep} does not divide {p}.num_experts={e}; use ep in {{{','.join(map(str, divs))}}}")
     g, tg = args.n_groups, args.topk_groups
     if g < 1 or (e >= 1 and e % g):
-        out.append(f"{p}.n_groups={g} does not divide {p}.num_experts={e}; use a divisor of num_experts (1 = no groups)")
+        out.append(f"{p}.n_groups={g} does not divide {p}.num_experts={e}; use a divisor of num_experts "
+                   f"(1 = no groups)")
     elif not 1 <= tg <= g:
         out.append(f"{p}.topk_groups={tg} must lie in 1..{p}.n_groups={g}; lower topk_groups")
     elif top_k_ok and k > tg * (e // g):

@@ -8,8 +8,8 @@ llama3_flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=10000.0, max_seq_len=2048
     ),
-    # Llama 3.2 1B shapes. NOTE: Llama 3.2 ties lm_head to the embedding; titanlike's Llama does not tie (only GPT does), so this
-    # flavor has a separate `output` matrix (~1.50B params instead of 1.24B).
+    # Llama 3.2 1B shapes. NOTE: Llama 3.2 ties lm_head to the embedding; titanlike's Llama does not tie (only GPT
+    # does), so this flavor has a separate `output` matrix (~1.50B params instead of 1.24B).
     "1B": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
         rope_theta=500000.0, use_scaled_rope=True, rope_scaling_factor=32.0,

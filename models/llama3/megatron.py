@@ -63,7 +63,8 @@ def notes(margs: dict) -> list[str]:
 def from_megatron(msd: dict[str, torch.Tensor], args: ModelArgs, margs: dict | None = None
                   ) -> dict[str, torch.Tensor]:
     """Canonical Megatron dict -> titanlike FQNs. A tied checkpoint (no output_layer) gets a copy of the embedding:
-    titanlike's Llama has no tied flavor (only GPT ties). With --rotary-interleaved in `margs` the q/k rows are already titanlike's layout."""
+    titanlike's Llama has no tied flavor (only GPT ties). With --rotary-interleaved in `margs` the q/k rows are already
+    titanlike's layout."""
     interleaved = bool(arg(margs or {}, "rotary_interleaved"))
     out: dict[str, torch.Tensor] = {}
     for key, value in msd.items():

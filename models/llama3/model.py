@@ -58,7 +58,8 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(DecoderBlock):
-    """attention_norm -> Attention -> residual; ffn_norm -> SwiGLU feed_forward -> residual (models/common/decoder.py)."""
+    """attention_norm -> Attention -> residual; ffn_norm -> SwiGLU feed_forward -> residual
+    (models/common/decoder.py)."""
 
     def __init__(self, layer_id: int, args: ModelArgs):
         # Attention before the FFN: built on a real device, their constructors draw from the RNG in this order.

@@ -5,10 +5,10 @@ and Qwen/Qwen3-{30B-A3B,235B-A22B} (Qwen3MoeForCausalLM): hidden_size, num_hidde
 num_key_value_heads, head_dim 128, intermediate_size, moe_intermediate_size, num_experts, num_experts_per_tok,
 norm_topk_prob, router_aux_loss_coef, rope_theta 1e6, rms_norm_eps 1e-6, vocab 151936.
 
-Tied embeddings: Qwen3-0.6B, 1.7B and 4B tie lm_head to the embedding upstream. titanlike's Qwen3 does not tie (as its Llama; only GPT does):
-a tied weight would span two FSDP groups, two pipeline stages and the float8 / chunked-loss swaps of the output
-layer. These flavors therefore carry a separate `output` matrix (151936 x dim more parameters: 0.6B counts ~0.75B);
-importing a tied HF checkpoint copies the embedding into `output` (models/qwen3/hf.py).
+Tied embeddings: Qwen3-0.6B, 1.7B and 4B tie lm_head to the embedding upstream. titanlike's Qwen3 does not tie (as its
+Llama; only GPT does): a tied weight would span two FSDP groups, two pipeline stages and the float8 / chunked-loss swaps
+of the output layer. These flavors therefore carry a separate `output` matrix (151936 x dim more parameters: 0.6B counts
+~0.75B); importing a tied HF checkpoint copies the embedding into `output` (models/qwen3/hf.py).
 """
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ def _check_case(case: dict) -> dict:
         raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
     parse_layout(case["layout"])
     if case["peer_ac"] and case["peer_ac"].partition(":")[0] not in AC_MODES:
-        raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} (\"\": the same as ac)")
+        raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} "
+                         f"(\"\": the same as ac)")
     return case
 
 
@@ -103,7 +104,8 @@ def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None)
 
 
 def label(case: dict) -> str:
-    parts = [*([case["model"]] if case["model"] != DEFAULT_MODEL else []), case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
+    parts = [*([case["model"]] if case["model"] != DEFAULT_MODEL else []), case["flavor"], f"s{case['seq']}",
+             f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
         parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))

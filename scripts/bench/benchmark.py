@@ -19,12 +19,12 @@ TOML; default by flavor).
 
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
-rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N + 12·L·d·seq
-per token, the same for both), peak reserved memory, time of the first step (compile time), median step time and its
-spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its synthetic
-word corpus; both use one vocabulary size (--vocab), so compute per token is identical. Peer float8 flags
-(torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then
-for tensorwise under FSDP --quantize.linear.float8.enable_fsdp_float8_all_gather and
+rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N +
+12·L·d·seq per token, the same for both), peak reserved memory, time of the first step (compile time), median step time
+and its spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its
+synthetic word corpus; both use one vocabulary size (--vocab), so compute per token is identical. Peer float8 flags
+(torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then for
+tensorwise under FSDP --quantize.linear.float8.enable_fsdp_float8_all_gather and
 --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp (recipe_name must stay unset: torchtitan refuses
 it together with the all-gather), for rowwise* --quantize.linear.float8.recipe_name NAME.
 """
@@ -95,7 +95,8 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
     if case["nproc"] > 1:
         train = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}", *train]
     config = case["config"] or default_config(case["model"], case["flavor"])
-    cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}", f"--model.flavor={case['flavor']}",
+    cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}",
+           f"--model.flavor={case['flavor']}",
            f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP
         # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
         degrees = parse_layout(case["layout"])
-        tokens = case["batch"] * case["seq"] // max(1, degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1))
+        sharing = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)  # ranks sharing one batch
+        tokens = case["batch"] * case["seq"] // max(1, sharing)
         fpt = flops_per_token(case["model"], case["flavor"], case["seq"], a.vocab)
         res = {"label": label(case), "case": case, "flops_per_token": fpt}
         log = a.log and f"{a.log}.{i}"

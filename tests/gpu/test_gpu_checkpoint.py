@@ -15,7 +15,8 @@ def _train(dump, *extra):
     out = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=400, args=[
         "--config", "configs/debug_model.toml", f"--job.dump_folder={dump}", "--training.device=cuda",
         "--training.steps=20", "--metrics.log_freq=1", "--training.deterministic", "--checkpoint.enable",
-        "--checkpoint.interval=5", "--checkpoint.keep_latest_k=0", "--checkpoint.async_mode=async_with_pinned_mem", "--job.run_name=run",
+        "--checkpoint.interval=5", "--checkpoint.keep_latest_k=0", "--checkpoint.async_mode=async_with_pinned_mem",
+        "--job.run_name=run",
         "--lr_scheduler.warmup_steps=2", *extra]).stdout
     return {int(m[1]): float(m[2]) for m in LOSS.finditer(out)}, out
 

@@ -58,7 +58,8 @@ def mesh_checks() -> None:
     if world == 4:
         mesh_case({"dp_replicate": 2}, ("dp_replicate", "dp_shard"),
                   {"dp": 4, "dp_shard_cp": 2, "dp_cp": 4, "dp_replicate": 2}, rank, (2, 2))
-        mesh_case({"dp_shard": 2, "cp": 2}, ("dp_shard", "cp"), {"dp": 2, "dp_shard_cp": 4, "dp_cp": 4}, rank // 2, (4,))
+        mesh_case({"dp_shard": 2, "cp": 2}, ("dp_shard", "cp"), {"dp": 2, "dp_shard_cp": 4, "dp_cp": 4}, rank // 2,
+                  (4,))
         mesh_case({"pp": 2}, ("pp", "dp_shard"), {"dp": 2, "pp": 2, "dp_cp": 2}, rank % 2, (2,))
         mesh_case({"tp": 2}, ("dp_shard", "tp"), {"dp": 2, "tp": 2, "dp_shard_cp": 2}, rank // 2, (2,))
         mesh_case({"dp_replicate": 2, "cp": 2}, ("dp_replicate", "cp"), {"dp": 2, "dp_shard_cp": 2, "dp_cp": 4},

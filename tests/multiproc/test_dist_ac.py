@@ -14,8 +14,8 @@ from parallelize.ac import apply_ac, checkpoint_module, is_checkpointed
 
 torch.set_num_threads(1)
 
-MODES = {"full": ("full", "op"), "sel_op": ("selective", "op"), "sel_2": ("selective", "2"), "sel_1": ("selective", "1"),
-         "sel_attn": ("selective", "attention")}
+MODES = {"full": ("full", "op"), "sel_op": ("selective", "op"), "sel_2": ("selective", "2"),
+         "sel_1": ("selective", "1"), "sel_attn": ("selective", "attention")}
 
 
 def ac_cfg(mode: str, option: str = "op"):

@@ -5,8 +5,8 @@ Four processes: Llama under CP 4, CP 2 x FSDP 2, CP 2 x TP 2, with packed docume
 positions restarting per document, per-op selective activation checkpointing with compiled blocks; Qwen3-MoE under
 CP 2 x FSDP 2 x EP 2 (the Switch load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 (also with per-op
 selective AC) and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance loss, the z-loss, the expert bias).
-Eight processes (with TITANLIKE_TEST_8PROC=1, as the 8-process TP test): the experts' FSDP mesh ("edp") over axes that are not neighbours in the device mesh (efsdp and cp on
-both sides of ep, and dp_replicate too).
+Eight processes (with TITANLIKE_TEST_8PROC=1, as the 8-process TP test): the experts' FSDP mesh ("edp") over axes that
+are not neighbours in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
 """
 from __future__ import annotations
 

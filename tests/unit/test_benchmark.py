@@ -1,5 +1,5 @@
-"""scripts/bench/benchmark.py: matrix expansion (command line and TOML), the titanlike and peer command lines, log parsing,
-summary statistics and the table — and one tiny real run on CPU (2 cases, with a stand-in peer script)."""
+"""scripts/bench/benchmark.py: matrix expansion (command line and TOML), the titanlike and peer command lines, log
+parsing, summary statistics and the table — and one tiny real run on CPU (2 cases, with a stand-in peer script)."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +20,8 @@ _spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-OPTS = Namespace(vocab=128256, data="mock", steps=10, log_freq=1, dump_folder="/tmp/x", extra=[], peer="peer.sh", peer_extra=[])
+OPTS = Namespace(vocab=128256, data="mock", steps=10, log_freq=1, dump_folder="/tmp/x", extra=[], peer="peer.sh",
+                 peer_extra=[])
 
 
 def test_matrix_from_command_line_and_toml():

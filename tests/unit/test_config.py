@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from models import get_spec
-from titanlike.config import DEFAULT_CONFIG, ConfigError, JobConfig, config_from_dict, config_to_dict, config_to_toml, load_config, split_flags, validate, validate_model
+from titanlike.config import (
+    DEFAULT_CONFIG, ConfigError, JobConfig, config_from_dict, config_to_dict, config_to_toml, load_config, split_flags,
+    validate, validate_model,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # The world sizes each shipped config is written for; a new config must be added here.
@@ -358,7 +361,8 @@ def test_advice_clamps_a_warmup_longer_than_the_run_and_warns_of_long_sequences(
     log = logging.getLogger("titanlike")
     log.addHandler(caplog.handler)
     try:
-        cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "configs/llama3_8b.toml"), "--training.steps=30", "--training.seq_len=262144"])
+        cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "configs/llama3_8b.toml"),
+                           "--training.steps=30", "--training.seq_len=262144"])
     finally:
         log.removeHandler(caplog.handler)
     assert cfg.lr_scheduler.warmup_steps == 30

@@ -22,8 +22,8 @@ SEQ = 8
 
 
 def _within(seconds: float, fn, *args, **kwargs):
-    """fn(*args, **kwargs) in a forked process: ("ok", "", "") or ("raised", type name, message). A hang (the bug these tests
-    guard against) kills the process and fails the test instead of stalling the suite."""
+    """fn(*args, **kwargs) in a forked process: ("ok", "", "") or ("raised", type name, message). A hang (the bug these
+    tests guard against) kills the process and fails the test instead of stalling the suite."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
@@ -241,7 +241,8 @@ def test_garbage_tokenizer_in_preprocessing_names_its_flags(tmp_path, capsys):
     assert _preprocess("--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "out",
                        tokenizer=("--tokenizer-model", tmp_path / "tokenizer.json")) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face tokenizer.json") and "\n" not in err
+    assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face tokenizer.json")
+    assert "\n" not in err
     assert "point --tokenizer-model at" in err and "set --tokenizer-type to" in err and "data." not in err, err
 
 

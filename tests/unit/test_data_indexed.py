@@ -11,7 +11,10 @@ import torch
 
 from titanlike.config import ConfigError, load_config
 from titanlike.config.sections import Data, Validation
-from titanlike.data import BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, build_dataloader, build_dataset, parse_blend, validation_data_config
+from titanlike.data import (
+    BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, build_dataloader, build_dataset, parse_blend,
+    validation_data_config,
+)
 from titanlike.data.gpt_dataset import split_document_ranges
 
 EOD = 255

@@ -1,5 +1,5 @@
-"""Units of titanlike/resilience/comm_watch.py and the [comm] / [fault_tolerance] config rules (the multi-process behaviour:
-tests/multiproc/test_dist_hang.py, test_dist_torchft.py)."""
+"""Units of titanlike/resilience/comm_watch.py and the [comm] / [fault_tolerance] config rules (the multi-process
+behaviour: tests/multiproc/test_dist_hang.py, test_dist_torchft.py)."""
 import json
 import logging
 import os

@@ -83,7 +83,8 @@ def test_document_masking_trains_and_equals_documents_alone(tmp_path):
     losses = [h["loss"] for h in history]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     assert losses[0] == pytest.approx(first["alone"] / first["tokens"], abs=1e-5)
-    assert abs(losses[0] - first["unmasked"] / first["tokens"]) > 1e-4  # the mask made a difference (10x the tolerance above)
+    # the mask made a difference (10x the tolerance above)
+    assert abs(losses[0] - first["unmasked"] / first["tokens"]) > 1e-4
     assert losses[-1] < losses[0], losses
 
 

@@ -12,7 +12,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 import models
 from titanlike.config.load import config_from_dict
 from titanlike.config.sections import Optimizer
-from titanlike.optim.master_weights import MasterWeightAdamW, build_master_weight_adamw, join_master, mixed_precision_mode, split_master
+from titanlike.optim.master_weights import (
+    MasterWeightAdamW, build_master_weight_adamw, join_master, mixed_precision_mode, split_master,
+)
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_
 from titanlike.checkpoint.states import FLAT_OPTIM
 from titanlike.train.trainer import Trainer

@@ -1,9 +1,7 @@
 """titanlike/plan/memory.py: the memory estimate against real allocations (one process, real CPU tensors), FSDP
 shards on fake ranks, and a large config traced without real weight memory."""
-import resource
 import subprocess
 import sys
-import time
 
 import dataclasses
 

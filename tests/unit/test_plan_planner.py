@@ -74,5 +74,6 @@ def test_plan_keeps_the_fastest_that_fit_and_writes_a_loadable_toml(tmp_path):
 
 
 def test_unknown_gpu_names_the_known_ones():
-    with pytest.raises(UnknownGpu, match=r"'B300' has no figures here; known: h100, h200, a100.*titanlike/plan/gpus.py"):
+    known = r"'B300' has no figures here; known: h100, h200, a100.*titanlike/plan/gpus.py"
+    with pytest.raises(UnknownGpu, match=known):
         gpu_kind("B300")

@@ -163,7 +163,8 @@ def test_more_stages_than_layers():
     with pytest.raises(ConfigError, match="parallelism.pp=2 with 4 stages in all .Interleaved1F1B. exceeds"):
         validate_model(models.get_spec("llama3"), args, cfg_with(pp=2, pp_schedule="Interleaved1F1B"))
     with pytest.raises(ConfigError, match="runs one stage per rank but parallelism.pp_layers_per_stage=1 gives 2"):
-        validate_model(models.get_spec("llama3"), dataclasses.replace(args, n_layers=4), cfg_with(pp=2, pp_layers_per_stage=1))
+        validate_model(models.get_spec("llama3"), dataclasses.replace(args, n_layers=4),
+                       cfg_with(pp=2, pp_layers_per_stage=1))
     validate_model(models.get_spec("llama3"), args, cfg_with(pp=2, pp_schedule="1F1B"))
 
 

@@ -1,5 +1,5 @@
-"""titanlike/observe/profiling.py: traces land on multiples of profile_freq (also after a resume), the trainer wires it, and
-the config rejects a schedule longer than its period."""
+"""titanlike/observe/profiling.py: traces land on multiples of profile_freq (also after a resume), the trainer wires it,
+and the config rejects a schedule longer than its period."""
 from __future__ import annotations
 
 import pytest

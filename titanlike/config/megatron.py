@@ -295,8 +295,8 @@ def _precision(f: dict[str, list[str]], t: Translation) -> None:
         raise MegatronError(f"--loss-scale {ls['static_scale']:g} must be > 0; leave it out for dynamic loss scaling")
     init, low = ls.get("initial_scale", LossScaling.initial_scale), ls.get("min_scale", LossScaling.min_scale)
     if low > init:
-        raise MegatronError(f"--min-loss-scale {low:g} is above --initial-loss-scale {init:g}: the dynamic scale starts "
-                            f"at the initial one and never goes below the minimum; lower --min-loss-scale")
+        raise MegatronError(f"--min-loss-scale {low:g} is above --initial-loss-scale {init:g}: the dynamic scale "
+                            f"starts at the initial one and never goes below the minimum; lower --min-loss-scale")
     for flag, key in (("--hysteresis", "hysteresis"), ("--loss-scale-window", "window")):
         if key in ls and ls[key] < 1:
             raise MegatronError(f"{flag} {ls[key]} must be >= 1")

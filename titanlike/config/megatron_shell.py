@@ -4,7 +4,8 @@ Users paste whole scripts: variables set earlier (`TP=8`, `GPT_ARGS="--num-layer
 and used later (`$TP`, `${ARGS[@]}`), `$(scontrol ... | head -n 1)`, pipes, redirects, comments, SLURM headers and
 other commands (`python tools/preprocess_data.py ...`) around the launch. This reads just enough shell to find the
 launch and expand what the script itself defines; a variable it never sets stays `$NAME` (the translator lists it).
-No command is run; a `# comment` inside a multi-line "..." flag list is read as a comment, as it is meant. What counts as the launch, in order:
+No command is run; a `# comment` inside a multi-line "..." flag list is read as a comment, as it is meant.
+What counts as the launch, in order:
   1. the command running a `pretrain*.py` script (else another `*train*.py` one, not tools/preprocess_data.py):
      the flags after the script;
   2. else lines that start with a --flag (a bare flag block): all of them, in order;

@@ -69,8 +69,9 @@ class Training:
 
 @dataclass
 class LossScaling:
-    """fp16 loss scaling (training.mixed_precision_param="float16"; Megatron's --fp16 flags, titanlike/optim/loss_scale.py).
-    The loss is multiplied by the scale before backward; a step whose gradients overflow is skipped."""
+    """fp16 loss scaling (training.mixed_precision_param="float16"; Megatron's --fp16 flags,
+    titanlike/optim/loss_scale.py). The loss is multiplied by the scale before backward; a step whose gradients overflow
+    is skipped."""
     static_scale: float = 0.0  # > 0: this fixed scale (--loss-scale); 0 = dynamic
     initial_scale: float = 4294967296.0  # dynamic: the first scale, 2**32 (--initial-loss-scale)
     min_scale: float = 1.0  # dynamic: never below this (--min-loss-scale)
@@ -124,7 +125,8 @@ class Parallelism:
     pp_microbatches: int = -1  # micro-batches per local batch (must divide it); -1 = local_batch_size (1 sequence each)
     pp_stages_per_rank: int = -1  # virtual stages per PP rank; -1 = 1 for GPipe/1F1B, 2 for the multi-stage schedules
     pp_layers_per_stage: int = -1  # > 0: instead of pp_stages_per_rank, stages = ceil(n_layers / this)
-    pp_split_points: list[str] = field(default_factory=list)  # e.g. ["layers.8", "layers.16"]: first layer of stages 1..
+    # e.g. ["layers.8", "layers.16"]: the first layer of stages 1..
+    pp_split_points: list[str] = field(default_factory=list)
     # Cost of the modules before / after the blocks (the embeddings / final norm + output projection) in block
     # equivalents for the even split; -1 = the model's own FLOP estimate (ModelSpec.pp_costs at this seq_len)
     pp_embedding_weight: float = -1.0
@@ -245,24 +247,28 @@ class Validation:
 
 @dataclass
 class Eval:
-    """In-loop evaluation every `interval` steps (titanlike/train/evaluate.py, docs/evaluation.md): lm-evaluation-harness
-    tasks (pip install 'titanlike[eval]') scored on a DP-sharded share of their requests per rank, and extra perplexity
-    sets scored like [validation]. Leaves the model's training state, the RNGs and the data position untouched."""
+    """In-loop evaluation every `interval` steps (titanlike/train/evaluate.py, docs/evaluation.md):
+    lm-evaluation-harness tasks (pip install 'titanlike[eval]') scored on a DP-sharded share of their requests per rank,
+    and extra perplexity sets scored like [validation]. Leaves the model's training state, the RNGs and the data
+    position untouched."""
     enable: bool = False
     interval: int = 1000
-    tasks: list[str] = field(default_factory=list)  # lm_eval task names (`lm-eval ls tasks`); local: YAMLs in include_path
+    # lm_eval task names (`lm-eval ls tasks`); local tasks: YAMLs in include_path
+    tasks: list[str] = field(default_factory=list)
     include_path: str = ""  # folder of local task YAML files ("" = lm_eval's own tasks only)
     limit: int = 0  # the first N documents of each task; 0 = all
     num_fewshot: int = -1  # -1 = the task's default
     batch_size: int = 8  # sequences per scoring forward (padded to a power-of-two length: few shapes to compile)
     # Extra held-out sets, scored like [validation] (validation.steps batches each): "DATASET" or "DATASET:PATH [PATH]"
-    # (paths space-separated as in data.paths), e.g. ["text:/data/wiki_val.jsonl", "indexed:/data/pile_val_text_document"]
+    # (paths space-separated as in data.paths), e.g. ["text:/data/wiki_val.jsonl",
+    # "indexed:/data/pile_val_text_document"]
     perplexity_sets: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Comm:
-    """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/resilience/comm_watch.py, docs/faults.md)."""
+    """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/resilience/comm_watch.py,
+    docs/faults.md)."""
     init_timeout_seconds: int = 300  # process-group creation, checkpoint load and the first step
     train_timeout_seconds: int = 100  # every collective after the first step: a hung peer raises after this long
     trace_buf_size: int = 20000  # flight recorder: last N collectives per rank (TORCH_FR_BUFFER_SIZE); 0 = off
@@ -273,8 +279,8 @@ class Comm:
 
 @dataclass
 class FaultTolerance:
-    """torchft replica groups (titanlike/resilience/ft.py): each group is its own job running the data-parallel replicate
-    dimension; a failed group drops out of the quorum and rejoins by copying a live group's state."""
+    """torchft replica groups (titanlike/resilience/ft.py): each group is its own job running the data-parallel
+    replicate dimension; a failed group drops out of the quorum and rejoins by copying a live group's state."""
     enable: bool = False
     replica_id: int = 0  # this group's index in [0, group_size)
     group_size: int = 0  # number of replica groups

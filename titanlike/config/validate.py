@@ -130,7 +130,7 @@ def _check_choices(cfg: JobConfig, errors: list[str]) -> None:
 
 
 def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
-    tr, opt, lrs = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    opt = cfg.optimizer
 
     def at_least(dotted: str, low: float, why: str = "") -> None:
         value = _get(cfg, dotted)
@@ -142,9 +142,10 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
                    "profiling.profile_active", "checkpoint.io_threads", "training.signal_check_freq",
                    "comm.init_timeout_seconds", "comm.train_timeout_seconds", "fault_tolerance.max_failed_commits"):
         at_least(dotted, 1)
-    for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.max_rollbacks", "training.loss_spike_zscore",
-                   "checkpoint.keep_latest_k", "data.num_workers", "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens", "profiling.profile_warmup",
-                   "comm.trace_buf_size", "comm.heartbeat_interval_seconds"):
+    for dotted in ("training.gc_freq", "training.max_consecutive_bad_steps", "training.max_rollbacks",
+                   "training.loss_spike_zscore", "checkpoint.keep_latest_k", "data.num_workers",
+                   "lr_scheduler.warmup_steps", "optimizer.weight_decay", "training.loss_chunk_tokens",
+                   "profiling.profile_warmup", "comm.trace_buf_size", "comm.heartbeat_interval_seconds"):
         at_least(dotted, 0)
     at_least("checkpoint.load_step", -1, " (-1 = newest complete step)")
     if cfg.training.max_rollbacks > 0 and not cfg.checkpoint.enable:
@@ -190,7 +191,8 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     # Sequence parallel (part of TP) shards the sequence dimension of norms and dropout over the TP ranks (each CP
     # rank's share of it under CP).
     elif par.tp > 1 and par.enable_sequence_parallel and (seq_len // par.cp) % par.tp:
-        share = f"training.seq_len={seq_len}" if par.cp == 1 else f"training.seq_len / parallelism.cp = {seq_len // par.cp}"
+        share = (f"training.seq_len={seq_len}" if par.cp == 1
+                 else f"training.seq_len / parallelism.cp = {seq_len // par.cp}")
         errors.append(f"{share} must be divisible by "
                       f"parallelism.tp={par.tp} (sequence parallel shards the sequence over the TP ranks), or set "
                       f"parallelism.enable_sequence_parallel=false")

@@ -144,7 +144,8 @@ class ParallelDims:
             i = axes.index("dp_shard")
             axes[i:i + 1] = EP_AXES
             degrees.update(efsdp=self.dp_shard // self.ep, ep=self.ep)
-            flat = {name: sum((EP_AXES if a == "dp_shard" else (a,) for a in spans), ()) for name, spans in flat.items()}
+            flat = {name: sum((EP_AXES if a == "dp_shard" else (a,) for a in spans), ())
+                    for name, spans in flat.items()}
             # dp_shard is the two together; edp the ranks holding the same experts (their FSDP mesh)
             # (CP ranks hold the same experts and see different tokens: their replicas too)
             flat = {"dp_shard": EP_AXES, **flat, "edp": ("dp_replicate", "efsdp", "cp")}

@@ -31,8 +31,9 @@ class TokenScorer:
     their last max_len tokens, as lm_eval's HF model does. `fixed_shape`: batches are padded to
     batch_size rows and to a power-of-two width (at least 64, at most max_len), so a compiled model sees at most
     log2(max_len) shapes (the training loop uses it; padding every request to the full context instead made 500
-    four-choice documents of ~150 tokens take 42 s on a 1B model at 4096, H100). Right padding cannot change earlier positions under causal
-    attention. `context`: a context manager entered around each forward (autocast, the SDPA backend choice)."""
+    four-choice documents of ~150 tokens take 42 s on a 1B model at 4096, H100). Right padding cannot change earlier
+    positions under causal attention. `context`: a context manager entered around each forward (autocast, the SDPA
+    backend choice)."""
 
     def __init__(self, model: torch.nn.Module, *, max_len: int, batch_size: int, device: torch.device | str,
                  pad_id: int = 0, fixed_shape: bool = False, shard: tuple[int, int, object] | None = None,

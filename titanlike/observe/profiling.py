@@ -5,8 +5,9 @@ discarded steps) and written per rank to
     <run_dir>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json    (open in Perfetto / chrome://tracing)
     <run_dir>/<save_traces_folder>/iteration_<step>/rank<r>_ops.txt       (top ops by device time, then host time)
 With `enable_memory_snapshot` (CUDA only) the allocator records its history from the start, and every
-`profile_freq` steps it is dumped to <run_dir>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle
-(drag onto https://pytorch.org/memory_viz).
+`profile_freq` steps it is dumped to
+<run_dir>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle (drag onto
+https://pytorch.org/memory_viz).
 
 The trainer holds one `StepProfiler` and calls `.step(step)` after each optimizer step and `.stop()` at the end;
 when both features are off every call is a no-op.

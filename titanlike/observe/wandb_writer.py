@@ -1,4 +1,5 @@
-"""Weights & Biases as a second metrics sink beside TensorBoard (metrics.enable_wandb; `pip install 'titanlike[wandb]'`).
+"""Weights & Biases as a second metrics sink beside TensorBoard (metrics.enable_wandb; `pip install
+'titanlike[wandb]'`).
 
 Rank 0 opens one W&B run per training process (a resumed run is a new W&B run, as it is a new TensorBoard folder;
 both plot by step) and gets the same scalars as TensorBoard, the run's whole config, and its text entries in the

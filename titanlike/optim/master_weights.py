@@ -111,7 +111,8 @@ def adamw_update(params, grads, low_bits, exp_avgs, exp_avg_sqs, steps, group_lr
 
 def _bucket_key(name: str) -> str:
     """The module whose forward first reads parameter `name`: `layers.N` for a block (every block has the same
-    shapes, so one compiled update serves them all), else the top-level module (the embeddings, the output projection)."""
+    shapes, so one compiled update serves them all), else the top-level module (the embeddings, the output
+    projection)."""
     parts = name.split(".")
     if len(parts) > 2 and parts[1].isdigit():
         return ".".join(parts[:2])
@@ -317,7 +318,8 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
 
 
 def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool, overlap: bool = False,
-                              stable_state_dict: bool = False, dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
+                              stable_state_dict: bool = False,
+                              dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become bf16 here.
     (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
     return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
