@@ -194,8 +194,8 @@ def verify(path: str, sizes: dict[str, int], sums: dict[str, dict] | None = None
         expected = sums.get(rel, {}).get(ALGORITHM, [])
         if i < len(expected) and expected[i] == crc:
             return rel, off, None
-        return rel, off, (CORRUPT, f"checkpoint file {os.path.join(path, rel)} is corrupt: bytes {off}-{off + n} do not "
-                              f"match their {ALGORITHM} in {MANIFEST}")
+        return rel, off, (CORRUPT, f"checkpoint file {os.path.join(path, rel)} is corrupt: bytes {off}-{off + n} "
+                              f"do not match their {ALGORITHM} in {MANIFEST}")
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-verify") as pool:
         for rel, off, problem in pool.map(one, mine):  # in task order: a file's first bad chunk is reported

@@ -50,7 +50,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for key in ("num_samples", "seed", "shuffle", "fingerprint"):
             if key in state and state[key] != getattr(self, key) and (key != "fingerprint" or state[key]):
                 raise ConfigError(
-                    f"data loader state was saved with {key}={state[key]}, but this run has {key}={getattr(self, key)}: "
+                    f"data loader state was saved with {key}={state[key]}, but this run has "
+                    f"{key}={getattr(self, key)}: "
                     "the checkpoint was taken with other data (data.dataset, data.paths, data.split), "
                     "training.seq_len or training.seed; resume with those, or start a new run with a different "
                     "job.run_name (with checkpoint.initial_load_path=<that step folder> to start from its weights)")

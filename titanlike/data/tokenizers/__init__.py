@@ -7,7 +7,8 @@
   * GPT2BPETokenizer: GPT-2 `vocab.json` + `merges.txt` (data.vocab_file / data.merge_file), as Megatron uses.
   * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file (a `tokenizer.model` of base64 ranks) with its 256
     special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
-  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model` (titanlike/data/tokenizers/sentencepiece_model.py).
+  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model`
+    (titanlike/data/tokenizers/sentencepiece_model.py).
   * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
 "auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
 after each document; by default the EOS token), each overridable by token name in the config.
