@@ -112,3 +112,23 @@ def test_async_tp_falls_back_off_cuda():
     text = " ".join(r.getMessage() for r in records)
     assert "needs CUDA" in text and "running synchronous TP" in text
     assert not torch._inductor.config._micro_pipeline_tp
+
+
+def test_only_the_embeddings_view_warning_is_quieted():
+    """FSDP2's "returned a view tensor" is quieted for embeddings under TP (their to_local() output is a view no model
+    here modifies in place), and only for them."""
+    import re
+    import warnings
+
+    from parallelize.tp import EMBEDDING_VIEW_WARNING, quiet_embedding_view_warning
+
+    text = "FSDP2-wrapped module ({}) returned a view tensor. An in-place op on this view (e.g., `x += y`) will ..."
+    assert re.match(EMBEDDING_VIEW_WARNING, text.format("FSDPEmbedding"))
+    assert re.match(EMBEDDING_VIEW_WARNING, text.format("FSDPEmbedding, FSDPEmbedding"))  # GPT: tokens + positions
+    assert not re.match(EMBEDDING_VIEW_WARNING, text.format("FSDPTransformerBlock"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_embedding_view_warning()
+        warnings.warn(text.format("FSDPEmbedding"), UserWarning)
+        warnings.warn(text.format("FSDPLinear"), UserWarning)
+    assert [str(w.message) for w in seen] == [text.format("FSDPLinear")]

@@ -111,17 +111,13 @@ def own_propagation_mode():
 
 @contextlib.contextmanager
 def quiet_trace():
-    """Two warnings the trace raises once per rank kind and candidate that say nothing about the layout:
+    """Warnings the trace raises once per rank kind and candidate that say nothing about the layout:
       - DTensor's "random operators may not have complete support on cpu device mesh": the trace's mesh is on the
         CPU (module docstring); a GPU run's is not.
-      - FSDP2's "returned a view tensor ... an in-place op on this view ... wrong gradients" (torch >= 2.13): under
-        TP with sequence parallel an FSDP-wrapped input module (the embedding) hands out its sequence shard with
-        DTensor.to_local(), which is a view, in the run as in the trace. The hazard it names needs an in-place op on
-        that output; the blocks that take it add to it out of place (h = x + attention(...)), and TP x FSDP training
-        matches one process (tests/multiproc/tp_worker.py, HSDP 2 x 2 x TP 2)."""
+      - FSDP2's "returned a view tensor" for the embedding under TP: the run and the trace both quiet it where TP is
+        applied (parallelize/tp.py's EMBEDDING_VIEW_WARNING says why)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         yield
