@@ -19,6 +19,15 @@ class ParamCounts:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What the planner's cost model reads of a model's shape (titanlike/plan/planner.py)."""
+    dim: int  # the residual stream's width (what TP, PP and EP move per token)
+    n_layers: int
+    kv_dim: int  # keys plus values per token in one attention layer (what context parallel gathers)
+    moe_topk: int = 0  # routed experts per token (0: dense)
+
+
+@dataclass(frozen=True)
 class PipelineCosts:
     """Training cost of each piece a pipeline stage can hold, in any one unit (FLOPs per token, say): the split
     balances their sums. `layers` maps each `layers` key to its cost; embedding/output are the modules before and
@@ -67,6 +76,7 @@ class ModelSpec:
     param_counts: Callable[[Any], ParamCounts]  # args -> exact counts
     flops_per_token: Callable[[Any, int], int]  # (args, seq_len) -> training FLOPs per token (forward + backward)
     pp_costs: Callable[[Any, int], PipelineCosts]  # (args, seq_len) -> costs the pipeline split balances
+    shape: Callable[[Any], ModelShape]  # args -> the widths the planner's cost model reads
     # (args, parallelism section, flavor name) -> problems, each naming the key and the fix; the parallelism section
     # is read for its degrees (tp, cp, ep, pp), so models/ needs no config import.
     check: Callable[[Any, Any, str], list[str]]

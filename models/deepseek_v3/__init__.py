@@ -8,7 +8,7 @@ from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.counts import flops_per_token, param_counts, pp_costs
+from models.deepseek_v3.counts import flops_per_token, param_counts, pp_costs, shape
 from models.deepseek_v3.flavors import deepseek_v3_flavors
 from models.deepseek_v3.mla import MLA
 from models.deepseek_v3.model import Transformer, TransformerBlock
@@ -48,6 +48,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from models.deepseek_v3.args import ModelArgs
-from models.spec import ParamCounts, PipelineCosts
+from models.spec import ModelShape, ParamCounts, PipelineCosts
 
 
 def _routed_expert_params(args: ModelArgs) -> int:
@@ -66,3 +66,10 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
             kinds[moe] = 6.0 * active + attn
         costs[str(i)] = kinds[moe]
     return PipelineCosts(layers=costs, embedding=0.0, output=6.0 * args.dim * args.vocab_size)
+
+
+def shape(args: ModelArgs) -> ModelShape:
+    """MLA's keys and values per head after wkv_b (what context parallel gathers), not the compressed latent."""
+    per_head = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=args.n_heads * per_head,
+                      moe_topk=args.moe.top_k if args.moe is not None else 0)

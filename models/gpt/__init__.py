@@ -5,7 +5,7 @@ from __future__ import annotations
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.gpt import hf, megatron
 from models.gpt.args import ModelArgs
-from models.gpt.counts import flops_per_token, param_counts, pp_costs
+from models.gpt.counts import flops_per_token, param_counts, pp_costs, shape
 from models.gpt.flavors import gpt_flavors
 from models.gpt.model import Attention, Transformer, TransformerBlock
 from models.spec import ModelSpec
@@ -33,6 +33,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,

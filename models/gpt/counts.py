@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.gpt.args import ModelArgs
-from models.spec import ParamCounts, PipelineCosts
+from models.spec import ModelShape, ParamCounts, PipelineCosts
 
 
 def param_counts(args: ModelArgs) -> ParamCounts:
@@ -37,3 +37,7 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
     block = 6.0 * block_params + 12.0 * args.dim * seq_len
     return PipelineCosts(layers={str(i): block for i in range(args.n_layers)}, embedding=0.0,
                          output=6.0 * args.dim * args.vocab_size)
+
+
+def shape(args: ModelArgs) -> ModelShape:
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.dim)

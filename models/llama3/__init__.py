@@ -6,7 +6,7 @@ from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.ffn import ffn_hidden_dim
 from models.llama3 import hf, megatron
 from models.llama3.args import ModelArgs
-from models.llama3.counts import flops_per_token, param_counts, pp_costs
+from models.llama3.counts import flops_per_token, param_counts, pp_costs, shape
 from models.llama3.flavors import llama3_flavors
 from models.llama3.model import Attention, Transformer, TransformerBlock
 from models.spec import ModelSpec
@@ -28,6 +28,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,

@@ -7,7 +7,7 @@ from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.mixtral import hf
 from models.mixtral.args import MixtralArgs
-from models.mixtral.counts import flops_per_token, param_counts, pp_costs
+from models.mixtral.counts import flops_per_token, param_counts, pp_costs, shape
 from models.mixtral.flavors import mixtral_flavors
 from models.mixtral.model import Transformer, TransformerBlock
 from models.spec import ModelSpec
@@ -27,6 +27,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,

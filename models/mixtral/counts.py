@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.mixtral.args import MixtralArgs
-from models.spec import ParamCounts, PipelineCosts
+from models.spec import ModelShape, ParamCounts, PipelineCosts
 
 
 def _inactive_per_layer(args: MixtralArgs) -> int:
@@ -40,3 +40,8 @@ def pp_costs(args: MixtralArgs, seq_len: int) -> PipelineCosts:
     block = 6.0 * (params - _inactive_per_layer(args)) + 12.0 * args.n_heads * args.head_dim * seq_len
     return PipelineCosts(layers={str(i): block for i in range(args.n_layers)}, embedding=0.0,
                          output=6.0 * args.dim * args.vocab_size)
+
+
+def shape(args: MixtralArgs) -> ModelShape:
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * (args.dim // args.n_heads),
+                      moe_topk=args.moe.top_k)

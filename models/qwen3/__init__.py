@@ -7,7 +7,7 @@ from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.qwen3 import hf
 from models.qwen3.args import Qwen3Args
-from models.qwen3.counts import flops_per_token, param_counts, pp_costs
+from models.qwen3.counts import flops_per_token, param_counts, pp_costs, shape
 from models.qwen3.flavors import qwen3_flavors
 from models.qwen3.model import Attention, Transformer, TransformerBlock
 from models.spec import ModelSpec
@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,

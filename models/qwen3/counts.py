@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.qwen3.args import Qwen3Args
-from models.spec import ParamCounts, PipelineCosts
+from models.spec import ModelShape, ParamCounts, PipelineCosts
 
 
 def _routed_expert_params(args: Qwen3Args) -> int:
@@ -58,3 +58,8 @@ def pp_costs(args: Qwen3Args, seq_len: int) -> PipelineCosts:
         costs[moe] = 6.0 * active + _attention_flops(args, seq_len)
     return PipelineCosts(layers={str(i): costs[args.is_moe_layer(i)] for i in range(args.n_layers)},
                          embedding=0.0, output=6.0 * args.dim * args.vocab_size)
+
+
+def shape(args: Qwen3Args) -> ModelShape:
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * args.head_dim,
+                      moe_topk=args.moe.top_k if args.moe is not None else 0)

@@ -57,6 +57,25 @@ def test_registry():
         models.get_spec("nope")
 
 
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_every_family_states_its_shape_for_the_planner(name):
+    """ModelSpec.shape: the width and depth the planner reads match the model built on meta; the keys and values per
+    token and layer are what the attention's projections produce (MLA: per head after wkv_b)."""
+    spec = models.get_spec(name)
+    for flavor, args in spec.flavors.items():
+        shape = spec.shape(args)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        assert shape.n_layers == len(model.layers) and shape.dim == model.tok_embeddings.embedding_dim, flavor
+        attn = model.layers["0"].attention
+        if hasattr(attn, "wkv_b"):  # (k_nope + v) from the latent, plus the shared positional key on every head
+            kv = attn.wkv_b.out_features + args.n_heads * args.qk_rope_head_dim
+        else:
+            kv = attn.wk.out_features + attn.wv.out_features
+        assert shape.kv_dim == kv, (flavor, shape, kv)
+        assert (shape.moe_topk > 0) == any("moe" in n for n, _ in model.named_modules()), flavor
+
+
 def test_no_torch_distributed_import_under_models():
     pattern = re.compile(r"torch\.distributed|from\s+torch\s+import\s+[^\n]*\bdistributed\b")
     files = list(MODELS_DIR.rglob("*.py"))

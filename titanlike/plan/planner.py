@@ -46,7 +46,7 @@ class Candidate:
 
 
 def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
-    """The cost model's view of the config's model (family-agnostic: the spec's counts and common args fields)."""
+    """The cost model's view of the config's model, from its ModelSpec (counts and shape)."""
     spec = models.get_spec(cfg.model.name)
     flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
     run = {"max_seq_len": cfg.training.seq_len}
@@ -55,15 +55,11 @@ def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
     if cfg.model.n_layers > 0:
         run["n_layers"] = cfg.model.n_layers
     args = dataclasses.replace(flavor, **run)
-    counts = spec.param_counts(args)
-    dim, heads = args.dim, args.n_heads
-    head_dim = getattr(args, "head_dim", 0) or dim // heads
-    kv_dim = 2 * getattr(args, "n_kv_heads", heads) * head_dim
-    moe = getattr(args, "moe", None)
-    topk = int(getattr(moe, "top_k", 0) or getattr(moe, "topk", 0) or 0) if moe is not None else 0
+    counts, widths = spec.param_counts(args), spec.shape(args)
+    topk = widths.moe_topk
     float8_active, expert_active, experts, expert_params = _linear_and_expert_params(cfg, spec, args, topk)
-    shape = Shape(params=counts.total, active=counts.active, dim=dim, n_layers=args.n_layers, kv_dim=kv_dim,
-                  moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
+    shape = Shape(params=counts.total, active=counts.active, dim=widths.dim, n_layers=widths.n_layers,
+                  kv_dim=widths.kv_dim, moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
                   float8_active=float8_active, expert_active=expert_active, moe_experts=experts,
                   expert_params=expert_params)
     return shape, spec, args

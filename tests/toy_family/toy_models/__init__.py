@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import ModelSpec, ParamCounts, PipelineCosts
+from models.spec import ModelShape, ModelSpec, ParamCounts, PipelineCosts
 
 
 @dataclass
@@ -137,6 +137,10 @@ def pp_costs(args: ToyArgs, seq_len: int) -> PipelineCosts:
                          output=6.0 * args.dim * args.vocab_size)
 
 
+def shape(args: ToyArgs) -> ModelShape:
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.dim)
+
+
 def check(args: ToyArgs, par, flavor: str) -> list[str]:
     problems = []
     for name in ("tp", "pp", "cp", "ep"):
@@ -158,6 +162,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     hf=None,
     input_modules=("wte", "wpe"),
