@@ -19,10 +19,11 @@ import os
 import resource
 import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from titanlike.config.sections import Data
 from titanlike.data.indexed import IndexedDatasetWriter, optimal_dtype
 from titanlike.data.streaming import expand_files, parse_json_line
 from titanlike.data.tokenizers.base import LONG_TEXT_CHARS
@@ -38,21 +39,26 @@ _FLAGS = {"tokenizer": "--tokenizer-model", "tokenizer_model": "--tokenizer-mode
           "eod_token": "--eod-token", "builtin_vocab_size": "--vocab-size"}
 
 
-def tokenizer_config(args) -> SimpleNamespace:
-    """Every [data] field that build_tokenizer(data_cfg) reads, from the Megatron flags; the rest as a default
-    [data] section has them, and `knob_names` so that tokenizer errors name these flags, not data.* keys. A field
-    build_tokenizer starts to read must be added here, or preprocessing fails with an AttributeError
-    (tests/unit/test_preprocess.py). --vocab-size is NullTokenizer's id range, which a [data]
-    section gives as builtin_vocab_size; for any other tokenizer it is ignored, so the builtin BPE stays the one a
-    training run with the default builtin_vocab_size uses."""
+@dataclass
+class FlagNamedData(Data):
+    """A [data] section set from this tool's flags: tokenizer errors name the flags (`knob_names`), not data.* keys."""
+    knob_names: dict[str, str] = field(default_factory=dict)
+
+
+def tokenizer_config(args) -> FlagNamedData:
+    """The [data] section build_tokenizer reads, with its tokenizer fields from the Megatron flags and the rest as a
+    training run's defaults. --vocab-size is NullTokenizer's id range, which a [data] section gives as
+    builtin_vocab_size; for any other tokenizer it is ignored, so the builtin BPE stays the one a training run with
+    the default builtin_vocab_size uses."""
     from titanlike.data.tokenizers import TOKENIZER_TYPES
 
     null = TOKENIZER_TYPES.get(args.tokenizer_type.lower()) == "null"
-    return SimpleNamespace(tokenizer=args.tokenizer_model or "builtin", tokenizer_type=args.tokenizer_type,
-                           tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, cache_dir=args.cache_dir,
-                           builtin_vocab_size=args.vocab_size if null and args.vocab_size else 2048,
-                           bos_token="", eos_token="", eod_token=args.eod_token, knob_names=_FLAGS)
+    base = FlagNamedData(knob_names=dict(_FLAGS))
+    return replace(base, tokenizer=args.tokenizer_model or "builtin", tokenizer_type=args.tokenizer_type,
+                   tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                   cache_dir=args.cache_dir,
+                   builtin_vocab_size=args.vocab_size if null and args.vocab_size else Data.builtin_vocab_size,
+                   bos_token="", eos_token="", eod_token=args.eod_token)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
