@@ -100,7 +100,17 @@ def _tracker(parts, optimizer, extra: list):
         return Tracker(parts[0], opts[0])
     mt = type("Tracker", (_GlobalPeakOnly, MemTracker), {})()
     mt.track_external(*parts, *opts, *extra)
+    # MemTracker hooks every parameter's gradient, and register_hook raises on a frozen one (requires_grad=False):
+    # a do-nothing entry in its handle table marks the hook as installed (it has no gradient to see anyway).
+    handles = getattr(mt, "_param_to_grad_hook_handles", None)  # (torch's private table; 2.11 and 2.13 have it)
+    for p in (p for part in parts for p in part.parameters() if not p.requires_grad and handles is not None):
+        handles[p] = (_NoHook(), _NoHook())
     return mt
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
 
 
 class _GlobalPeakOnly:
@@ -167,7 +177,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
         accum = max(1, global_bs // (t.local_batch_size * dims.dp_degree))
         batch, traced_mb, in_flight = t.local_batch_size, min(accum, 2), 1  # the 2nd micro-batch meets whole grads
-    mb = _inputs(built, cfg, dims, batch, t.seq_len)
+    traced = _inputs(built, cfg, dims, batch, t.seq_len)  # the Batch every traced micro-batch reads
     masters = list(getattr(optimizer, "low_bits", {}).values())
     master_bytes = sum(_nbytes(x) for x in masters)
     _create_optimizer_state(parts, optimizer)
@@ -189,8 +199,8 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         first = getattr(part, built.spec.input_modules[0], None) is not None
         last = getattr(part, built.spec.output_modules[-1], None) is not None
         with amp:
-            x = mb.args()[0] if first else _hidden(built, mb.args()[0], cfg, dims, gpu)
-            return _forward(part, built, x, mb, last, fused_loss)
+            x = traced.args()[0] if first else _hidden(built, traced.args()[0], cfg, dims, gpu)
+            return _forward(part, built, x, traced, last, fused_loss)
 
     def contexts(part):
         last = getattr(part, built.spec.output_modules[-1], None) is not None
