@@ -216,10 +216,8 @@ class Trainer:
     def make_batch(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> Batch:
         """A loader batch (whole sequences, any device) -> this rank's Batch: the objective's inputs and targets,
         then BatchLayout's documents and context-parallel share."""
-        ctx = StepContext(step=step, seed=self.cfg.training.seed)
-        batch = self.objective(inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True),
-                               ctx)
-        return self.batch_layout(batch)
+        return self.batch_layout(self.objective(inputs.to(self.device, non_blocking=True), labels.to(
+            self.device, non_blocking=True), StepContext(step=step, seed=self.cfg.training.seed)))
 
     def next_batches(self, data_iter) -> list[Batch]:
         """The step's micro-batches, this rank's share of each."""
