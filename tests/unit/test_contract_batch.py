@@ -85,3 +85,29 @@ def test_memory_estimate_counts_no_gradient_or_optimizer_state_for_frozen_parame
     assert r.gradients == sum(local_bytes(p) for p in trainable)
     steps = r.optimizer_states - 2 * r.gradients
     assert 0 <= steps <= 8 * len(trainable), (r.optimizer_states, r.gradients)  # AdamW's step counters
+
+
+def test_documents_come_from_the_loader_ids_not_the_objectives_inputs():
+    """Masked-LM may put its mask id on an end-of-document token: the documents are found in the loader's ids. A
+    batch without token ids (images) or with per-sequence labels refuses the document options in one line."""
+    from types import SimpleNamespace
+
+    from models.common.masks import document_ids
+    from titanlike.config.sections import Data
+    from titanlike.train.batch import BatchLayout
+
+    eod = 0
+    x = torch.tensor([[5, 6, eod, 7, 8, eod, 9, 4] * 4])
+    mlm = MaskedLM(mask_id=99, rate=0.5)
+    batch = mlm(x, x, StepContext(step=0, seed=0))
+    assert (batch.inputs["tokens"] == 99).logical_and(x == eod).any()  # an EOD masked: the ids differ there
+    no_mesh = SimpleNamespace(get_mesh=lambda _: None)
+    got = BatchLayout(no_mesh, Data(document_masking=True), eod)(batch, x)
+    assert torch.equal(got.inputs["doc_ids"], document_ids(x, eod)) and got.inputs["tokens"] is batch.inputs["tokens"]
+    images = Batch({"pixels": torch.zeros(1, 3, 8, 8)}, torch.tensor([3]), primary="pixels", sequence=())
+    with pytest.raises(ValueError, match=r"^data.document_masking .* this objective's batch has none \(inputs "
+                                         r"\['pixels'\]\): turn them off for this model$"):
+        BatchLayout(no_mesh, Data(document_masking=True), eod)(images)
+    with pytest.raises(ValueError, match=r"^data.eod_mask_loss drops per-token targets, and this objective's labels "
+                                         r"are \(1,\) for tokens \(1, 32\): turn it off for this model$"):
+        BatchLayout(no_mesh, Data(eod_mask_loss=True), eod)(images, x)

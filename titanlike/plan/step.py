@@ -141,9 +141,9 @@ def _inputs(built, cfg, dims, batch: int, seq: int) -> Batch:
     with unset_fake_temporarily():
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, built.model_args.vocab_size, (batch, seq + 1), generator=g)
-        made = built.objective(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
-                               StepContext(step=1, seed=cfg.training.seed))
-        return built.batch_layout(made)
+        inputs = tokens[:, :-1].contiguous()
+        made = built.objective(inputs, tokens[:, 1:].contiguous(), StepContext(step=1, seed=cfg.training.seed))
+        return built.batch_layout(made, inputs)
 
 
 def _create_optimizer_state(parts, optimizer) -> None:

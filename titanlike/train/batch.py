@@ -45,16 +45,19 @@ class BatchLayout:
                              f"no {' or '.join(missing)} (models/common/decoder.py's Decoder does); turn them off for "
                              f"this model")
 
-    def __call__(self, batch: Batch) -> Batch:
-        """A Batch of whole sequences -> this rank's Batch: the document options read (and add) the named inputs
-        "tokens", "doc_ids" and "positions"; context parallel cuts the inputs named in `batch.sequence`."""
+    def __call__(self, batch: Batch, token_ids: torch.Tensor | None = None) -> Batch:
+        """A Batch of whole sequences -> this rank's Batch. The document options find documents in `token_ids`, the
+        loader's ids (default: the input "tokens"; an objective may have changed those, as masked-LM's mask ids do)
+        and add the inputs "doc_ids" / "positions"; context parallel cuts the inputs named in `batch.sequence`."""
         inputs, labels = dict(batch.inputs), batch.labels
-        if self.documents or self.reset_positions or self.eod_mask_loss or not self._checked:
-            if "tokens" not in inputs:
-                raise ValueError(f"data.document_masking / data.reset_position_ids / data.eod_mask_loss find documents"
-                                 f" in the input 'tokens', and this objective's batch has only {sorted(inputs)}: turn "
-                                 f"them off for this model")
-            tokens = inputs["tokens"]
+        tokens = token_ids if token_ids is not None else inputs.get("tokens")
+        if (self.documents or self.reset_positions or self.eod_mask_loss) and tokens is None:
+            raise ValueError(f"data.document_masking / data.reset_position_ids / data.eod_mask_loss find documents in "
+                             f"token ids, and this objective's batch has none (inputs {sorted(inputs)}): turn them off "
+                             f"for this model")
+        if self.eod_mask_loss and labels.shape != tokens.shape:
+            raise ValueError(f"data.eod_mask_loss drops per-token targets, and this objective's labels are "
+                             f"{tuple(labels.shape)} for tokens {tuple(tokens.shape)}: turn it off for this model")
         if not self._checked:  # an EOD before a sequence's last position starts another document in it
             found = (tokens[:, :-1] == self.eod_id).sum()
             self._boundaries = found if self._boundaries is None else self._boundaries + found

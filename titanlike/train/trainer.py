@@ -216,8 +216,8 @@ class Trainer:
     def make_batch(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> Batch:
         """A loader batch (whole sequences, any device) -> this rank's Batch: the objective's inputs and targets,
         then BatchLayout's documents and context-parallel share."""
-        return self.batch_layout(self.objective(inputs.to(self.device, non_blocking=True), labels.to(
-            self.device, non_blocking=True), StepContext(step=step, seed=self.cfg.training.seed)))
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return self.batch_layout(self.objective(inputs, labels, StepContext(step, self.cfg.training.seed)), inputs)
 
     def next_batches(self, data_iter) -> list[Batch]:
         """The step's micro-batches, this rank's share of each."""
