@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from models.batch import Objective
+
 
 @dataclass(frozen=True)
 class ParamCounts:
@@ -87,6 +89,9 @@ class ModelSpec:
     output_modules: tuple[str, ...]
     hf: HFAdapter | None = None
     megatron: MegatronAdapter | None = None
+    # What it is trained to predict (models/batch.py): a name in models.batch.OBJECTIVES ("next_token", "masked_lm")
+    # or the family's own factory args -> Objective; it turns each loader batch into the Batch the forward reads.
+    objective: str | Callable[[Any], Objective] = "next_token"
     # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
     run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
 

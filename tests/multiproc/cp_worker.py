@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import models
+from models.batch import Batch
 from models.common.masks import document_ids
 from par_helpers import exit_without_teardown
 from parallelize import get_plan
@@ -99,7 +100,8 @@ def reference(family: str, docs: bool, pos: bool, dp: int):
     tokens = (labels != IGNORE_INDEX).sum()
     loss = torch.zeros(())
     for x, y in zip(inputs.chunk(dp), labels.chunk(dp)):
-        x, y, kwargs = one_process_layout(docs, pos)(x, y)
+        b = one_process_layout(docs, pos)(Batch({"tokens": x}, y))
+        x, y, kwargs = b.inputs["tokens"], b.labels, b.kwargs()
         loss_sum = cross_entropy_sum(model(x, **kwargs), y)
         (loss_sum / tokens).backward()
         loss += loss_sum.detach() / tokens
@@ -114,7 +116,8 @@ def check_docs_isolated() -> float:
     model = build("llama3")
     model.init_weights()
     inputs, labels = batch()
-    x, _, kwargs = one_process_layout(True, True)(inputs, labels)
+    b = one_process_layout(True, True)(Batch({"tokens": inputs}, labels))
+    x, kwargs = b.inputs["tokens"], b.kwargs()
     with torch.no_grad():
         packed = model(x, **kwargs)
         worst, docs = 0.0, document_ids(inputs, EOD)
@@ -160,7 +163,8 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     inputs, labels = batch()
     rows = ROWS // dims.dp_degree  # each data-parallel rank its rows, as the loader would give them
     inputs, labels = (x[dims.dp_rank() * rows:][:rows] for x in (inputs, labels))
-    inputs, labels, kwargs = BatchLayout(dims, cfg.data, EOD)(inputs, labels)
+    b = BatchLayout(dims, cfg.data, EOD)(Batch({"tokens": inputs}, labels))
+    inputs, labels, kwargs = b.inputs["tokens"], b.labels, b.kwargs()
     tokens = (labels != IGNORE_INDEX).sum().float()
     group = dims.get_mesh("dp_cp").get_group()
     dist.all_reduce(tokens, group=group)

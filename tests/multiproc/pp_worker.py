@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import models
+from models.batch import Batch
 from par_helpers import exit_without_teardown, SEQ, global_batch, tiny_args
 from parallelize import get_plan
 from titanlike.config.sections import JobConfig
@@ -106,8 +107,8 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
         ref_opt.zero_grad()
 
         rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)
-        # accumulation: several batches, each (inputs, labels, model keyword arguments) as the trainer gives them
-        mine = [(x, y, {}) for x, y in zip(inputs[rows].chunk(accum), labels[rows].chunk(accum))]
+        # accumulation: several batches, each a Batch (models/batch.py) as the trainer gives them
+        mine = [Batch({"tokens": x}, y) for x, y in zip(inputs[rows].chunk(accum), labels[rows].chunk(accum))]
         scale = torch.tensor(float(dims.dp_cp_degree) / labels.numel(), device=DEVICE)  # FSDP factor / tokens
         with loss_ctx():
             loss_sum = runner.step(mine, scale)
@@ -140,7 +141,7 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     for part in runner.model_parts:
         part.eval()
     with loss_ctx():
-        val = runner.reduce_over_pp(runner.eval_loss(inputs[rows][:lbs], labels[rows][:lbs]))
+        val = runner.reduce_over_pp(runner.eval_loss(Batch({"tokens": inputs[rows][:lbs]}, labels[rows][:lbs])))
     if loss_mesh is not None:
         dist.all_reduce(val, group=loss_mesh.get_group())
     val = val / labels[first].numel()

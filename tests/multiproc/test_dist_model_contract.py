@@ -1,14 +1,18 @@
-"""The model contract holds for a family the library has never heard of (tests/toy_family).
+"""The model contract holds for families the library has never heard of (tests/toy_family).
 
 A toy decoder (learned positions, LayerNorm, GELU MLP, its own module names: not Llama) is defined entirely under
-tests/toy_family as `toy_models` (its ModelSpec) and `toy_plans` (its PLANS). toy_family_worker.py registers it with
-`models.MODELS["toy"] = SPEC` (no library edit) and trains it with titanlike's Trainer:
+tests/toy_family as `toy_models` (its ModelSpec) and `toy_plans` (its PLANS); beside it a bidirectional encoder
+trained by masked-LM (`toy_encoder`, the spec's objective "masked_lm") and an image classifier whose input is a
+pixel tensor and whose patch projection is frozen (`toy_vision`, its own objective). toy_family_worker.py registers
+them with `models.MODELS[name] = SPEC` (no library edit) and trains each with titanlike's Trainer:
 
-- reference: 1 process, from a seed checkpoint of the toy model (written by the Trainer itself);
-- fsdp: 2 processes (gloo), parallelism.dp_shard=-1, from the same seed.
+- reference: 1 process, the decoder and the vision model from seed checkpoints (written by the Trainer itself), the
+  encoder from seeded_init's layout-independent weights;
+- fsdp: 2 processes (gloo), parallelism.dp_shard=-1, from the same weights; the vision run saves its last step and
+  a new Trainer resumes from it.
 
-Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step (fp32 on CPU: only
-the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the grad norm, so
+Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
+families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the grad norm, so
 LOSS_RTOL 1e-5 and GRAD_NORM_RTOL 1e-4 leave a wide margin yet catch any real divergence such as a missing or
 double-counted shard, a wrong gradient scale or a different initialisation); the trainer counted with the spec's
 functions (its flops_per_token, the logged TFLOP/s per token/s, the parameter line of its log).
@@ -52,6 +56,16 @@ def _launch(root: str, phase: str, nproc: int) -> dict:
         return json.load(f)
 
 
+def _same_run(ref_h: list, fsdp_h: list) -> None:
+    """FSDP over 2 ranks == 1 process, step by step (same initial weights, same global batch of 4 rows)."""
+    assert [h["step"] for h in ref_h] == [h["step"] for h in fsdp_h] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(h["loss"]) for h in ref_h), ref_h
+    for a, b in zip(ref_h, fsdp_h):
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=GRAD_NORM_RTOL), (a["step"], a, b)
+        assert b["lr"] == a["lr"]
+
+
 @pytest.mark.dist
 def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     root = str(tmp_path)
@@ -60,24 +74,17 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     assert ref["world"] == 1 and fsdp["world"] == 2
     toy = _toy(monkeypatch)
     spec = toy.SPEC
-
-    ref_h, fsdp_h = ref["run"]["history"], fsdp["run"]["history"]
-    assert [h["step"] for h in ref_h] == [h["step"] for h in fsdp_h] == list(range(1, STEPS + 1))
+    for family in ("toy", "toy_encoder", "toy_vision"):
+        _same_run(ref["runs"][family]["history"], fsdp["runs"][family]["history"])
+    ref_run, fsdp_run = ref["runs"]["toy"], fsdp["runs"]["toy"]
 
     # It learns: finite throughout, and clearly lower at the end (real text; ~7.64 -> ~7.06 here).
-    losses = [h["loss"] for h in ref_h]
-    assert all(math.isfinite(x) for x in losses), losses
+    losses = [h["loss"] for h in ref_run["history"]]
     assert losses[-1] < losses[0] - 0.3, losses
     assert max(losses[-3:]) < min(losses[:3]), losses
 
-    # FSDP over 2 ranks == 1 process (same seed checkpoint, same global batch of 4 sequences).
-    for a, b in zip(ref_h, fsdp_h):
-        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=GRAD_NORM_RTOL), (a["step"], a, b)
-        assert b["lr"] == a["lr"]
-
     # The trainer counted with the spec's functions, for the args it built (vocab from the tokenizer, seq_len).
-    for run in (ref["run"], fsdp["run"]):
+    for run in (ref_run, fsdp_run):
         args = spec.args_cls(**{**dataclasses.asdict(spec.flavors["tiny"]), **run["args"]})
         assert run["args"]["max_seq_len"] == SEQ and run["args"]["n_layers"] == spec.flavors["tiny"].n_layers
         counts = spec.param_counts(args)
@@ -88,9 +95,33 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
         for h in run["history"]:  # the logged TFLOP/s per device is tokens/s x the spec's FLOPs per token
             per_token = h["throughput/tflops_per_device"] * 1e12 / h["throughput/tokens_per_sec_per_device"]
             assert per_token == pytest.approx(spec.flops_per_token(args, SEQ), rel=1e-9)
-    assert ref["run"]["local_params"] == ref["run"]["counts"]["total"]
-    assert fsdp["local_params_all_ranks"] == fsdp["run"]["counts"]["total"]  # the shards add up to the model
-    assert fsdp["run"]["local_params"] < fsdp["run"]["counts"]["total"]  # and rank 0 holds only its share
+    assert ref_run["local_params"] == ref_run["counts"]["total"]
+    assert fsdp["local_params_all_ranks"] == fsdp_run["counts"]["total"]  # the shards add up to the model
+    assert fsdp_run["local_params"] < fsdp_run["counts"]["total"]  # and rank 0 holds only its share
+
+    # The masked-LM encoder and the image classifier learn too (slowly: 15% of 128 tokens / 4 images per step;
+    # ~7.57 -> ~7.43 and ~2.18 -> ~1.99 here).
+    for family in ("toy_encoder", "toy_vision"):
+        losses = [h["loss"] for h in ref["runs"][family]["history"]]
+        assert losses[-1] < losses[0], (family, losses)
+    # Masked-LM's loss is over the masked tokens only: a fresh model's is near ln(vocab), as for next-token.
+    assert abs(ref["runs"]["toy_encoder"]["history"][0]["loss"] - math.log(ref_run["args"]["vocab_size"])) < 0.5
+
+    # Frozen parameters: the patch projection ends as the seed checkpoint had it (1 process and FSDP: loaded, never
+    # updated), the trainable position table moved; the FSDP run's checkpoint holds the projection as model state
+    # and no optimizer state for it (the worker also checked the optimizer's groups and state, and that a resume
+    # loaded the same moments and weights).
+    seed = ref["vision_seed_sums"]
+    for run in (ref["runs"]["toy_vision"], fsdp["runs"]["toy_vision"]):
+        for name in ("patch_embed.proj.weight", "patch_embed.proj.bias"):
+            assert run["patch_sums"][name] == seed[name], (name, run["patch_sums"], seed)
+        assert run["patch_sums"]["patch_embed.pos"] != seed["patch_embed.pos"]
+    saved = fsdp["runs"]["toy_vision"]
+    assert saved["resumed_patch_sums"] == saved["patch_sums"]
+    keys = saved["saved_keys"]
+    assert "model.patch_embed.proj.weight" in keys and "model.patch_embed.pos" in keys, keys
+    optim = [k for k in keys if k.startswith("optimizer.")]
+    assert any("patch_embed.pos" in k for k in optim) and not any("patch_embed.proj" in k for k in optim), optim
 
 
 # ------------------------------------------------------------------------------------ the toy spec, one process

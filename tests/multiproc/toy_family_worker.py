@@ -1,10 +1,13 @@
-"""torchrun worker for test_dist_model_contract.py: train a model family that lives only in tests/toy_family.
+"""torchrun worker for test_dist_model_contract.py: train model families that live only in tests/toy_family.
 
-    toy_family_worker.py ROOT reference   (1 process) seed checkpoint of the toy model, then a 1-process run from it
-    toy_family_worker.py ROOT fsdp        (2 processes) the same run from the same seed under FSDP (dp_shard=-1)
+    toy_family_worker.py ROOT reference   (1 process) seed checkpoints of the toy decoder and the toy vision model,
+                                          then a 1-process run of each of the three families
+    toy_family_worker.py ROOT fsdp        (2 processes) the same runs under FSDP (dp_shard=-1); the vision run also
+                                          saves its last step and a new Trainer resumes from it
 
-The family is registered here, at start, the way a user's launcher could: `models.MODELS["toy"] = SPEC`; nothing in
-models/, parallelize/ or titanlike/ knows it. Checks that need the live trainer assert here (a failure exits non-zero);
+The families are registered here, at start, the way a user's launcher could: `models.MODELS["toy"] = SPEC`; nothing in
+models/, parallelize/ or titanlike/ knows them: the decoder (toy_models, next-token), the bidirectional encoder
+(toy_encoder, masked-LM) and the image classifier with a frozen patch projection (toy_vision, its own objective). Checks that need the live trainer assert here (a failure exits non-zero);
 rank 0 writes ROOT/<phase>.json (losses, grad norms, the logged throughput metrics, the counts the trainer used and
 its log lines) for the pytest side to compare across phases.
 """
@@ -18,9 +21,12 @@ import sys
 import torch
 
 import models
-import toy_models  # tests/toy_family, put on PYTHONPATH by the test
+import toy_encoder  # tests/toy_family, put on PYTHONPATH by the test
+import toy_models
+import toy_vision
 
-models.MODELS["toy"] = toy_models.SPEC  # the only registration: no library file lists this family
+FAMILIES = {"toy": toy_models.SPEC, "toy_encoder": toy_encoder.SPEC, "toy_vision": toy_vision.SPEC}
+models.MODELS.update(FAMILIES)  # the only registration: no library file lists these families
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -36,10 +42,10 @@ LOCAL_BATCH = 2
 GLOBAL_BATCH = 4  # the 1-process reference accumulates 2 micro-batches of 2; FSDP 2 takes 2 per rank
 
 
-def make_cfg(root: str, name: str, *, seed: int = 0, checkpoint: dict | None = None):
+def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkpoint: dict | None = None):
     cfg = config_from_dict({
         "job": {"dump_folder": root, "run_name": name},
-        "model": {"name": "toy", "flavor": "tiny"},  # vocab from the tokenizer
+        "model": {"name": family, "flavor": "tiny"},  # vocab from the tokenizer
         "training": {"steps": STEPS, "seq_len": SEQ, "local_batch_size": LOCAL_BATCH,
                      "global_batch_size": GLOBAL_BATCH, "device": "cpu", "gc_freq": 0, "seed": seed,
                      "max_norm": 1.0},
@@ -67,10 +73,11 @@ def finish(trainer: Trainer) -> None:
     """End a run without destroying the process group (the next Trainer of this process reuses it)."""
     trainer.checkpointer.close()
     trainer.metrics.close()
+    trainer.run_lock.release()  # (a resume in the same run folder follows in the vision run)
 
 
-def seed_path(root: str) -> str:
-    return os.path.join(root, "seed", "checkpoint")
+def seed_path(root: str, family: str = "toy") -> str:
+    return os.path.join(root, f"seed_{family}", "checkpoint")
 
 
 def check_fsdp_layout(trainer: Trainer) -> None:
@@ -85,18 +92,22 @@ def check_fsdp_layout(trainer: Trainer) -> None:
         assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.size() == 2, n
 
 
-def train(root: str, name: str, expect_fsdp: bool) -> dict:
+def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: bool = True,
+          checkpoint: dict | None = None) -> tuple[dict, Trainer]:
+    """One run of `family` (from its seed checkpoint when `seeded`, else from seeded_init's weights)."""
     lines = _Lines()
     logging.getLogger("titanlike").addHandler(lines)
-    trainer = Trainer(make_cfg(root, name, checkpoint={"initial_load_path": seed_path(root)}))
+    ckpt = {**({"initial_load_path": seed_path(root, family)} if seeded else {}), **(checkpoint or {})}
+    trainer = Trainer(make_cfg(root, name, family=family, checkpoint=ckpt))
+    spec = FAMILIES[family]
     try:
-        spec, args = toy_models.SPEC, trainer.model_args
+        args = trainer.model_args
         # The trainer read the family only through its spec: the spec, its args class and its counts.
-        assert trainer.spec is spec and type(args) is toy_models.ToyArgs, (trainer.spec, type(args))
-        assert isinstance(trainer.model, toy_models.ToyDecoder), type(trainer.model)  # (FSDP subclasses it)
+        assert trainer.spec is spec and type(args) is spec.args_cls, (trainer.spec, type(args))
+        assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
         assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
         assert trainer.dims.fsdp_enabled == expect_fsdp
-        if expect_fsdp:
+        if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
         history = trainer.train()
     finally:
@@ -112,7 +123,76 @@ def train(root: str, name: str, expect_fsdp: bool) -> dict:
         "spec_flops_per_token": spec.flops_per_token(args, SEQ),
         "local_params": local,
         "log": lines.lines,
-    }
+    }, trainer
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+FROZEN = {"patch_embed.proj.weight", "patch_embed.proj.bias"}
+
+
+def patch_sums(trainer: Trainer) -> dict[str, float]:
+    """Sums of the vision model's patch parameters (the frozen projection, the trained position table): whole
+    tensors on every rank (a collective under FSDP)."""
+    return {n: float(_full(p.detach()).double().sum()) for n, p in trainer.model.named_parameters()
+            if n.startswith("patch_embed.")}
+
+
+def optimizer_sum(trainer: Trainer) -> float:
+    """Sum of every Adam moment: equal after a resume that loaded the optimizer state."""
+    from titanlike.optim.container import optimizers_of
+
+    return float(sum(_full(v).double().sum() for o in optimizers_of(trainer.optimizer) for st in o.state.values()
+                     for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")))
+
+
+def check_frozen(trainer: Trainer, fsdp: bool) -> None:
+    """The frozen projection: still frozen after the plan (sharded like the rest under FSDP), and neither in the
+    optimizer's groups nor in its state after training."""
+    from titanlike.optim.container import optimizers_of
+
+    named = dict(trainer.model.named_parameters())
+    assert {n for n, p in named.items() if not p.requires_grad} == FROZEN, named.keys()
+    opts = optimizers_of(trainer.optimizer)
+    in_groups = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+    in_state = {id(p) for o in opts for p in o.state}
+    assert {n for n, p in named.items() if id(p) in in_groups} == set(named) - FROZEN
+    assert {n for n, p in named.items() if id(p) in in_state} == set(named) - FROZEN
+    if fsdp:
+        assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in named.values())
+
+
+def saved_keys(step_dir: str) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+
+
+def run_families(root: str, phase: str, fsdp: bool) -> dict:
+    out = {}
+    for family, seeded in (("toy", True), ("toy_encoder", False), ("toy_vision", True)):
+        name = phase if family == "toy" else f"{phase}_{family}"
+        save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
+        run, trainer = train(root, name, expect_fsdp=fsdp, family=family, seeded=seeded, checkpoint=save)
+        if family == "toy_vision":
+            check_frozen(trainer, fsdp)
+            run["patch_sums"] = patch_sums(trainer)
+        if save:  # the frozen weights are model state; the optimizer state has none of them; a resume loads both
+            step_dir = os.path.join(root, name, "checkpoint", f"step-{STEPS}")
+            run["saved_keys"] = saved_keys(step_dir)
+            before = optimizer_sum(trainer)
+            resumed = Trainer(make_cfg(root, name, family=family, checkpoint={**save, "initial_load_path": ""}))
+            try:
+                assert resumed.train() == [] and resumed.step == STEPS, resumed.step  # loaded the last step
+                run["resumed_patch_sums"] = patch_sums(resumed)
+                assert optimizer_sum(resumed) == before, (optimizer_sum(resumed), before)
+                check_frozen(resumed, fsdp)
+            finally:
+                finish(resumed)
+        out[family] = run
+    return out
 
 
 def main() -> None:
@@ -124,16 +204,20 @@ def main() -> None:
     if phase == "reference":
         assert world == 1, world
         # another init seed than the runs': a run that failed to load the seed would show it in its loss
-        seed = Trainer(make_cfg(root, "seed", seed=1, checkpoint={"create_seed_checkpoint": True}))
-        try:
-            seed.checkpointer.save_seed()
-        finally:
-            finish(seed)
-        out["run"] = train(root, "reference", expect_fsdp=False)
+        for family in ("toy", "toy_vision"):
+            seed = Trainer(make_cfg(root, f"seed_{family}", family=family, seed=1,
+                                    checkpoint={"create_seed_checkpoint": True}))
+            try:
+                if family == "toy_vision":
+                    out["vision_seed_sums"] = patch_sums(seed)
+                seed.checkpointer.save_seed()
+            finally:
+                finish(seed)
+        out["runs"] = run_families(root, phase, fsdp=False)
     elif phase == "fsdp":
         assert world == 2, world
-        out["run"] = train(root, "fsdp", expect_fsdp=True)
-        t = torch.tensor([out["run"]["local_params"]])
+        out["runs"] = run_families(root, phase, fsdp=True)
+        t = torch.tensor([out["runs"]["toy"]["local_params"]])
         torch.distributed.all_reduce(t)
         out["local_params_all_ranks"] = int(t.item())
     else:

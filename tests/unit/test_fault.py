@@ -110,7 +110,7 @@ def test_trainer_rolls_back_past_bad_batches(tmp_path, caplog, own_log):
 
     def recording(it):
         batches = next_batches(it)
-        seen.append(tuple(batches[0][0].flatten().tolist()))
+        seen.append(tuple(batches[0].inputs["tokens"].flatten().tolist()))
         return batches
     trainer.next_batches = recording
     try:

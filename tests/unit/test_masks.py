@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models
+from models.batch import Batch
 from models.common.backends import mask_kernel
 from models.common.masks import (allowed, build_mask, document_ids, document_positions, load_balanced_chunks,
                                  masked_attention)
@@ -275,7 +276,8 @@ def test_batch_layout_needs_an_eod_token():
         assert "\n" not in str(e.value)
     layout = BatchLayout(ParallelDims(world_size=1), Data(), eod_id=None)  # nothing asked: no EOD needed
     x = torch.tensor([[1, EOD, 2]])
-    assert layout(x, x) == (x, x, {})
+    got = layout(Batch({"tokens": x}, x))
+    assert got.inputs == {"tokens": x} and got.labels is x
 
 
 def test_flex_kernel_is_refused_on_cpu():
@@ -357,5 +359,5 @@ def test_eod_mask_loss_drops_the_targets_after_each_eod():
     inputs = torch.tensor([[5, 6, EOD, 7, 8, EOD, 9, 4]])
     labels = torch.tensor([[6, EOD, 7, 8, EOD, 9, 4, 3]])
     layout = BatchLayout(SimpleNamespace(get_mesh=lambda _: None), Data(eod_mask_loss=True), EOD)
-    _, got, kwargs = layout(inputs, labels)
-    assert got.tolist() == [[6, EOD, -100, 8, EOD, -100, 4, 3]] and kwargs == {}
+    got = layout(Batch({"tokens": inputs}, labels))
+    assert got.labels.tolist() == [[6, EOD, -100, 8, EOD, -100, 4, 3]] and got.kwargs() == {}

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from models.batch import Batch
 from titanlike.config.load import load_config
 from titanlike.train.trainer import Trainer
 
@@ -67,16 +68,18 @@ def test_document_masking_trains_and_equals_documents_alone(tmp_path):
     first = {}
 
     def on_step(step, batches):
-        (inputs, labels, kwargs), = batches
+        batch, = batches
+        inputs, labels, kwargs = batch.inputs["tokens"], batch.labels, batch.kwargs()
         spans = [_documents_of(row, eod) for row in inputs]
         assert all(len(s) >= 3 for s in spans), [len(s) for s in spans]  # the masking has work to do on every row
         assert torch.equal(kwargs["positions"][0, :spans[0][1][1]],
                            torch.cat([torch.arange(b - a) for a, b in spans[0][:2]]))
         if step == 1:  # the weights the first step's loss is taken with: score each document on its own
             with torch.no_grad():
-                first["alone"] = sum(trainer._forward_loss(inputs[r:r + 1, a:b], labels[r:r + 1, a:b], {})
+                first["alone"] = sum(trainer._forward_loss(Batch({"tokens": inputs[r:r + 1, a:b]},
+                                                                 labels[r:r + 1, a:b]))
                                      for r, row_spans in enumerate(spans) for a, b in row_spans).item()
-                first["unmasked"] = trainer._forward_loss(inputs, labels, {}).item()
+                first["unmasked"] = trainer._forward_loss(Batch({"tokens": inputs}, labels)).item()
                 first["tokens"] = labels.numel()
 
     history = _train(trainer, on_step)

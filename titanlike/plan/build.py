@@ -15,6 +15,7 @@ import torch
 
 import float8
 import models
+from models.batch import build_objective
 from models.common.backends import mask_kernel, repeats_kv_heads
 from parallelize import get_plan
 from titanlike.config.validate import validate_model
@@ -32,6 +33,7 @@ class Built:
     parts: list  # the model parts this rank holds (one without PP)
     update: Updater
     batch_layout: BatchLayout
+    objective: object  # the spec's objective (models/batch.py): loader batch -> Batch
     float8: object
     loss_head: object | None  # the chunked-loss LM head (training.loss_chunk_tokens > 0)
     notes: list[str]
@@ -68,6 +70,7 @@ def build(cfg, dims, device: torch.device, stage: int | None = None, mode=None) 
         run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, device)
     model_args = dataclasses.replace(flavor, **run)
     validate_model(spec, model_args, cfg)
+    objective = build_objective(spec.objective, model_args)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     layout = BatchLayout(dims, cfg.data, eod if eod is not None else 0)
@@ -98,7 +101,7 @@ def build(cfg, dims, device: torch.device, stage: int | None = None, mode=None) 
             part.init_weights(buffer_device=device)
         part.train()
     update = Updater(cfg, dims, device, parts)
-    return Built(spec, model_args, parts, update, layout, f8, loss_head, notes)
+    return Built(spec, model_args, parts, update, layout, objective, f8, loss_head, notes)
 
 
 def _no_trunc_normal():

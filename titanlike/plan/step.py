@@ -14,7 +14,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.common.backends import sdpa_context
 from titanlike.optim.adamw import clip_grad_norm_
 from titanlike.optim.container import optimizers_of
-from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum, loss_targets, plain_loss
+from models.batch import Batch, StepContext
+from titanlike.train.loss import IGNORE_INDEX, loss_targets, objective_loss, plain_loss
 
 # The trackers' categories (FSDPMemTracker's _FSDPRefType, MemTracker's _MemRefType) -> the estimate's groups.
 GROUPS = {
@@ -99,7 +100,17 @@ def _tracker(parts, optimizer, extra: list):
         return Tracker(parts[0], opts[0])
     mt = type("Tracker", (_GlobalPeakOnly, MemTracker), {})()
     mt.track_external(*parts, *opts, *extra)
+    # MemTracker hooks every parameter's gradient, and register_hook raises on a frozen one (requires_grad=False):
+    # a do-nothing entry in its handle table marks the hook as installed (it has no gradient to see anyway).
+    handles = getattr(mt, "_param_to_grad_hook_handles", None)  # (torch's private table; 2.11 and 2.13 have it)
+    for p in (p for part in parts for p in part.parameters() if not p.requires_grad and handles is not None):
+        handles[p] = (_NoHook(), _NoHook())
     return mt
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
 
 
 class _GlobalPeakOnly:
@@ -123,14 +134,16 @@ def _param_groups(fsdp_module) -> list:
     return [group] if group is not None else []
 
 
-def _inputs(built, cfg, dims, batch: int, seq: int):
-    """Real token tensors (tiny) through the trainer's BatchLayout: this rank's share and the model's kwargs."""
+def _inputs(built, cfg, dims, batch: int, seq: int) -> Batch:
+    """Real token tensors (tiny) through the trainer's objective and BatchLayout: this rank's Batch."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, built.model_args.vocab_size, (batch, seq + 1), generator=g)
-        return built.batch_layout(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        inputs = tokens[:, :-1].contiguous()
+        made = built.objective(inputs, tokens[:, 1:].contiguous(), StepContext(step=1, seed=cfg.training.seed))
+        return built.batch_layout(made, inputs)
 
 
 def _create_optimizer_state(parts, optimizer) -> None:
@@ -164,7 +177,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
         accum = max(1, global_bs // (t.local_batch_size * dims.dp_degree))
         batch, traced_mb, in_flight = t.local_batch_size, min(accum, 2), 1  # the 2nd micro-batch meets whole grads
-    inputs, labels, kwargs = _inputs(built, cfg, dims, batch, t.seq_len)
+    traced = _inputs(built, cfg, dims, batch, t.seq_len)  # the Batch every traced micro-batch reads
     masters = list(getattr(optimizer, "low_bits", {}).values())
     master_bytes = sum(_nbytes(x) for x in masters)
     _create_optimizer_state(parts, optimizer)
@@ -186,8 +199,8 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         first = getattr(part, built.spec.input_modules[0], None) is not None
         last = getattr(part, built.spec.output_modules[-1], None) is not None
         with amp:
-            x = inputs if first else _hidden(built, inputs, cfg, dims, gpu)
-            return _forward(part, built, x, labels, kwargs, last, fused_loss)
+            x = traced.args()[0] if first else _hidden(built, traced.args()[0], cfg, dims, gpu)
+            return _forward(part, built, x, traced, last, fused_loss)
 
     def contexts(part):
         last = getattr(part, built.spec.output_modules[-1], None) is not None
@@ -274,7 +287,7 @@ class _FusedCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels):
-        flat, y = logits.flatten(0, 1), labels.flatten()
+        flat, y = logits.reshape(-1, logits.shape[-1]), labels.flatten()
         lse = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in flat.split(_FusedCrossEntropySum.CHUNK)])
         keep = y != IGNORE_INDEX
         picked = flat.gather(1, y.clamp(min=0)[:, None]).squeeze(1).float()
@@ -284,7 +297,7 @@ class _FusedCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, labels, lse = ctx.saved_tensors
-        flat, y = logits.flatten(0, 1), labels.flatten()
+        flat, y = logits.reshape(-1, logits.shape[-1]), labels.flatten()
         out = torch.empty_like(flat)
         for i, c in enumerate(flat.split(_FusedCrossEntropySum.CHUNK)):
             rows = slice(i * _FusedCrossEntropySum.CHUNK, i * _FusedCrossEntropySum.CHUNK + c.shape[0])
@@ -294,8 +307,10 @@ class _FusedCrossEntropySum(torch.autograd.Function):
         return out.view_as(logits), None
 
 
-def _forward(part, built, x, labels, kwargs, last: bool, fused_loss: bool = False):
-    """(output, whether it is the summed loss) as the trainer's _forward_loss computes it on the last stage."""
+def _forward(part, built, x, mb: Batch, last: bool, fused_loss: bool = False):
+    """(output, whether it is the summed loss) as the trainer's _forward_loss computes it on the last stage; `x` is
+    the Batch's primary input (first stage) or the hidden states a previous stage sends."""
+    kwargs, labels = mb.kwargs(), mb.labels
     if not last:
         return part(x, **kwargs), False
     if built.loss_head is None:
@@ -305,6 +320,6 @@ def _forward(part, built, x, labels, kwargs, last: bool, fused_loss: bool = Fals
             return _FusedCrossEntropySum.apply(local, labels % local.shape[-1]), True
         if fused_loss:
             return _FusedCrossEntropySum.apply(logits, labels), True
-        return plain_loss(cross_entropy_sum(logits, labels)), True
+        return plain_loss(objective_loss(built.objective)(logits, labels)), True
     with loss_targets(built.loss_head, labels):
         return part(x, **kwargs), True

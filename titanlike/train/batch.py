@@ -1,5 +1,5 @@
-"""From a data-loader batch to one rank's model call: context parallel's share of the tokens and labels, and the
-documents of packed sequences.
+"""From an objective's Batch (models/batch.py) of whole sequences to one rank's model call: context parallel's share
+of the inputs the Batch declares as sequences, and the documents of packed sequences.
 
 Every CP rank of a data-parallel rank reads the same batch (the data shard is the dp index); each keeps its
 load-balanced chunks (parallelize/cp.py). With data.document_masking the document ids of the whole sequence go to the
@@ -13,9 +13,9 @@ import inspect
 
 import torch
 
+from models.batch import IGNORE_INDEX, Batch
 from models.common.masks import document_ids, document_positions
 from parallelize.cp import shard_sequence
-from titanlike.train.loss import IGNORE_INDEX
 
 
 class BatchLayout:
@@ -45,24 +45,36 @@ class BatchLayout:
                              f"no {' or '.join(missing)} (models/common/decoder.py's Decoder does); turn them off for "
                              f"this model")
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(inputs, labels) of whole sequences -> (this rank's inputs, its labels, the model's keyword arguments)."""
-        kwargs = {}
+    def __call__(self, batch: Batch, token_ids: torch.Tensor | None = None) -> Batch:
+        """A Batch of whole sequences -> this rank's Batch. The document options find documents in `token_ids`, the
+        loader's ids (default: the input "tokens"; an objective may have changed those, as masked-LM's mask ids do)
+        and add the inputs "doc_ids" / "positions"; context parallel cuts the inputs named in `batch.sequence`."""
+        inputs, labels = dict(batch.inputs), batch.labels
+        tokens = token_ids if token_ids is not None else inputs.get("tokens")
+        if (self.documents or self.reset_positions or self.eod_mask_loss) and tokens is None:
+            raise ValueError(f"data.document_masking / data.reset_position_ids / data.eod_mask_loss find documents in "
+                             f"token ids, and this objective's batch has none (inputs {sorted(inputs)}): turn them off "
+                             f"for this model")
+        if self.eod_mask_loss and labels.shape != tokens.shape:
+            raise ValueError(f"data.eod_mask_loss drops per-token targets, and this objective's labels are "
+                             f"{tuple(labels.shape)} for tokens {tuple(tokens.shape)}: turn it off for this model")
         if not self._checked:  # an EOD before a sequence's last position starts another document in it
-            found = (inputs[:, :-1] == self.eod_id).sum()
+            found = (tokens[:, :-1] == self.eod_id).sum()
             self._boundaries = found if self._boundaries is None else self._boundaries + found
-            self._tokens += inputs.numel()
+            self._tokens += tokens.numel()
         if self.eod_mask_loss:
-            labels = labels.masked_fill(inputs == self.eod_id, IGNORE_INDEX)
+            labels = labels.masked_fill(tokens == self.eod_id, IGNORE_INDEX)
         if self.documents or self.reset_positions:
-            docs = document_ids(inputs, self.eod_id)
+            docs = document_ids(tokens, self.eod_id)
             if self.documents:
-                kwargs["doc_ids"] = docs
+                inputs["doc_ids"] = docs
             if self.reset_positions:
-                kwargs["positions"] = document_positions(docs)
+                inputs["positions"] = document_positions(docs)
         if self.cp is not None:
-            inputs, labels = shard_sequence(inputs, *self.cp), shard_sequence(labels, *self.cp)
-        return inputs, labels, kwargs
+            inputs = {k: shard_sequence(v, *self.cp) if k in batch.sequence else v for k, v in inputs.items()}
+            if "labels" in batch.sequence:
+                labels = shard_sequence(labels, *self.cp)
+        return batch.replace(inputs=inputs, labels=labels)
 
     def no_documents_warning(self) -> str | None:
         """On a log step (it reads a device count): once, a line naming the keys and the fix when the batches so far

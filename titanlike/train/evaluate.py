@@ -23,13 +23,13 @@ def mean_loss(trainer, loader, steps: int) -> float:
     loss_sum = torch.zeros((), device=trainer.device)
     tokens = torch.zeros((), device=trainer.device)
     for _, (inputs, labels) in zip(range(steps), loader):
-        inputs, labels, kwargs = trainer.batch_layout(inputs.to(trainer.device), labels.to(trainer.device))
+        batch = trainer.make_batch(inputs, labels, step=0)  # step 0: an objective's draws are the same every pass
         with trainer.amp, trainer._sdpa(), trainer._loss_ctx():
             if trainer.pp is not None:  # forward-only schedule; the loss is summed on the last stage
-                loss_sum += trainer.pp.eval_loss(inputs, labels, kwargs)
+                loss_sum += trainer.pp.eval_loss(batch)
             else:
-                loss_sum += trainer._forward_loss(inputs, labels, kwargs)
-        tokens += (labels != IGNORE_INDEX).sum()
+                loss_sum += trainer._forward_loss(batch)
+        tokens += (batch.labels != IGNORE_INDEX).sum()
     if trainer.pp is not None:
         trainer.pp.reduce_over_pp(loss_sum)
     return (trainer._all_reduce_sum(loss_sum) / trainer._all_reduce_sum(tokens)).item()

@@ -22,13 +22,14 @@ forward, where FSDP2 has all-gathered it, exactly as for a plain Linear.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-IGNORE_INDEX = -100
+from models.batch import IGNORE_INDEX
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, need_grad: bool):
@@ -143,9 +144,21 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int, compile_chunk: bool 
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; the caller divides by the global token count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+    """Summed cross-entropy in fp32 of logits [..., C] against labels [...] (per token [B, S, V] / [B, S], or per
+    sequence [B, C] / [B]); the caller divides by the global count of targets."""
+    flat = logits.flatten(0, 1) if logits.ndim == 3 else logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat.float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+LOSSES = {"cross_entropy": cross_entropy_sum}  # an Objective's `loss` -> fn(output, labels) -> summed loss
+
+
+def objective_loss(objective) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The summed loss an objective (models/batch.py) names; ValueError naming the choices."""
+    if objective.loss not in LOSSES:
+        raise ValueError(f"objective {type(objective).__name__}: loss {objective.loss!r} unknown; choose one of "
+                         f"{sorted(LOSSES)} (titanlike/train/loss.py)")
+    return LOSSES[objective.loss]
 
 
 def plain_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from models.batch import Batch
 from models.common.moe import MoE
 from parallelize.pp import Pipeline, build_pipeline
 from parallelize.tied import TiedParameters, tied_pairs
@@ -35,7 +36,7 @@ class PipelineRunner:
                  loss_fn: Callable):
         """Split meta `model` (ModelSpec `spec`, built from `args`) and build the schedule (see
         parallelize.pp.build_pipeline). `loss_fn(logits, labels)` returns the summed token cross-entropy of one
-        micro-batch."""
+        micro-batch (the objective's loss: output against Batch.labels)."""
         self.loss_fn = loss_fn
         self.device = device
         self.pp_group = dims.get_mesh("pp").get_group()
@@ -60,36 +61,37 @@ class PipelineRunner:
             loss = loss.full_tensor()
         return loss * self._scale
 
-    def _schedule_step(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _schedule_step(self, batch: Batch) -> torch.Tensor:
         """One schedule step (forward + backward of all micro-batches); this rank's CE sum (zero off the last
         stage)."""
         # The schedule's own per-micro-batch losses: torch 2.13 also calls the loss fn during its one-time
         # metadata inference, so recording the calls would count one too many.
         losses: list[torch.Tensor] = []
-        # Only the first stage takes the tokens (other stages receive activations; torch refuses args there
-        # during shape inference), only the last one the labels. return_outputs=False: the last stage would
-        # otherwise keep and concatenate every micro-batch's logits.
-        self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                           losses=losses, return_outputs=False, **kwargs)
+        # Only the first stage takes the primary input (other stages receive activations; torch refuses args there
+        # during shape inference), only the last one the labels; the other named inputs go to every stage as keyword
+        # arguments. return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's
+        # logits.
+        self.schedule.step(*(batch.args() if self.has_first else ()), target=batch.labels if self.has_last else None,
+                           losses=losses, return_outputs=False, **batch.kwargs())
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum() / self._scale
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor, dict]], scale: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of every (inputs, labels, model kwargs) batch through the schedule, gradients
-        accumulated (one schedule step per batch; the schedule splits each, kwargs too, into pp_microbatches and
-        gives every stage its share of the kwargs)."""
+    def step(self, batches: list[Batch], scale: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of every Batch through the schedule, gradients accumulated (one schedule step per
+        batch; the schedule splits each, keyword inputs too, into pp_microbatches and gives every stage its share of
+        the keyword inputs)."""
         self._scale = scale
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels, kwargs in batches:
-            loss_sum = loss_sum + self._schedule_step(inputs, labels, kwargs)
+        for batch in batches:
+            loss_sum = loss_sum + self._schedule_step(batch)
         if self.tied:
             self.tied.sync_grads()  # after every micro-batch's backward (gradients are linear), before clipping
         return loss_sum
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:
-        """Summed CE of one batch, forward only (zero off the last stage).
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        """Summed loss of one Batch, forward only (zero off the last stage).
 
         Not schedule.eval(): torch runs the training action list there, and the V-shaped schedules then fail
         on their backward actions (torch 2.13), while switching the schedule between eval and train re-runs
@@ -100,10 +102,8 @@ class PipelineRunner:
         by_index = {s.stage_index: s.submod for s in p.stages}
         me, last = dist.get_rank(self.pp_group), len(p.layout) - 1
         total = torch.zeros((), device=self.device)
-        n = p.n_microbatches
-        split = {k: v.tensor_split(n) for k, v in (kwargs or {}).items()}  # the model kwargs, split as the inputs
-        for i, (x, y) in enumerate(zip(inputs.tensor_split(n), labels.tensor_split(n))):
-            kw = {k: parts[i] for k, parts in split.items()}
+        for mb in batch.split(p.n_microbatches):
+            (x,), kw, y = mb.args(), mb.kwargs(), mb.labels
             for sid, owner in enumerate(p.owners):
                 if owner != me:
                     continue

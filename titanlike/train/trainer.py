@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import float8
 import models
+from models.batch import Batch, StepContext, build_objective
 from models.common.backends import mask_kernel, repeats_kv_heads, sdpa_context, wants_fa4
 from parallelize import get_plan
 from parallelize.compile import compile_loss
@@ -35,7 +36,7 @@ from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import BatchLayout
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
-from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, cross_entropy_sum, loss_targets, plain_loss
+from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, loss_targets, objective_loss, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 from titanlike.train.update import Updater
@@ -77,6 +78,8 @@ class Trainer:
             run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, self.device)
         self.model_args = dataclasses.replace(flavor, **run)
         validate_model(spec, self.model_args, cfg)
+        # What the model is trained to predict: turns each loader batch into the Batch its forward reads (models/batch.py)
+        self.objective = build_objective(spec.objective, self.model_args)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
@@ -131,7 +134,7 @@ class Trainer:
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
-        self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile)  # compile.components "loss"
+        self.loss_fn = compile_loss(objective_loss(self.objective), cfg.compile)  # compile.components "loss"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
                     if self.precision == "autocast" else contextlib.nullcontext())
         self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
@@ -210,26 +213,27 @@ class Trainer:
             torch.distributed.all_reduce(x, group=mesh.get_group())
         return x
 
-    def next_batches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-        """The step's micro-batches as (inputs, labels, model keyword arguments), this rank's share of each."""
-        out = []
-        for _ in range(self.grad_accum_steps):
-            inputs, labels = next(data_iter)
-            out.append(self.batch_layout(inputs.to(self.device, non_blocking=True),
-                                         labels.to(self.device, non_blocking=True)))
-        return out
+    def make_batch(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> Batch:
+        """A loader batch (whole sequences, any device) -> this rank's Batch: the objective's inputs and targets,
+        then BatchLayout's documents and context-parallel share."""
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return self.batch_layout(self.objective(inputs, labels, StepContext(step, self.cfg.training.seed)), inputs)
 
-    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """Summed token loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
+    def next_batches(self, data_iter) -> list[Batch]:
+        """The step's micro-batches, this rank's share of each."""
+        return [self.make_batch(*next(data_iter), self.step) for _ in range(self.grad_accum_steps)]
+
+    def _forward_loss(self, batch: Batch) -> torch.Tensor:
+        """Summed loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
         if self.loss_head is None:
-            return plain_loss(self.loss_fn(self.model(inputs, **kwargs), labels))
-        with loss_targets(self.loss_head, labels):
-            return self.model(inputs, **kwargs)
+            return plain_loss(self.loss_fn(self.model(*batch.args(), **batch.kwargs()), batch.labels))
+        with loss_targets(self.loss_head, batch.labels):
+            return self.model(*batch.args(), **batch.kwargs())
 
-    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step over all micro-batches. Returns device tensors (loss sum, token count, grad norm):
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over all micro-batches. Returns device tensors (loss sum, target count, grad norm):
         nothing here waits for the GPU."""
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in batches)
+        local_tokens = sum((b.labels != IGNORE_INDEX).sum() for b in batches)
         global_tokens = self._all_reduce_sum(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
         if self.update.loss_scale is not None:  # fp16: divided out again in the clip
@@ -240,10 +244,10 @@ class Trainer:
             mb_losses = [loss_sum]
         else:
             loss_sum, mb_losses = torch.zeros((), device=self.device), []
-            for inputs, labels, kwargs in batches:
+            for batch in batches:
                 with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
                     with self.amp:
-                        loss = self._forward_loss(inputs, labels, kwargs)
+                        loss = self._forward_loss(batch)
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())

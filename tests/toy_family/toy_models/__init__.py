@@ -39,12 +39,14 @@ toy_flavors: dict[str, ToyArgs] = {
 
 
 class ToyBlock(nn.Module):
-    """Pre-LayerNorm block: x + proj(attn(ln_1 x)), then x + fc_out(gelu(fc_in(ln_2 x)))."""
+    """Pre-LayerNorm block: x + proj(attn(ln_1 x)), then x + fc_out(gelu(fc_in(ln_2 x))). causal=False: every
+    position sees every other (the encoder families of toy_encoder.py and toy_vision.py)."""
 
-    def __init__(self, args: ToyArgs):
+    def __init__(self, args: ToyArgs, causal: bool = True):
         super().__init__()
         d, h = args.dim, args.mlp_ratio * args.dim
         self.n_heads = args.n_heads
+        self.causal = causal
         self.ln_1 = nn.LayerNorm(d, eps=args.norm_eps)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -55,7 +57,8 @@ class ToyBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=self.causal)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
         return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x))))
 

@@ -1,0 +1,135 @@
+"""What a model reads and what it is trained to predict: the typed micro-batch and the objectives that make it.
+
+A data loader yields `(input_ids [B, S], labels [B, S])` (labels = input_ids shifted by one). The family's objective
+(`ModelSpec.objective`) turns that into a `Batch`: the model's named inputs and the targets its loss compares the
+output with. Everything after that (titanlike/train/batch.py's documents and context-parallel cut, the pipeline
+schedule, the forward, the loss and its global normalisation) reads the Batch generically, so a family with other
+inputs (token types, encoder and decoder sequences, images) or another objective needs no trainer change.
+
+Lives in models/ (plain torch, no titanlike import) so a family's forward and its own objective can use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+IGNORE_INDEX = -100  # a target that counts for nothing: neither in the loss nor in the global target count
+
+
+@dataclass
+class Batch:
+    """One micro-batch as a model reads it.
+
+    inputs: the forward's arguments by name. `inputs[primary]` is passed positionally (a pipeline's first stage reads
+    it; later stages get the previous stage's hidden states in its place), every other entry by keyword, to every
+    stage. labels: target class ids, IGNORE_INDEX where there is none; the loss is the summed cross-entropy of the
+    output's last dimension against them ([B, S] per token, [B] per sequence), divided by the global count of targets.
+    sequence: the names (of inputs, and "labels") whose dim 1 is the sequence context parallel cuts; everything else
+    (whole-sequence document ids, images, per-sequence labels) reaches every CP rank whole.
+    """
+    inputs: dict[str, torch.Tensor]
+    labels: torch.Tensor
+    primary: str = "tokens"
+    sequence: tuple[str, ...] = ("tokens", "labels")
+
+    def args(self) -> tuple[torch.Tensor]:
+        return (self.inputs[self.primary],)
+
+    def kwargs(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.inputs.items() if k != self.primary}
+
+    def replace(self, **changes) -> Batch:
+        return dataclasses.replace(self, **changes)
+
+    def split(self, n: int) -> list[Batch]:
+        """n batches along dim 0 (the pipeline's micro-batches), inputs and labels alike."""
+        parts = {k: v.tensor_split(n) for k, v in self.inputs.items()}
+        return [self.replace(inputs={k: p[i] for k, p in parts.items()}, labels=y)
+                for i, y in enumerate(self.labels.tensor_split(n))]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Where a batch falls in the run, for objectives that draw something (masks): a function of these and the data
+    alone, never of the rank or the micro-batch's place, so a resumed run and any layout see the same batch."""
+    step: int  # the training step (0 for validation and evaluation: the same draw every pass)
+    seed: int  # training.seed
+
+
+class Objective(Protocol):
+    """How a loader batch becomes a Batch, and which loss trains it. A family names a built-in one in its ModelSpec
+    (`objective="masked_lm"`) or gives its own factory `args -> Objective`."""
+
+    loss: str  # "cross_entropy": summed over targets != IGNORE_INDEX (titanlike/train/loss.py), the only one so far
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch: ...
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """Causal LM: predict each next token (the loader's labels as they are)."""
+    loss: str = "cross_entropy"
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
+        return Batch(inputs={"tokens": input_ids}, labels=labels)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer hash (splitmix64's finaliser, on int64 with wrap-around; logical shifts emulated by masking)."""
+    def shr(v: torch.Tensor, n: int) -> torch.Tensor:
+        return (v >> n) & ((1 << (64 - n)) - 1)
+
+    x = (x ^ shr(x, 30)) * -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
+    x = (x ^ shr(x, 27)) * -7723592293110705685  # 0x94d049bb133111eb as int64
+    return x ^ shr(x, 31)
+
+
+@dataclass(frozen=True)
+class MaskedLM:
+    """BERT-style masked LM: a `rate` share of the positions get `mask_id` as input and their own token as target;
+    every other position has no target. The loader's next-token labels are unused.
+
+    Which positions: a hash of (seed, step, the row's tokens, the position), on the device, with no generator: the
+    same rows at the same step give the same mask on any layout (a row's place in the batch or the rank holding it
+    does not enter) and after a resume. Two identical rows in one step get the same mask."""
+    mask_id: int
+    rate: float = 0.15
+    loss: str = "cross_entropy"
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
+        s = input_ids.shape[1]
+        pos = torch.arange(s, device=input_ids.device, dtype=torch.int64)
+        row = _mix(input_ids * (2 * pos + 1)).sum(dim=1, keepdim=True)  # depends on every token of the row
+        key = _mix(row + _mix(pos + (ctx.seed << 32) + ctx.step * 0x9E3779B9))
+        masked = (key & 0xFFFFFF).double() < self.rate * (1 << 24)
+        return Batch(inputs={"tokens": input_ids.masked_fill(masked, self.mask_id)},
+                     labels=input_ids.masked_fill(~masked, IGNORE_INDEX))
+
+
+def masked_lm(args: Any) -> MaskedLM:
+    """The args' mask_token_id (negative: counted from the end of the vocabulary, a padding row no text uses)."""
+    mask_id = getattr(args, "mask_token_id", -1)
+    return MaskedLM(mask_id=mask_id % args.vocab_size, rate=getattr(args, "mask_rate", 0.15))
+
+
+OBJECTIVES: dict[str, Callable[[Any], Objective]] = {
+    "next_token": lambda args: NextToken(),
+    "masked_lm": masked_lm,
+}
+
+
+def build_objective(objective: str | Callable[[Any], Objective], args: Any) -> Objective:
+    """The objective a ModelSpec names (a key of OBJECTIVES or a factory `args -> Objective`), for these args."""
+    if callable(objective):
+        return objective(args)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"ModelSpec.objective={objective!r} unknown; choose one of {sorted(OBJECTIVES)} or give a "
+                         f"factory args -> Objective (models/batch.py)")
+    return OBJECTIVES[objective](args)
+
+
+__all__ = ["Batch", "IGNORE_INDEX", "MaskedLM", "NextToken", "OBJECTIVES", "Objective", "StepContext",
+           "build_objective"]
