@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.batch import Batch, StepContext
-from models.spec import ModelSpec, ParamCounts, PipelineCosts
+from models.spec import ModelShape, ModelSpec, ParamCounts, PipelineCosts
 from toy_models import ToyArgs, ToyBlock, _block_matmul_params, _block_params
 
 
@@ -129,6 +129,10 @@ def pp_costs(args: ToyVisionArgs, seq_len: int) -> PipelineCosts:
     return PipelineCosts(layers={str(i): block for i in range(args.n_layers)}, embedding=0.0, output=0.0)
 
 
+def shape(args: ToyVisionArgs) -> ModelShape:
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.dim)
+
+
 def check(args: ToyVisionArgs, par, flavor: str) -> list[str]:
     problems = [f"parallelism.{n}={getattr(par, n, 1)}: the toy vision family implements FSDP only; set "
                 f"parallelism.{n}=1" for n in ("tp", "pp", "cp", "ep") if getattr(par, n, 1) > 1]
@@ -147,6 +151,7 @@ SPEC = ModelSpec(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     pp_costs=pp_costs,
+    shape=shape,
     check=check,
     input_modules=("patch_embed",),
     output_modules=("ln_f", "head"),
