@@ -145,3 +145,21 @@ def test_torchao_cpu_only_load_failures_filtered():
     err = subprocess.run([sys.executable, "-c", "import float8, torchao.float8"], capture_output=True, text=True,
                          timeout=120).stderr
     assert torch.cuda.is_available() or "Failed to load" not in err, err
+
+
+def test_log_lines_follow_stdout_after_it_is_swapped_and_closed(capsys, monkeypatch):
+    """A tool run in-process sets up logging while sys.stdout is one stream and logs after it was replaced and closed
+    (pytest's capture between tests did this): the line goes to the current stdout, with no logging error."""
+    import io
+    import logging
+
+    from titanlike.observe.log import setup_logging
+
+    old = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", old)
+    setup_logging(0)
+    monkeypatch.undo()
+    old.close()
+    logging.getLogger("titanlike").warning("still heard")
+    out, err = capsys.readouterr()
+    assert "still heard" in out and "Logging error" not in err

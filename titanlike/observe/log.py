@@ -8,11 +8,27 @@ import os
 import sys
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a record is emitted, not the stream of the moment of set-up: a tool
+    called in-process (tests, notebooks) may see sys.stdout swapped and the old one closed after set-up."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ / setStream assign it; sys.stdout is always used
+        pass
+
+
 def setup_logging(rank: int | None = None) -> logging.Logger:
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     logger = logging.getLogger("titanlike")
     logger.handlers.clear()
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
