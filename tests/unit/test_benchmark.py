@@ -112,7 +112,7 @@ def test_tiny_cpu_run_with_stand_in_peer(tmp_path):
                     "memory: 1.00GiB(1.00%)  tps: 500  tflops: 0.01  mfu: 0.10%\"; done\n")
     out = tmp_path / "bench.json"
     res = bench.main(["--config", "configs/debug_model.toml", "--flavor", "debugmodel", "--vocab", "256",
-                      "--data", "mock", "--seq", "32", "--batch", "2", "--steps", "4", "--warmup", "1",
+                      "--data", "mock", "--seq", "8", "--batch", "1", "--steps", "4", "--warmup", "1",
                       "--float8", "none,tensorwise", "--peer", str(peer), "--dump-folder", str(tmp_path / "runs"),
                       "--out", str(out), "--", "--training.device=cpu"])
     saved = json.loads(out.read_text())
