@@ -12,11 +12,11 @@ them with `models.MODELS[name] = SPEC` (no library edit) and trains each with ti
   a new Trainer resumes from it.
 
 Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
-families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the grad norm, so
-LOSS_RTOL 1e-5 and GRAD_NORM_RTOL 1e-4 leave a wide margin yet catch any real divergence such as a missing or
-double-counted shard, a wrong gradient scale or a different initialisation); the trainer counted with the spec's
-functions (its flops_per_token, the logged TFLOP/s per token/s, the parameter line of its log).
-Single-process checks beside it keep the toy spec's own counts honest (meta-built numel, FlopCounterMode).
+families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
+grad norm, so LOSS_RTOL 1e-5 and GRAD_NORM_RTOL 1e-4 leave a wide margin yet catch any real divergence such as a missing
+or double-counted shard, a wrong gradient scale or a different initialisation); the trainer counted with the spec's
+functions (its flops_per_token, the logged TFLOP/s per token/s, the parameter line of its log). Single-process checks
+beside it keep the toy spec's own counts honest (meta-built numel, FlopCounterMode).
 """
 from __future__ import annotations
 

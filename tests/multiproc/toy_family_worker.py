@@ -7,9 +7,10 @@
 
 The families are registered here, at start, the way a user's launcher could: `models.MODELS["toy"] = SPEC`; nothing in
 models/, parallelize/ or titanlike/ knows them: the decoder (toy_models, next-token), the bidirectional encoder
-(toy_encoder, masked-LM) and the image classifier with a frozen patch projection (toy_vision, its own objective). Checks that need the live trainer assert here (a failure exits non-zero);
-rank 0 writes ROOT/<phase>.json (losses, grad norms, the logged throughput metrics, the counts the trainer used and
-its log lines) for the pytest side to compare across phases.
+(toy_encoder, masked-LM) and the image classifier with a frozen patch projection (toy_vision, its own objective). Checks
+that need the live trainer assert here (a failure exits non-zero); rank 0 writes ROOT/<phase>.json (losses, grad norms,
+the logged throughput metrics, the counts the trainer used and its log lines) for the pytest side to compare across
+phases.
 """
 from __future__ import annotations
 

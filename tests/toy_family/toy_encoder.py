@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from models.spec import ModelSpec
 from toy_models import SPEC as DECODER
 from toy_models import ToyArgs, ToyBlock, ToyDecoder
 

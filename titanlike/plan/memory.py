@@ -169,7 +169,8 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
         t = run_cfg.training
         if (world_size == 1 and gpu and t.mixed_precision_impl == "auto" and t.mixed_precision_param != "float32"
                 and "optimizer" in cfg.compile.components):  # the precision the compiled run picks (one GPU)
-            run_cfg = dataclasses.replace(run_cfg, training=dataclasses.replace(t, mixed_precision_impl="master_weights"))
+            master = dataclasses.replace(t, mixed_precision_impl="master_weights")
+            run_cfg = dataclasses.replace(run_cfg, training=master)
         run_cfg = dataclasses.replace(run_cfg, compile=dataclasses.replace(run_cfg.compile, enable=False))
     ranks = []
     for rank, pp_rank, kind in _rank_kinds(dims):

@@ -31,7 +31,8 @@ def candidate_fixes(cfg: JobConfig, world_size: int) -> list[tuple[str, JobConfi
     fixes = []
     if ac.mode == "none":
         fixes.append(("--activation_checkpoint.mode=selective --activation_checkpoint.selective_option=op",
-                      _with(cfg, activation_checkpoint__mode="selective", activation_checkpoint__selective_option="op")))
+                      _with(cfg, activation_checkpoint__mode="selective",
+                            activation_checkpoint__selective_option="op")))
     if ac.mode != "full":
         fixes.append(("--activation_checkpoint.mode=full", _with(cfg, activation_checkpoint__mode="full")))
     if t.loss_chunk_tokens == 0:
@@ -44,7 +45,8 @@ def candidate_fixes(cfg: JobConfig, world_size: int) -> list[tuple[str, JobConfi
         dp = max(1, world_size // (par.tp * par.pp * par.cp))
         gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
         fixes.append((f"--training.local_batch_size={half} --training.global_batch_size={gbs} (accumulation keeps "
-                      f"the global batch)", _with(cfg, training__local_batch_size=half, training__global_batch_size=gbs)))
+                      f"the global batch)",
+                      _with(cfg, training__local_batch_size=half, training__global_batch_size=gbs)))
         fixes.append((f"--activation_checkpoint.mode=full --training.local_batch_size={half} "
                       f"--training.global_batch_size={gbs}",
                       _with(cfg, activation_checkpoint__mode="full", training__local_batch_size=half,

@@ -88,6 +88,6 @@ class BatchLayout:
                           self.reset_positions), ("data.eod_mask_loss", self.eod_mask_loss)) if on)
         verb = "it changes" if " / " not in keys else "they change"
         return (f"{keys} found no end-of-document token (id {self.eod_id}) inside the first {self._tokens} tokens "
-                f"of this rank: every sequence is one document, so {verb} nothing; add EOD tokens to the data (scripts/preprocess_data.py --append-eod; data.add_eod for text "
-                f"data), set data.eod_token to the token that ends your documents, or turn {keys} off (unless your "
-                f"documents are longer than that)")
+                f"of this rank: every sequence is one document, so {verb} nothing; add EOD tokens to the data "
+                f"(scripts/preprocess_data.py --append-eod; data.add_eod for text data), set data.eod_token to the "
+                f"token that ends your documents, or turn {keys} off (unless your documents are longer than that)")

@@ -64,8 +64,8 @@ class MoEBookkeeping:
             dist.all_reduce(dropped, group=self.group)
         assigned = counts.sum()  # the routers' demand: kept and dropped
         bias = torch.stack([m.expert_bias.float() for _, m in self.layers])
-        values = torch.stack([aux, load.max(), load.mean(), 100 * dropped / assigned.clamp_min(1), bias.std(dim=1).mean(),
-                              *load]).tolist()
+        values = torch.stack([aux, load.max(), load.mean(), 100 * dropped / assigned.clamp_min(1),
+                              bias.std(dim=1).mean(), *load]).tolist()
         out = {"moe/aux_loss": values[0], "moe/load_max_over_mean": values[1], "moe/load_mean_over_layers": values[2],
                "moe/dropped_pct": values[3], "moe/bias_std": values[4]}
         out.update({f"moe/load/{name}": v for (name, _), v in zip(self.layers, values[5:])})

@@ -63,7 +63,8 @@ class Trainer:
 
         # One run per run folder (a second one refuses), created and probed writable (titanlike/resilience/runlock.py)
         self.run_lock = acquire_run_lock(self.run_dir, self.rank, self.world_size)
-        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)  # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
+        # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
+        self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.signals.enter("tokenizer and model build")
@@ -78,7 +79,8 @@ class Trainer:
             run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, self.device)
         self.model_args = dataclasses.replace(flavor, **run)
         validate_model(spec, self.model_args, cfg)
-        # What the model is trained to predict: turns each loader batch into the Batch its forward reads (models/batch.py)
+        # What the model is trained to predict: turns each loader batch into the Batch its forward reads
+        # (models/batch.py)
         self.objective = build_objective(spec.objective, self.model_args)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
@@ -97,7 +99,8 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         active = f", {counts.active:,} active" if counts.active != counts.total else ""
         logger.info(f"model {spec.name} {cfg.model.flavor}: {counts.total:,} params{active} "
-                    f"({counts.total - counts.embedding:,} non-embedding), {self.flops_per_token / 1e9:.2f} GFLOP/token")
+                    f"({counts.total - counts.embedding:,} non-embedding), "
+                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token")
         # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
         self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
         self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
@@ -182,7 +185,8 @@ class Trainer:
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
             strict=self.pp is None)  # a pipeline rank holds only its stages' keys
         self.checkpointer.preflight()  # checkpoint folder writable, room on its disk: now, not at the first save
-        self.ft = None  # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/resilience/ft.py)
+        # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/resilience/ft.py)
+        self.ft = None
         if cfg.fault_tolerance.enable:
             self.ft = FaultTolerance(cfg.fault_tolerance, cfg.comm, self.device, model_parts=self.model_parts,
                                      optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -262,7 +266,8 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Runs to training.steps; returns the logged metrics (one dict per log step). A collective that times
-        out or loses its peer raises CommError naming the timeout key and the stalled rank (titanlike/resilience/comm_watch.py)."""
+        out or loses its peer raises CommError naming the timeout key and the stalled rank
+        (titanlike/resilience/comm_watch.py)."""
         try:
             return self._train_loop()
         except RuntimeError as e:
@@ -373,8 +378,8 @@ class Trainer:
         self.dataloader.load_state_dict(data_state)
         self.guard.reset()
         logger.warning(f"rolled back from step {bad_step} to the checkpoint of step {self.step} (rollback "
-                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err.reason}; the data continues after "
-                       f"step {bad_step}'s batches")
+                       f"{self.rollbacks} of {self.cfg.training.max_rollbacks}): {err.reason}; the data continues "
+                       f"after step {bad_step}'s batches")
 
     def validate(self) -> float:
         """Mean token loss over validation.steps batches of the held-out data (titanlike/train/evaluate.py)."""
