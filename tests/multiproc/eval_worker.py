@@ -42,7 +42,7 @@ def run(cfg) -> tuple[list[float], list[dict]]:
         trainer.checkpointer.close()
         trainer.metrics.close()
         trainer.run_lock.release()
-    state = getattr(trainer, "in_loop_eval", None)
+    state = trainer.in_loop_eval
     for e in evals:
         e["shard_degree"] = state.lm.shard[1] if state and state.lm.shard else 1
     return [h["loss"] for h in history], evals

@@ -76,10 +76,10 @@ def test_document_masking_trains_and_equals_documents_alone(tmp_path):
                            torch.cat([torch.arange(b - a) for a, b in spans[0][:2]]))
         if step == 1:  # the weights the first step's loss is taken with: score each document on its own
             with torch.no_grad():
-                first["alone"] = sum(trainer._forward_loss(Batch({"tokens": inputs[r:r + 1, a:b]},
+                first["alone"] = sum(trainer.forward_loss(Batch({"tokens": inputs[r:r + 1, a:b]},
                                                                  labels[r:r + 1, a:b]))
                                      for r, row_spans in enumerate(spans) for a, b in row_spans).item()
-                first["unmasked"] = trainer._forward_loss(Batch({"tokens": inputs}, labels)).item()
+                first["unmasked"] = trainer.forward_loss(Batch({"tokens": inputs}, labels)).item()
                 first["tokens"] = labels.numel()
 
     history = _train(trainer, on_step)

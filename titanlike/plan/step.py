@@ -308,7 +308,7 @@ class _FusedCrossEntropySum(torch.autograd.Function):
 
 
 def _forward(part, built, x, mb: Batch, last: bool, fused_loss: bool = False):
-    """(output, whether it is the summed loss) as the trainer's _forward_loss computes it on the last stage; `x` is
+    """(output, whether it is the summed loss) as the trainer's forward_loss computes it on the last stage; `x` is
     the Batch's primary input (first stage) or the hidden states a previous stage sends."""
     kwargs, labels = mb.kwargs(), mb.labels
     if not last:

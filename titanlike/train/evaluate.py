@@ -24,15 +24,15 @@ def mean_loss(trainer, loader, steps: int) -> float:
     tokens = torch.zeros((), device=trainer.device)
     for _, (inputs, labels) in zip(range(steps), loader):
         batch = trainer.make_batch(inputs, labels, step=0)  # step 0: an objective's draws are the same every pass
-        with trainer.amp, trainer._sdpa(), trainer._loss_ctx():
+        with trainer.amp, trainer.attention_kernels(), trainer.loss_context():
             if trainer.pp is not None:  # forward-only schedule; the loss is summed on the last stage
                 loss_sum += trainer.pp.eval_loss(batch)
             else:
-                loss_sum += trainer._forward_loss(batch)
+                loss_sum += trainer.forward_loss(batch)
         tokens += (batch.labels != IGNORE_INDEX).sum()
     if trainer.pp is not None:
         trainer.pp.reduce_over_pp(loss_sum)
-    return (trainer._all_reduce_sum(loss_sum) / trainer._all_reduce_sum(tokens)).item()
+    return (trainer.sum_over_data(loss_sum) / trainer.sum_over_data(tokens)).item()
 
 
 @contextlib.contextmanager
@@ -75,7 +75,7 @@ class InLoopEval:
             def context():
                 stack = contextlib.ExitStack()
                 stack.enter_context(tr.amp)
-                stack.enter_context(tr._sdpa())
+                stack.enter_context(tr.attention_kernels())
                 return stack
 
             # fixed_shape: forwards are [eval.batch_size, power of two <= seq_len]: compiled blocks see few shapes
@@ -123,6 +123,8 @@ def maybe_evaluate(trainer) -> dict[str, float] | None:
     ev, last = trainer.cfg.eval, trainer.cfg.training.steps
     if not ev.enable or (trainer.step % ev.interval and trainer.step != last):
         return None
-    state = trainer.in_loop_eval = getattr(trainer, "in_loop_eval", None) or InLoopEval(trainer)
+    if trainer.in_loop_eval is None:
+        trainer.in_loop_eval = InLoopEval(trainer)
+    state = trainer.in_loop_eval
     with trainer.signals.during("evaluation", graceful=True):
         return state.run()

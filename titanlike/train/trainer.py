@@ -140,7 +140,7 @@ class Trainer:
         self.loss_fn = compile_loss(objective_loss(self.objective), cfg.compile)  # compile.components "loss"
         self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
                     if self.precision == "autocast" else contextlib.nullcontext())
-        self._sdpa = sdpa_context(cfg.model.attn_backend, self.device)  # model.attn_backend, per pass
+        self.attention_kernels = sdpa_context(cfg.model.attn_backend, self.device)  # per pass (model.attn_backend)
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
         self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
@@ -167,7 +167,8 @@ class Trainer:
                            if cfg.validation.enable else None)
         microbatches = self.grad_accum_steps * (self.pp.pipeline.n_microbatches if self.pp is not None else 1)
         self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
-        self.log_now, self.moe_metrics = False, {}
+        self.moe_metrics = {}
+        self.in_loop_eval = None  # [eval]: made at its first interval (titanlike/train/evaluate.py)
         # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
         # the backward loss is scaled by that mesh size to turn FSDP's mean back into the exact sum.
         self.grad_divide_factor = self.dims.dp_cp_degree
@@ -207,10 +208,11 @@ class Trainer:
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
 
-    def _loss_ctx(self):
+    def loss_context(self):
+        """Where the loss and its backward run: loss_parallel() when TP leaves the logits vocabulary-sharded."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+    def sum_over_data(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data (and context) parallel ranks: the ranks that see different tokens."""
         mesh = self.dims.get_mesh("dp_cp")
         if mesh is not None:
@@ -227,31 +229,32 @@ class Trainer:
         """The step's micro-batches, this rank's share of each."""
         return [self.make_batch(*next(data_iter), self.step) for _ in range(self.grad_accum_steps)]
 
-    def _forward_loss(self, batch: Batch) -> torch.Tensor:
+    def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
         if self.loss_head is None:
             return plain_loss(self.loss_fn(self.model(*batch.args(), **batch.kwargs()), batch.labels))
         with loss_targets(self.loss_head, batch.labels):
             return self.model(*batch.args(), **batch.kwargs())
 
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def train_step(self, batches: list[Batch], log: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, target count, grad norm):
-        nothing here waits for the GPU."""
+        nothing here waits for the GPU. `log`: a log step (the MoE load statistics are read then)."""
         local_tokens = sum((b.labels != IGNORE_INDEX).sum() for b in batches)
-        global_tokens = self._all_reduce_sum(local_tokens.float())
+        global_tokens = self.sum_over_data(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
         if self.update.loss_scale is not None:  # fp16: divided out again in the clip
             scale = scale * self.update.loss_scale
         if self.pp is not None:  # the schedule runs forward and backward of every micro-batch (loss: last stage)
-            with self._sdpa(), self._loss_ctx(), self.amp:
+            with self.attention_kernels(), self.loss_context(), self.amp:
                 loss_sum = self.pp.step(batches, scale)
             mb_losses = [loss_sum]
         else:
             loss_sum, mb_losses = torch.zeros((), device=self.device), []
             for batch in batches:
-                with self._sdpa(), self._loss_ctx():  # backward kernels/handlers follow the forward's: both inside
+                # backward kernels and handlers follow the forward's: both inside
+                with self.attention_kernels(), self.loss_context():
                     with self.amp:
-                        loss = self._forward_loss(batch)
+                        loss = self.forward_loss(batch)
                     (loss * scale).backward()
                 loss_sum += loss.detach()
                 mb_losses.append(loss.detach())
@@ -261,7 +264,7 @@ class Trainer:
         self.update.apply(self.step, mb_losses, loss_sum, grad_norm, commit)  # optimizer, LR, zero_grad
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
-        self.moe_metrics = self.moe.after_step(log=self.log_now)  # expert-bias balancing; load stats on log steps
+        self.moe_metrics = self.moe.after_step(log=log)  # expert-bias balancing; load statistics on log steps
         return loss_sum, global_tokens, grad_norm
 
     def train(self) -> list[dict]:
@@ -296,21 +299,21 @@ class Trainer:
                 data_iter = iter(self.dataloader)
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
-            self.log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
+            log_now = self.step == 1 or self.step % log_freq == 0 or self.step == t.steps
             # The data wait is normally instant; a signal pending in it for 10 s means it may never end: stop then.
             self.signals.enter("waiting for data", graceful=self.step != first_step, patience_s=10.0)
             batches = self.next_batches(data_iter)
             self._enter_step(first=self.step == first_step)
-            loss_sum, tokens, grad_norm = self.train_step(batches)
+            loss_sum, tokens, grad_norm = self.train_step(batches, log=log_now)
             if self.ft is not None and not self.ft.committed:  # no update anywhere: redo the step (new quorum)
                 self.step -= 1
                 continue
             self.metrics.add_tokens(self.tokens_per_step_device)
             self.tokens_seen += self.tokens_per_step_local * self.dp_degree
-            if self.log_now:
+            if log_now:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
-                loss = self._all_reduce_sum(loss_sum) / tokens  # the only host sync: on log steps
+                loss = self.sum_over_data(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(),
                                                  "lr": self.update.step_lr, **self.moe_metrics,
                                                  **self.update.log_counts()})  # fp16 scale, skipped steps
