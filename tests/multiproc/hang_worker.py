@@ -17,12 +17,12 @@ import titanlike.train.trainer as trainer_module  # noqa: E402
 _step = trainer_module.Trainer.train_step
 
 
-def stalled_step(self, batches):
+def stalled_step(self, batches, **kwargs):
     if self.rank == 1 and self.step == 3:
         if os.environ.get("HANG_KILL") == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(float(os.environ["HANG_SLEEP"]))
-    return _step(self, batches)
+    return _step(self, batches, **kwargs)
 
 
 trainer_module.Trainer.train_step = stalled_step

@@ -73,7 +73,9 @@ def test_greedy_matches_transformers_generate(family, flavor, tmp_path):
                        eos_token_id=None, pad_token_id=0)[:, 7:].tolist()
     got = generate(ours.model, prompts.tolist(), max_new_tokens=12)
     assert got == want
-    assert len(set(got[0])) > 3, got  # a model stuck on one token would prove little
+    # a model stuck on one token would prove little (a tiny random model may fall into a short loop on one prompt:
+    # torch 2.11's initial weights loop mixtral's first prompt on two tokens, the second prompt varies)
+    assert max(len(set(row)) for row in got) > 3, got
 
 
 @pytest.mark.parametrize("family,flavor", FAMILIES)
