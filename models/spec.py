@@ -22,7 +22,7 @@ class ParamCounts:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner's cost model reads of a model's shape (titanlike/plan/planner.py)."""
+    """What the planner's cost model reads of a model's shape (titanlike/planner/planner.py)."""
     dim: int  # the residual stream's width (what TP, PP and EP move per token)
     n_layers: int
     kv_dim: int  # keys plus values per token in one attention layer (what context parallel gathers)

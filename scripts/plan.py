@@ -5,7 +5,7 @@
   python scripts/plan.py plan --config CONFIG [--section.key=value ...] --gpus N [--gpu h100] [--gpu-mem GiB]
                               [--top 5] [--out BEST.toml] [--no-float8]
 
-estimate: each kind of rank's memory for one training step (titanlike/plan/memory.py: the real model and plan on N
+estimate: each kind of rank's memory for one training step (titanlike/planner/memory.py: the real model and plan on N
 fake ranks, traced on fake tensors; no GPU needed), as a table in GiB, and whether it fits --gpu-mem (default 80).
 Exit 0 when it fits, 1 when it does not (one line naming the smallest memory that would fit) or the estimate fails
 (one line; --debug: the traceback), 2 on bad input (an unknown config key, impossible degrees, a flag's value that is
@@ -13,7 +13,7 @@ not a number) with one line.
 
 plan: every layout of the config's model on N GPUs of that kind that the config check accepts (data/tensor/pipeline/
 context/expert parallel degrees, micro-batch size at the config's global batch and sequence length, AC mode, float8,
-resharding), ranked by predicted tokens/s (titanlike/plan/cost.py, constants from docs/benchmarks.md); the fastest
+resharding), ranked by predicted tokens/s (titanlike/planner/cost.py, constants from docs/benchmarks.md); the fastest
 are estimated for memory until --top of them fit --gpu-mem (default: the kind's) with 5% to spare. A layout whose
 parameters, gradients and optimizer state alone exceed the GPU is not traced (one line counts them), and one the
 estimator cannot trace is reported in one line and skipped. Each estimated layout is printed as it is found (a
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"--device: {device!r} is not cuda or cpu")
         cfg = load_config(argv, world_size=n)
-        from titanlike.plan import estimate_memory
+        from titanlike.planner import estimate_memory
 
         est = estimate_memory(cfg, n, device_kind=device)
     except (ConfigError, ValueError) as e:
@@ -115,9 +115,9 @@ def plan_main(argv: list[str]) -> int:
     no_float8 = "--no-float8" in argv
     argv = [a for a in argv if a != "--no-float8"]
     from titanlike.config import ConfigError, load_config
-    from titanlike.plan.gpus import UnknownGpu, gpu_kind
-    from titanlike.plan.memory import estimate_memory
-    from titanlike.plan.planner import GIB, overrides_toml, plan
+    from titanlike.planner.gpus import UnknownGpu, gpu_kind
+    from titanlike.planner.memory import estimate_memory
+    from titanlike.planner.planner import GIB, overrides_toml, plan
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:

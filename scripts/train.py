@@ -13,7 +13,7 @@ overrides after it win, and a --config FILE given too is the base the flags are 
 Every key with its value (the defaults, or a config's): `--print-config`, alone or after `--config FILE`; what each
 key means: the comments in titanlike/config/sections.py.
 
-Memory: on a GPU the run first estimates each rank's memory for one step (titanlike/plan/memory.py: the real model
+Memory: on a GPU the run first estimates each rank's memory for one step (titanlike/planner/memory.py: the real model
 and plan on fake ranks, no device memory) and refuses a config that will not fit, printing the breakdown and the
 cheapest fix; `--force` skips the check. `--dry-run [--gpus=N] [--gpu-mem=GiB]` only prints the estimate for N GPUs
 (default: this launch's world size; no GPU needed; the default memory is this machine's GPU's, else 80 GiB): exit 0
@@ -129,7 +129,7 @@ def _take_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:
 
 
 def _memory_check(cfg, world_size: int, gpu_mem: str | None, dry_run: bool, logger) -> int | None:
-    """The estimate before anything is allocated (titanlike/plan/preflight.py). Returns an exit status to stop
+    """The estimate before anything is allocated (titanlike/planner/preflight.py). Returns an exit status to stop
     with (the dry run's verdict, or 1 for a run that will not fit), None to go on. On a CPU-only run without
     --dry-run there is no device memory to check."""
     import torch
@@ -144,8 +144,8 @@ def _memory_check(cfg, world_size: int, gpu_mem: str | None, dry_run: bool, logg
         total, name = torch.cuda.get_device_properties(local).total_memory, torch.cuda.get_device_name(local)
     else:
         total, name = 80.0 * 2**30, "h100"
-    from titanlike.plan.gpus import UnknownGpu, gpu_kind
-    from titanlike.plan.preflight import check_fits
+    from titanlike.planner.gpus import UnknownGpu, gpu_kind
+    from titanlike.planner.preflight import check_fits
 
     try:
         gpu_kind(name)
@@ -163,7 +163,7 @@ def _memory_check(cfg, world_size: int, gpu_mem: str | None, dry_run: bool, logg
     if dry_run:
         return 0 if fits else 1
     if not fits:
-        from titanlike.plan.preflight import UNCERTAIN_OVER, uncertain
+        from titanlike.planner.preflight import UNCERTAIN_OVER, uncertain
 
         why = uncertain(cfg, world_size)
         if why and est.peak <= UNCERTAIN_OVER * total:

@@ -66,10 +66,10 @@ def _vision_cfg(tmp_path, world: int):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_memory_estimate_counts_no_gradient_or_optimizer_state_for_frozen_parameters(tmp_path, toy_vision, world):
-    """The traced step (titanlike/plan/step.py) of the vision model, whose patch projection is frozen: gradients
+    """The traced step (titanlike/planner/step.py) of the vision model, whose patch projection is frozen: gradients
     are the trainable parameters' bytes only, the optimizer state two AdamW moments of them (+ a step counter
     each); under FSDP on 2 fake ranks, rank 0's dim-0 shards of the same."""
-    from titanlike.plan import estimate_memory
+    from titanlike.planner import estimate_memory
 
     with torch.device("meta"):
         model = toy_vision.ToyVision(toy_vision.SPEC.flavors["tiny"])

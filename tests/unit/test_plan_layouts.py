@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from titanlike.config import load_config
-from titanlike.plan.gpus import gpu_kind
-from titanlike.plan.memory import ROWS, estimate_memory
-from titanlike.plan.planner import GIB, model_shape, plan, state_lower_bound
+from titanlike.planner.gpus import gpu_kind
+from titanlike.planner.memory import ROWS, estimate_memory
+from titanlike.planner.planner import GIB, model_shape, plan, state_lower_bound
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_tp_pp_dry_run_on_4_fake_gpus(capsys):
 def test_stage_input_is_the_sequence_shard():
     """A later pipeline stage under TP with sequence parallelism gets [b, seq/tp, dim] (a 70B at seq 8192 under TP 8
     read the whole sequence as 65536 tokens); the whole (CP-local) sequence without SP."""
-    from titanlike.plan.step import _hidden
+    from titanlike.planner.step import _hidden
 
     cfg = load_config(["--config", "configs/llama3_70b_tp8_pp2.toml"], world_size=64)
     built = SimpleNamespace(model_args=SimpleNamespace(dim=8192))

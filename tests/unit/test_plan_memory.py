@@ -1,4 +1,4 @@
-"""titanlike/plan/memory.py: the memory estimate against real allocations (one process, real CPU tensors), FSDP
+"""titanlike/planner/memory.py: the memory estimate against real allocations (one process, real CPU tensors), FSDP
 shards on fake ranks, and a large config traced without real weight memory."""
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titanlike.config.load import load_config
-from titanlike.plan import estimate_memory
+from titanlike.planner import estimate_memory
 
 
 def _debug_cfg(tmp_path, *extra, world_size=1, config="configs/debug_model.toml"):
@@ -22,7 +22,7 @@ def test_debug_model_matches_real_trainer(tmp_path, config):
     """Parameter/gradient/optimizer bytes exactly what a real Trainer allocates; the traced peak within 15% of the
     peak the same tracker (MemTracker) measures on real CPU tensors for a real second train_step (the optimizer
     state then exists through forward and backward, as in every step of a run but the first). The MoE model is traced
-    with balanced routing (titanlike/plan/moe.py); the real step routes as its random init does."""
+    with balanced routing (titanlike/planner/moe.py); the real step routes as its random init does."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from titanlike.train.trainer import Trainer
@@ -67,7 +67,7 @@ def test_fsdp2_shards_on_fake_ranks(tmp_path):
     spec = models.get_spec(cfg.model.name)
     args = spec.flavor_args(cfg.model.flavor)
     with torch.device("meta"):
-        from titanlike.plan.build import vocab_and_eod
+        from titanlike.planner.build import vocab_and_eod
 
         vocab, _ = vocab_and_eod(cfg, spec, [])
         import dataclasses
@@ -88,7 +88,7 @@ def test_8b_on_8_fake_ranks_is_fast_and_allocates_no_weights(tmp_path):
     code = (
         "import resource, time, sys\n"
         "from titanlike.config.load import load_config\n"
-        "from titanlike.plan import estimate_memory\n"
+        "from titanlike.planner import estimate_memory\n"
         "cfg = load_config(['--config', 'configs/llama3_8b.toml'], world_size=8)\n"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "t = time.time(); e = estimate_memory(cfg, 8)\n"
@@ -109,7 +109,7 @@ def test_8b_on_8_fake_ranks_is_fast_and_allocates_no_weights(tmp_path):
 
 def _meta_model(cfg):
     import models
-    from titanlike.plan.build import vocab_and_eod
+    from titanlike.planner.build import vocab_and_eod
 
     spec = models.get_spec(cfg.model.name)
     vocab, _ = vocab_and_eod(cfg, spec, [])
@@ -151,10 +151,10 @@ def test_float8_estimate_runs(tmp_path):
 
 
 def test_compiled_saved_bytes_of_known_graphs():
-    """titanlike/plan/compiled.py reads what Inductor's partitioner keeps for backward: an elementwise chain keeps
+    """titanlike/planner/compiled.py reads what Inductor's partitioner keeps for backward: an elementwise chain keeps
     only its input (which is not counted: it lives anyway), a matmul -> ReLU -> matmul keeps one [n, h] tensor
     (and recomputes the rest), whatever the parameters are."""
-    from titanlike.plan.compiled import saved_bytes
+    from titanlike.planner.compiled import saved_bytes
 
     x = torch.randn(64, 32, requires_grad=True)
     assert saved_bytes(lambda a: torch.nn.functional.silu(a) * a.cos(), (x,), {}) == 0

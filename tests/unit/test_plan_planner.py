@@ -1,4 +1,4 @@
-"""The layout planner (titanlike/plan/planner.py, cost.py, gpus.py): every layout it proposes passes the config
+"""The layout planner (titanlike/planner/planner.py, cost.py, gpus.py): every layout it proposes passes the config
 check at its world size, the ranking follows the cost model's terms, the best layout is written as a TOML that loads
 back to the same config, and bad input (an unknown GPU kind, a memory budget nothing fits) is one clear line."""
 from pathlib import Path
@@ -7,9 +7,9 @@ import pytest
 
 from titanlike.config import load_config
 from titanlike.config.load import config_to_dict
-from titanlike.plan.cost import Layout, step_seconds
-from titanlike.plan.gpus import UnknownGpu, gpu_kind
-from titanlike.plan.planner import enumerate_layouts, model_shape, overrides_toml, plan
+from titanlike.planner.cost import Layout, step_seconds
+from titanlike.planner.gpus import UnknownGpu, gpu_kind
+from titanlike.planner.planner import enumerate_layouts, model_shape, overrides_toml, plan
 
 
 
@@ -74,6 +74,6 @@ def test_plan_keeps_the_fastest_that_fit_and_writes_a_loadable_toml(tmp_path):
 
 
 def test_unknown_gpu_names_the_known_ones():
-    known = r"'B300' has no figures here; known: h100, h200, a100.*titanlike/plan/gpus.py"
+    known = r"'B300' has no figures here; known: h100, h200, a100.*titanlike/planner/gpus.py"
     with pytest.raises(UnknownGpu, match=known):
         gpu_kind("B300")

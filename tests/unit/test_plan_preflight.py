@@ -1,12 +1,12 @@
-"""Before launch (titanlike/plan/preflight.py, scripts/train.py --dry-run): the verdict against a memory budget,
+"""Before launch (titanlike/planner/preflight.py, scripts/train.py --dry-run): the verdict against a memory budget,
 the cheapest fix when a config does not fit, and the script's exit statuses. No GPU: the estimate traces on fake
 tensors."""
 import subprocess
 import sys
 
 from titanlike.config import load_config
-from titanlike.plan.memory import estimate_memory
-from titanlike.plan.preflight import check_fits
+from titanlike.planner.memory import estimate_memory
+from titanlike.planner.preflight import check_fits
 from tests.launch import REPO_ROOT
 
 BIG_ACTS = ["--config", "configs/debug_model.toml", "--training.seq_len=1024", "--training.local_batch_size=8",
@@ -47,7 +47,7 @@ def test_where_the_estimate_is_not_yet_trusted():
     not within 10% of the measured runs everywhere:
     the trainer warns there instead of refusing, unless the estimate exceeds the GPU by more than that
     (scripts/train.py)."""
-    from titanlike.plan.preflight import uncertain
+    from titanlike.planner.preflight import uncertain
 
     base = ["--config", "configs/debug_model.toml"]
     f8 = [*base, "--float8.enable=true", "--compile.enable=true"]

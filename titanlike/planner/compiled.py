@@ -150,7 +150,7 @@ def emulate_compiled_blocks(blocks_with_inputs, notes: list, context=contextlib.
         if fully_checkpointed(block):
             continue  # keeps only its inputs, compiled or eager: the trace has it right already
         if any(isinstance(m, GroupedExperts) for m in block.modules()):
-            # the trace's expert loop reads balanced row counts on the host (titanlike/plan/moe.py), which a
+            # the trace's expert loop reads balanced row counts on the host (titanlike/planner/moe.py), which a
             # compiled graph turns into unbacked sizes: traced eager (within 10% on the MoE shapes measured)
             moe_blocks = True
             continue

@@ -207,8 +207,8 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         return sdpa(), (loss_parallel() if lp and last else contextlib.nullcontext())
 
     emulate = contextlib.nullcontext()
-    if compiled_blocks:  # the blocks keep what their compiled versions keep (titanlike/plan/compiled.py)
-        from titanlike.plan.compiled import block_inputs, emulate_compiled_blocks
+    if compiled_blocks:  # the blocks keep what their compiled versions keep (titanlike/planner/compiled.py)
+        from titanlike.planner.compiled import block_inputs, emulate_compiled_blocks
 
         def forward_only():
             for part in parts:

@@ -14,7 +14,7 @@ so one rank per pp rank is simulated (its first global rank). Under PP the stage
 one micro-batch at a time without the schedule; the activations of the micro-batches a 1F1B-style schedule keeps
 in flight (pp - pp_rank, at most the micro-batch count; all of them for GPipe) are added.
 
-Mixture of experts (titanlike/plan/moe.py): the expert loop's per-expert row counts and expert parallelism's
+Mixture of experts (titanlike/planner/moe.py): the expert loop's per-expert row counts and expert parallelism's
 all-to-all split sizes are the routing's values, read on the host in one named place (models/common/moe.py's
 host_sizes); fake tensors have none, so during the trace that function returns the sizes of perfectly balanced
 routing (tokens x top_k / experts per expert, N / ep to and from every EP rank), times
@@ -26,7 +26,7 @@ activations are in the trace, not approximated.
 
 Approximations (also in MemoryEstimate.notes): torch.compile is off (compile usually lowers activations a little);
 the kernels are the CPU ones on fake tensors (SDPA: the CPU flash kernel, which saves the same logsumexp as CUDA's
-flash); the caching allocator's rounding, CUDA context and NCCL buffers come from titanlike/plan/calibration.py.
+flash); the caching allocator's rounding, CUDA context and NCCL buffers come from titanlike/planner/calibration.py.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ from torch._guards import active_fake_mode
 
 from titanlike.config import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
-from titanlike.plan import calibration
-from titanlike.plan.fake import fake_mode, fake_world, gpu_cfg, gpu_choices, own_propagation_mode, quiet_trace
-from titanlike.plan.moe import NOTE as MOE_NOTE
-from titanlike.plan.moe import balanced_routing, has_moe
+from titanlike.planner import calibration
+from titanlike.planner.fake import fake_mode, fake_world, gpu_cfg, gpu_choices, own_propagation_mode, quiet_trace
+from titanlike.planner.moe import NOTE as MOE_NOTE
+from titanlike.planner.moe import balanced_routing, has_moe
 
 GiB = calibration.GiB
 
@@ -161,9 +161,9 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     run_cfg = gpu_cfg(cfg) if gpu else cfg
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     notes = []
-    # the run's compiled loss is emulated by a fused cross-entropy of the same memory (titanlike/plan/step.py)
+    # the run's compiled loss is emulated by a fused cross-entropy of the same memory (titanlike/planner/step.py)
     compiled_loss = gpu and cfg.compile.enable and "loss" in cfg.compile.components
-    # and each compiled block's saved tensors by what Inductor's partitioner keeps (titanlike/plan/compiled.py)
+    # and each compiled block's saved tensors by what Inductor's partitioner keeps (titanlike/planner/compiled.py)
     compiled_blocks = gpu and cfg.compile.enable and "model" in cfg.compile.components
     if cfg.compile.enable:  # compiled regions do not run under the trackers' dispatch modes (nor on fake tensors)
         t = run_cfg.training
@@ -183,8 +183,8 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
 
 def _estimate_rank(cfg, world_size: int, rank: int, pp_rank: int | None, kind: str, gpu: bool, fake: bool,
                    compiled_loss: bool = False, compiled_blocks: bool = False):
-    from titanlike.plan.build import build
-    from titanlike.plan.step import trace_step
+    from titanlike.planner.build import build
+    from titanlike.planner.step import trace_step
 
     device = torch.device("cpu")
     with fake_world(rank, world_size), gpu_choices(cfg, gpu), own_propagation_mode(), quiet_trace():

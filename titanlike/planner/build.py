@@ -1,6 +1,6 @@
 """The trainer's model construction, for the memory estimate: the same builders in the same order as
 titanlike/train/trainer.py (meta model -> float8 convert -> chunked loss head -> plan -> to_empty -> init ->
-Updater), without data, metrics or checkpoints. Runs inside the fake world of titanlike/plan/fake.py.
+Updater), without data, metrics or checkpoints. Runs inside the fake world of titanlike/planner/fake.py.
 
 Under PP the estimate builds this pp rank's stage modules itself with parallelize/pp.py's own split (model_layout,
 stage_module): PipelineRunner also builds the schedule, which needs its peers to run; the stages' modules, plan and

@@ -17,7 +17,7 @@ from __future__ import annotations
 GiB = 1024 ** 3
 
 # Calibrated 2026-11-24 on one H100 (torch 2.11) with each compiled block's saved bytes emulated
-# (titanlike/plan/compiled.py): six one-GPU runs (1B shape without, with full and with selective AC; 32k context; a
+# (titanlike/planner/compiled.py): six one-GPU runs (1B shape without, with full and with selective AC; 32k context; a
 # 774M GPT; an 8B-shape 4-layer cut), traced peak x (1 + FRAGMENTATION) against torch.cuda.max_memory_reserved()
 # (-6% to +4% with it); FRAGMENTATION_FSDP fitted to five 2x H200 FSDP runs; docs/benchmarks.md "Memory" has the
 # tables. CUDA_CONTEXT_BYTES and the NCCL allowance are still estimates (they sit outside torch's reserved memory).
@@ -36,7 +36,7 @@ FRAGMENTATION_FSDP = 0.28
 def fragmentation(fsdp: bool) -> float:
     return FRAGMENTATION_FSDP if fsdp else FRAGMENTATION
 
-# MoE routing (titanlike/plan/moe.py): the trace routes every token perfectly balanced. Under expert parallelism an
+# MoE routing (titanlike/planner/moe.py): the trace routes every token perfectly balanced. Under expert parallelism an
 # EP rank receives MOE_IMBALANCE x the balanced share of tokens (all-to-all receive buffers, the local experts'
 # activations, the combine's buffers scale with it). 1.0 = balanced; measured routing with an auxiliary/bias balancer
 # typically has its hottest rank 1.1-1.5x the mean early in training. Uncalibrated.

@@ -1,6 +1,6 @@
 """Predicted step time of a layout: compute at the measured matmul efficiency, communication at measured
 bandwidths, the pipeline bubble and recompute. A ranking model, not a simulator: it orders layouts of one model on
-one cluster, and its constants (titanlike/plan/gpus.py, CONSTANTS below) come from the runs in docs/benchmarks.md.
+one cluster, and its constants (titanlike/planner/gpus.py, CONSTANTS below) come from the runs in docs/benchmarks.md.
 
 All terms are per GPU and per optimizer step, in seconds. Communication that FSDP overlaps with compute is charged
 only where it exceeds the compute it hides behind; TP, CP and EP collectives sit on the critical path.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlike.plan.gpus import GpuKind
+from titanlike.planner.gpus import GpuKind
 
 # Ranking constants, calibrated on docs/benchmarks.md (2026-11-22..24, H100/H200):
 CONSTANTS = {

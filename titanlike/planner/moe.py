@@ -54,7 +54,7 @@ def balanced_routing(imbalance: float = 1.0):
             return orig_sizes(counts)
         if not frames:
             raise RuntimeError("balanced_routing: a host read of fake routing counts outside the expert loop and the "
-                               "EP forward; titanlike/plan/moe.py does not know this call")
+                               "EP forward; titanlike/planner/moe.py does not know this call")
         what, rows = frames[-1]
         if what == "ep" and counts.dim() == 2 and counts.shape[0] == 2:  # [send per rank, receive per rank]
             ep = counts.shape[1]

@@ -49,4 +49,4 @@ def gpu_kind(name: str) -> GpuKind:
         if key == k or key.startswith(k) or f" {k}" in f" {key}":
             return g
     raise UnknownGpu(f"GPU kind {name!r} has no figures here; known: {', '.join(GPUS)}. To add one, give it an entry "
-                     f"in titanlike/plan/gpus.py (its peaks, memory, and efficiencies measured as that file says)")
+                     f"in titanlike/planner/gpus.py (its peaks, memory, and efficiencies measured as that file says)")

@@ -1,9 +1,9 @@
 """Before a run allocates anything: will it fit? (`scripts/train.py` on a GPU, and `--dry-run` anywhere.)
 
-The traced estimate (titanlike/plan/memory.py) of the config at its world size against the GPU's memory. When it
+The traced estimate (titanlike/planner/memory.py) of the config at its world size against the GPU's memory. When it
 does not fit, the cheapest fix: the changes a user reaches for first (more activation checkpointing, a smaller
 micro-batch with accumulation, the chunked loss, resharding after forward), each estimated, and of those that fit
-the one the cost model (titanlike/plan/cost.py) predicts fastest.
+the one the cost model (titanlike/planner/cost.py) predicts fastest.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import copy
 import logging
 
 from titanlike.config import JobConfig
-from titanlike.plan.memory import MemoryEstimate, estimate_memory
+from titanlike.planner.memory import MemoryEstimate, estimate_memory
 
 GIB = 2**30
 logger = logging.getLogger("titanlike")
@@ -57,9 +57,9 @@ def candidate_fixes(cfg: JobConfig, world_size: int) -> list[tuple[str, JobConfi
 def cheapest_fix(cfg: JobConfig, world_size: int, budget_bytes: float, gpu_name: str = "h100"
                  ) -> tuple[str, MemoryEstimate] | None:
     """The fitting fix the cost model predicts fastest, with its estimate; None if none of them fits."""
-    from titanlike.plan.cost import step_seconds
-    from titanlike.plan.gpus import gpu_kind
-    from titanlike.plan.planner import layout_of, model_shape
+    from titanlike.planner.cost import step_seconds
+    from titanlike.planner.gpus import gpu_kind
+    from titanlike.planner.planner import layout_of, model_shape
 
     shape, _, _ = model_shape(cfg)
     gpu = gpu_kind(gpu_name)
@@ -86,7 +86,7 @@ UNCERTAIN_OVER = 1.5
 
 def uncertain(cfg: JobConfig, world_size: int) -> str | None:
     """Why the estimate of `cfg` is not yet trusted to 10%, or None."""
-    from titanlike.plan.planner import layout_of
+    from titanlike.planner.planner import layout_of
 
     lay = layout_of(cfg, world_size)
     f8 = cfg.float8.enable and cfg.compile.enable

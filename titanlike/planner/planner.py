@@ -1,5 +1,5 @@
 """The layout planner: every layout of a model on N GPUs that the config check accepts, ranked by predicted speed
-(titanlike/plan/cost.py), the fastest checked for memory by the traced estimate (titanlike/plan/memory.py) until
+(titanlike/planner/cost.py), the fastest checked for memory by the traced estimate (titanlike/planner/memory.py) until
 `top` of them fit with a margin.
 
 A candidate is the base config with parallelism / batch / AC / float8 / reshard keys changed; the config check
@@ -18,8 +18,8 @@ from typing import Callable
 import models
 from titanlike.config import ConfigError, JobConfig
 from titanlike.config.validate import validate, validate_model
-from titanlike.plan.cost import Layout, Shape, step_seconds
-from titanlike.plan.gpus import GpuKind
+from titanlike.planner.cost import Layout, Shape, step_seconds
+from titanlike.planner.gpus import GpuKind
 
 GIB = 2**30
 
