@@ -1,12 +1,12 @@
 """The Trainer: builds every component from a JobConfig, then runs the loop.
 
-Order matters and mirrors docs/ARCHITECTURE.md: mesh → tokenizer → model on meta → parallelize (TP → AC →
-compile → FSDP) → materialise + init → optimizer/LR → data → metrics.
+Order matters and mirrors docs/ARCHITECTURE.md: mesh → tokenizer → model on meta (titanlike/train/construct.py,
+the path the memory estimate builds through too) → parallelize (parallelize/compose.py) → materialise + init →
+optimizer/LR → data → metrics.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -14,15 +14,12 @@ import os
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-import float8
-import models
-from models.batch import Batch, StepContext, build_objective
-from models.common.backends import mask_kernel, repeats_kv_heads, sdpa_context, wants_fa4
+from models.batch import Batch, StepContext
+from models.common.backends import sdpa_context
 from parallelize import get_plan
 from parallelize.compile import compile_loss
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
-from titanlike.config.validate import validate_model
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.data.tokenizers import build_tokenizer
 from titanlike.distributed.init import destroy_distributed, init_distributed, pick_device
@@ -34,9 +31,9 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
-from titanlike.train.batch import BatchLayout
+from titanlike.train.construct import build_model, materialise, run_vocab
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
-from titanlike.train.loss import IGNORE_INDEX, apply_chunked_loss, loss_targets, objective_loss, plain_loss
+from titanlike.train.loss import IGNORE_INDEX, loss_targets, objective_loss, plain_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 from titanlike.train.update import Updater
@@ -69,43 +66,21 @@ class Trainer:
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.signals.enter("tokenizer and model build")
         self.tokenizer = build_tokenizer(cfg.data)
-        self.spec = spec = models.get_spec(cfg.model.name)
-        pad = cfg.model.vocab_pad_multiple  # Megatron's vocabulary padding (model.vocab_pad_multiple)
-        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else -(-self.tokenizer.vocab_size // pad) * pad
-        flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
-        n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
-        run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
-        if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:  # a kernel knob of GQA families
-            run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, self.device)
-        self.model_args = dataclasses.replace(flavor, **run)
-        validate_model(spec, self.model_args, cfg)
-        # What the model is trained to predict: turns each loader batch into the Batch its forward reads
-        # (models/batch.py)
-        self.objective = build_objective(spec.objective, self.model_args)
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
-        # kernel of their masked attention (models/common/masks.py).
-        self.batch_layout = BatchLayout(self.dims, cfg.data, self.tokenizer.eod_id)
-        self.batch_layout.check_model(model)
-        if hasattr(model, "mask_kernel"):
-            model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking or self.dims.cp_enabled,
-                                            self.device)
-        if wants_fa4(cfg.model.attn_backend, self.device):  # before compile traces the attention modules
-            from models.common.fa4 import use_fa4
-
-            logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
+        # The model before its plan, through the one construction path the memory estimate also takes
+        # (titanlike/train/construct.py): args, checks, objective, meta model, batch layout, float8, loss head.
+        compile_chunk = cfg.compile.enable and "loss" in cfg.compile.components
+        mb = build_model(cfg, self.dims, self.device, run_vocab(cfg.model, self.tokenizer.vocab_size),
+                         self.tokenizer.eod_id, compile_loss_chunk=compile_chunk)
+        self.spec = spec = mb.spec
+        self.model_args, model = mb.model_args, mb.model
+        self.objective, self.batch_layout = mb.objective, mb.batch_layout
+        self.float8, self.loss_head = mb.float8, mb.loss_head
         counts = spec.param_counts(self.model_args)
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         active = f", {counts.active:,} active" if counts.active != counts.total else ""
         logger.info(f"model {spec.name} {cfg.model.flavor}: {counts.total:,} params{active} "
                     f"({counts.total - counts.embedding:,} non-embedding), "
                     f"{self.flops_per_token / 1e9:.2f} GFLOP/token")
-        # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
-        self.float8 = float8.convert(model, cfg.float8, fsdp_enabled=self.dims.fsdp_enabled)
-        self.loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=cfg.compile.enable and
-                                             "loss" in cfg.compile.components, head_name=spec.output_modules[-1])
-                          if t.loss_chunk_tokens > 0 else None)
         plan = get_plan(cfg.model.name, cfg.model.plan)
         self.signals.enter("parallelize")
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
@@ -116,13 +91,7 @@ class Trainer:
         else:
             self.model_parts = [plan(model, self.dims, cfg)]
         self.signals.enter("weights init")
-        from titanlike.distributed.seeded_init import seeded_init  # the same initial weights on every layout
-
-        for part in self.model_parts:
-            part.to_empty(device=self.device)
-            with torch.no_grad(), seeded_init(part, t.seed):
-                part.init_weights(buffer_device=self.device)
-            part.train()
+        materialise(self.model_parts, self.device, t.seed)  # the same initial weights on every layout
         # The whole model; None under PP, where this rank holds only its stages (self.model_parts, whose
         # parameter FQNs are the whole model's).
         self.model = None if self.pp else self.model_parts[0]
@@ -156,7 +125,7 @@ class Trainer:
         # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
         self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
         loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
-                         seq_len=t.seq_len, seed=t.seed, vocab_size=vocab)
+                         seq_len=t.seq_len, seed=t.seed, vocab_size=self.model_args.vocab_size)
         # global_batch_size: a resume with another global batch is refused (the loader's state records it)
         self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", global_batch_size=global_bs,
                                            steps=t.steps, **loader_kw)

@@ -1,0 +1,110 @@
+"""One construction path for a run's model: the Trainer and the memory estimate (titanlike/planner/build.py) both
+build through these functions, so the estimate traces what the run builds, in the same order:
+
+    vocabulary -> the spec's args (flavor, model.args, run fields) -> config checks -> objective -> meta model ->
+    batch layout and mask kernel -> FA4 -> float8 swap -> chunked-loss head     (build_model)
+    -> the plan (whole model, or pipeline stages) ->
+    materialise and initialise                                                   (materialise)
+
+Only the plan step differs: the trainer's PipelineRunner also builds the schedule, which needs its peers; the
+estimate builds the same stage modules without it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from unittest import mock
+
+import torch
+
+import float8
+import models
+from models.batch import build_objective
+from models.common.backends import mask_kernel, repeats_kv_heads, wants_fa4
+from titanlike.config.validate import validate_model
+from titanlike.train.batch import BatchLayout
+from titanlike.train.loss import apply_chunked_loss
+
+logger = logging.getLogger("titanlike")
+
+
+@dataclasses.dataclass
+class ModelBuild:
+    spec: object
+    model_args: object
+    model: torch.nn.Module  # on the meta device, float8- and loss-head-swapped, not yet parallelized
+    objective: object  # the spec's objective (models/batch.py): loader batch -> Batch
+    batch_layout: BatchLayout
+    float8: object  # float8.convert's handle (post_optimizer_hook)
+    loss_head: object | None  # the chunked-loss LM head (training.loss_chunk_tokens > 0)
+
+
+def run_vocab(model_cfg, tokenizer_vocab: int) -> int:
+    """model.vocab_size, else the tokenizer's padded to model.vocab_pad_multiple (Megatron's vocabulary padding)."""
+    if model_cfg.vocab_size > 0:
+        return model_cfg.vocab_size
+    pad = model_cfg.vocab_pad_multiple
+    return -(-tokenizer_vocab // pad) * pad
+
+
+def build_model(cfg, dims, device: torch.device, vocab: int, eod_id: int | None, *,
+                compile_loss_chunk: bool) -> ModelBuild:
+    """Everything before the plan, on the meta device. `vocab`: run_vocab's; `eod_id`: the tokenizer's."""
+    t = cfg.training
+    spec = models.get_spec(cfg.model.name)
+    flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
+    n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
+    run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
+    if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:  # a kernel knob of GQA families
+        run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, device)
+    model_args = dataclasses.replace(flavor, **run)
+    validate_model(spec, model_args, cfg)
+    objective = build_objective(spec.objective, model_args)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
+    # kernel of their masked attention (models/common/masks.py).
+    layout = BatchLayout(dims, cfg.data, eod_id)
+    layout.check_model(model)
+    if hasattr(model, "mask_kernel"):
+        model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking or dims.cp_enabled, device)
+    if wants_fa4(cfg.model.attn_backend, device):  # before compile traces the attention modules
+        from models.common.fa4 import use_fa4
+
+        logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
+    # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
+    f8 = float8.convert(model, cfg.float8, fsdp_enabled=dims.fsdp_enabled)
+    loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=compile_loss_chunk,
+                                    head_name=spec.output_modules[-1]) if t.loss_chunk_tokens > 0 else None)
+    return ModelBuild(spec, model_args, model, objective, layout, f8, loss_head)
+
+
+def materialise(parts: list, device: torch.device, seed: int, fake: bool = False) -> None:
+    """Each part's storage on `device` and its initial weights: seeded per parameter, so every layout starts from the
+    same weights (titanlike/distributed/seeded_init.py). fake: under FakeTensorMode (the estimate), where tensors hold
+    no values: init runs for its buffers and shapes only."""
+    from titanlike.distributed.seeded_init import seeded_init
+
+    for part in parts:
+        _to_empty(part, device) if fake else part.to_empty(device=device)
+        with torch.no_grad(), (_no_trunc_normal() if fake else seeded_init(part, seed)):
+            part.init_weights(buffer_device=device)
+        part.train()
+
+
+def _no_trunc_normal():
+    # trunc_normal_'s rejection loop reads values, which fake tensors do not have.
+    return mock.patch.object(torch.nn.init, "trunc_normal_", lambda tensor, *a, **k: tensor)
+
+
+def _to_empty(part: torch.nn.Module, device: torch.device) -> None:
+    """part.to_empty(device=device) under FakeTensorMode: a plain (meta) parameter is replaced by a new empty one
+    instead of by empty_like of it: fake-converting the meta parameter would leave a weak reference on it, and the
+    module's parameter swap refuses tensors with weak references. (DTensor parameters convert their local tensor.)"""
+    from torch.distributed.tensor import DTensor
+
+    part._apply(lambda t: torch.empty_like(t, device=device) if isinstance(t, DTensor) else
+                torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+__all__ = ["ModelBuild", "build_model", "materialise", "run_vocab"]
