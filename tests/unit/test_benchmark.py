@@ -197,7 +197,7 @@ def test_peer_shell_entry_with_stand_in_torchrun(tmp_path):
     args = (tmp_path / "args").read_text().split()
     assert args[:3] == ["--standalone", "--nproc_per_node", "2"]
     assert args[3] == str(ROOT / "scripts" / "bench" / "peer_torchtitan.py")
-    assert args[4:7] == ["--work", "/tmp/ttwork", "--"]
+    assert args[4:7] == ["--work", os.path.join(os.environ.get("TMPDIR", "/tmp"), "ttwork"), "--"]  # $TMPDIR/ttwork
     tt = " ".join(args[7:])
     assert tt.startswith("--model.name qwen3 --model.flavor 30B-A3B_4L --training.local_batch_size 2 "
                          "--training.seq_len 4096 --training.steps 15 --lr_scheduler.warmup_steps 2 "
