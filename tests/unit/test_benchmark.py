@@ -199,9 +199,10 @@ def test_peer_shell_entry_with_stand_in_torchrun(tmp_path):
     assert args[3] == str(ROOT / "scripts" / "bench" / "peer_torchtitan.py")
     assert args[4:7] == ["--work", os.path.join(os.environ.get("TMPDIR", "/tmp"), "ttwork"), "--"]  # $TMPDIR/ttwork
     tt = " ".join(args[7:])
+    out_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), "ttout")
     assert tt.startswith("--model.name qwen3 --model.flavor 30B-A3B_4L --training.local_batch_size 2 "
                          "--training.seq_len 4096 --training.steps 15 --lr_scheduler.warmup_steps 2 "
-                         "--metrics.log_freq 1 --job.dump_folder /tmp/ttout") and tt.endswith("--training.seq_len 2048")
+                         f"--metrics.log_freq 1 --job.dump_folder {out_dir}") and tt.endswith("--training.seq_len 2048")
     lines = p.stdout.splitlines()
     assert [r["step"] for r in bench.parse_peer(p.stdout)] == [1, 2] and "building" not in p.stdout
     assert len(lines) == 2 + 40 and lines[-1] == "RuntimeError: rank failed 40"
