@@ -58,14 +58,16 @@ def test_registry():
 
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))
-def test_every_family_states_its_shape_for_the_planner(name):
-    """ModelSpec.shape: the width and depth the planner reads match the model built on meta; the keys and values per
-    token and layer are what the attention's projections produce (MLA: per head after wkv_b)."""
+def test_every_family_counts_and_shape_match_its_built_model(name):
+    """The contract every family gets checked on, every flavor, on the meta device: param_counts' total is the
+    model's parameter count (shared ones once); ModelSpec.shape's width and depth are the model's, and its keys and
+    values per token and layer are what the attention's projections produce (MLA: per head after wkv_b)."""
     spec = models.get_spec(name)
     for flavor, args in spec.flavors.items():
         shape = spec.shape(args)
         with torch.device("meta"):
             model = spec.model_cls(args)
+        assert spec.param_counts(args).total == sum(p.numel() for p in model.parameters()), flavor
         assert shape.n_layers == len(model.layers) and shape.dim == model.tok_embeddings.embedding_dim, flavor
         attn = model.layers["0"].attention
         if hasattr(attn, "wkv_b"):  # (k_nope + v) from the latent, plus the shared positional key on every head
