@@ -15,6 +15,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 _TAIL = 6000  # characters of stdout/stderr shown on failure
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a child process: this checkout first, then whatever the caller had (the GPU machine's wheels
+    travel on PYTHONPATH: replacing it loses them)."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
 def run_torchrun(
     script_path: str | os.PathLike,
     nproc: int,

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT, repo_pythonpath, run_torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 TOL = 1e-3  # absolute, per step, on losses printed to 4 decimals (fp32; reduction orders differ between layouts)
@@ -43,7 +43,7 @@ def _losses(out: str) -> dict[int, float]:
 def _one_gpu(args: list[str]) -> str:
     run = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *args], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": str(REPO_ROOT)})
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": repo_pythonpath()})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout + run.stderr
 

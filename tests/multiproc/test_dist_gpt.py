@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT, repo_pythonpath, run_torchrun
 
 WORKER = Path(__file__).with_name("gpt_worker.py")
 EXPECTED = ["tp2_sp_lp_tied", "tp2_tied", "tp2_sp_untied", "fsdp2_tied", "fsdp2_untied"]
@@ -56,7 +56,7 @@ def test_gpt_trainer_layouts_follow_one_process(tmp_path):
         base = [*common, *flags]
         one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *base,
                               f"--job.dump_folder={tmp_path / ref}"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
         assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
         want = _losses(one.stdout + one.stderr)
         assert sorted(want) == list(range(1, 7)), want
@@ -74,7 +74,7 @@ def test_gpt_trainer_layouts_follow_one_process(tmp_path):
     more = [*common, *tied_pp, "--training.steps=8"]
     one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *more,
                           f"--job.dump_folder={tmp_path / 'resume_one'}"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
     run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
                        args=[*more, "--parallelism.pp=2", "--parallelism.dp_shard=1",
                              f"--job.dump_folder={tmp_path / 'resume_pp2'}"])
@@ -117,7 +117,7 @@ def test_gpt_fp16_loss_scaling_under_fsdp_follows_one_process(tmp_path):
     pattern = r"step +(\d+) +loss +([0-9.]+) .*?loss_scale (\d+)"
     one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *common,
                           f"--job.dump_folder={tmp_path / 'one'}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=180, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                         timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     want = {int(s): (float(v), int(k)) for s, v, k in re.findall(pattern, one.stdout + one.stderr)}
     scales = [want[s][1] for s in sorted(want)]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, repo_pythonpath
 
 HERE = os.path.dirname(__file__)
 
@@ -19,7 +19,7 @@ def test_stalled_rank_times_out_with_a_clear_message(tmp_path):
            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=hang",
            "--comm.train_timeout_seconds=2", "--comm.heartbeat_interval_seconds=0.2",
            "--comm.heartbeat_stall_seconds=0.6", "--comm.trace_buf_size=200"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HANG_SLEEP": "5"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath(), "HANG_SLEEP": "5"}
     t0 = time.time()
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
@@ -52,7 +52,7 @@ def test_killed_rank_is_reported_as_exited_not_stuck(tmp_path):
            "--training.device=cpu", "--training.steps=6", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=kill",
            "--comm.heartbeat_interval_seconds=0.2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HANG_SLEEP": "0", "HANG_KILL": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath(), "HANG_SLEEP": "0", "HANG_KILL": "1"}
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
@@ -74,7 +74,7 @@ def test_rank_killed_during_a_save_is_named_and_the_previous_step_kept(tmp_path)
            "--training.device=cpu", "--training.steps=6", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}", "--job.run_name=save",
            "--comm.heartbeat_interval_seconds=0.2", "--checkpoint.enable", "--checkpoint.interval=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HANG_SLEEP": "0",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath(), "HANG_SLEEP": "0",
            "HANG_KILL_IN": "save"}
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, repo_pythonpath
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # reading the checkpoints
 STEPS = 100  # the survivor must still be running when the restarted group reaches its first quorum
@@ -75,7 +75,7 @@ def _weights(folder):
 
 
 def test_killed_replica_group_rejoins_with_identical_weights(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath()}
     procs = [Proc([sys.executable, str(REPO_ROOT / "scripts/lighthouse.py"), "--bind", "127.0.0.1:0",
                    "--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"], env,
                   stderr=subprocess.DEVNULL)]  # its Rust log lines on stderr would interleave with the address
@@ -115,7 +115,7 @@ def test_killed_replica_group_rejoins_with_identical_weights(tmp_path):
 def test_hsdp_replica_groups_match_one_process(tmp_path):
     """Two replica groups of FSDP 2 (torchrun each; the cross-group average through FSDP's all-reduce hook) train
     like one process on the same global batch from the same seed checkpoint; the groups end bitwise equal."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath()}
     common = ["--config", "configs/debug_model.toml", "--data.dataset=mock", "--model.vocab_size=128",
               "--training.seq_len=16", "--training.device=cpu", "--training.steps=6", "--lr_scheduler.warmup_steps=1",
               "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}",

@@ -15,7 +15,7 @@ import torch
 import models
 from models.gpt import SPEC, ModelArgs, Transformer
 from models.gpt import hf as gpt_hf
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, repo_pythonpath
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32)
 
@@ -204,7 +204,7 @@ def test_cpu_training_loss_falls(tmp_path):
                           "--training.steps=30", "--training.device=cpu", f"--job.dump_folder={tmp_path}",
                           "--metrics.log_freq=5", "--metrics.enable_tensorboard=false"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # this checkout's models/, not an install
+                         env={**os.environ, "PYTHONPATH": repo_pythonpath()})  # this checkout's models/, not an install
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+ +loss +([0-9]+\.[0-9]+)", out)]
@@ -223,7 +223,7 @@ def test_seed_checkpoint_exports_to_transformers(tmp_path):
     seed = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), "--config", "configs/gpt2_debug.toml",
                            "--training.device=cpu", f"--job.dump_folder={tmp_path}", "--job.run_name=seed",
                            "--checkpoint.create_seed_checkpoint"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          timeout=300, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
     assert seed.returncode == 0, seed.stdout[-3000:] + seed.stderr[-3000:]
     ckpt = tmp_path / "seed" / "checkpoint"
     out = export_hf(str(ckpt), str(tmp_path / "hf"), dtype="float32", progress=False)
