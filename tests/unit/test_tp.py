@@ -1,6 +1,7 @@
 """Tensor parallel without processes: the Llama plan dict, divisibility errors, config rules, async-TP fallback.
 
-The numerical parity runs in tests/multiproc/test_dist_tp.py; scripts/train.py under TP in tests/multiproc/test_dist_train_script.py.
+The numerical parity runs in tests/multiproc/test_dist_tp.py; scripts/train.py under TP in
+tests/multiproc/test_dist_train_script.py.
 """
 from __future__ import annotations
 
