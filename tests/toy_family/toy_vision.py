@@ -73,12 +73,7 @@ class ToyVision(nn.Module):
         nn.init.zeros_(self.patch_embed.proj.bias)
         nn.init.normal_(self.patch_embed.pos, std=std)
         for block in self.layers.values():
-            for lin in (block.qkv, block.fc_in, block.proj, block.fc_out):
-                nn.init.normal_(lin.weight, std=resid if lin in (block.proj, block.fc_out) else std)
-                nn.init.zeros_(lin.bias)
-            for ln in (block.ln_1, block.ln_2):
-                nn.init.ones_(ln.weight)
-                nn.init.zeros_(ln.bias)
+            block.init_weights(std, resid)
         nn.init.ones_(self.ln_f.weight)
         nn.init.zeros_(self.ln_f.bias)
         nn.init.normal_(self.head.weight, std=std)

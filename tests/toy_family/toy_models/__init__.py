@@ -54,6 +54,16 @@ class ToyBlock(nn.Module):
         self.fc_in = nn.Linear(d, h)
         self.fc_out = nn.Linear(h, d)
 
+    @torch.no_grad()
+    def init_weights(self, std: float, resid: float) -> None:
+        """N(0, std) weights (the residual projections N(0, resid)), zero biases, unit LayerNorm gains."""
+        for lin in (self.qkv, self.fc_in, self.proj, self.fc_out):
+            nn.init.normal_(lin.weight, std=resid if lin in (self.proj, self.fc_out) else std)
+            nn.init.zeros_(lin.bias)
+        for ln in (self.ln_1, self.ln_2):
+            nn.init.ones_(ln.weight)
+            nn.init.zeros_(ln.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(2)
@@ -85,12 +95,7 @@ class ToyDecoder(nn.Module):
             if emb is not None:
                 nn.init.normal_(emb.weight, std=std)
         for block in self.layers.values():
-            for lin in (block.qkv, block.fc_in, block.proj, block.fc_out):
-                nn.init.normal_(lin.weight, std=resid if lin in (block.proj, block.fc_out) else std)
-                nn.init.zeros_(lin.bias)
-            for ln in (block.ln_1, block.ln_2):
-                nn.init.ones_(ln.weight)
-                nn.init.zeros_(ln.bias)
+            block.init_weights(std, resid)
         if self.ln_f is not None:
             nn.init.ones_(self.ln_f.weight)
             nn.init.zeros_(self.ln_f.bias)
