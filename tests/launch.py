@@ -6,6 +6,7 @@ Each launch costs ~5 s (interpreter + torch import per process), so put many che
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _TAIL = 6000  # characters of stdout/stderr shown on failure
+# Lines that say why each worker stopped (the first one scrolls out of the tail behind the other ranks' reports):
+# titanlike's one-line errors, native aborts and the faulthandler's stacks.
+_CRASH = re.compile(r"^error: |Error: |terminate called|what\(\)|Fatal Python error|Segmentation fault|double free|"
+                    r"corrupted|Aborted|Current thread|Thread 0x|^  File ")
 
 
 def repo_pythonpath() -> str:
@@ -42,6 +47,7 @@ def run_torchrun(
     full_env = dict(os.environ)
     full_env["OMP_NUM_THREADS"] = "1"  # 2 cores shared by N workers: more threads only thrash
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
+    full_env["PYTHONFAULTHANDLER"] = "1"  # a native abort prints every thread's Python stack
     full_env.update(env or {})
     # Own session: on timeout we kill torchrun and its workers together (and nothing else).
     proc = subprocess.Popen(
@@ -59,8 +65,10 @@ def run_torchrun(
         ) from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if result.returncode != 0:
+        crash = "\n".join(line for line in stderr.splitlines() if _CRASH.search(line))[:_TAIL]
         raise AssertionError(
             f"torchrun exited with {result.returncode}: {' '.join(cmd)}\n"
             f"--- stdout (tail) ---\n{stdout[-_TAIL:]}\n--- stderr (tail) ---\n{stderr[-_TAIL:]}"
+            + (f"\n--- why each rank stopped ---\n{crash}" if crash else "")
         )
     return result
