@@ -16,6 +16,7 @@ Generation only: the family has no plan in toy_plans (training is what the other
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.cache import Step
-from models.spec import ModelShape, ModelSpec, ParamCounts, PipelineCosts
-from toy_models import ToyArgs, check, toy_flavors
+from models.spec import ModelShape, ParamCounts, PipelineCosts
+from toy_models import SPEC as DECODER
+from toy_models import ToyArgs
 
 CONV = 4  # the convolution's window (Mamba's d_conv)
 
@@ -171,20 +173,9 @@ def shape(args: ToyArgs) -> ModelShape:
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=0)  # no attention: nothing for CP to gather
 
 
-SPEC = ModelSpec(
-    name="toy_recurrent",
-    model_cls=RecurrentDecoder,
-    args_cls=ToyArgs,
-    flavors=toy_flavors,
-    plans="toy_plans",
-    param_counts=param_counts,
-    flops_per_token=flops_per_token,
-    pp_costs=pp_costs,
-    shape=shape,
-    check=check,
-    input_modules=("wte",),
-    output_modules=("ln_f", "lm_head"),
-    cache=RecurrentCache,
-)
+# The toy decoder's spec (args, flavors, checks, output modules), with this model, its counts and its cache
+SPEC = dataclasses.replace(DECODER, name="toy_recurrent", model_cls=RecurrentDecoder, param_counts=param_counts,
+                           flops_per_token=flops_per_token, pp_costs=pp_costs, shape=shape, input_modules=("wte",),
+                           cache=RecurrentCache)
 
 __all__ = ["SPEC", "RecurrentCache", "RecurrentDecoder"]

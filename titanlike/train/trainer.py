@@ -106,7 +106,7 @@ class Trainer:
         # Forward, loss and backward with the run's contexts: the same code the memory estimate traces
         # (titanlike/train/step.py). The loss is compiled with compile.components "loss".
         self.compute = StepCompute(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head)
-        self.loss_fn, self.attention_kernels = self.compute.loss_fn, self.compute.attention_kernels
+        self.attention_kernels = self.compute.attention_kernels
         self.amp = self.compute.amp()  # (validation and eval enter it too)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
@@ -171,6 +171,16 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
+
+    @property
+    def loss_fn(self):
+        """(output, labels) -> summed loss: StepCompute's, which the step and the pipeline's last stage call (a test
+        may replace it to inject a bad loss)."""
+        return self.compute.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn) -> None:
+        self.compute.loss_fn = fn
 
     def loss_context(self):
         """Where the loss and its backward run: loss_parallel() when TP leaves the logits vocabulary-sharded."""
