@@ -1,5 +1,7 @@
-"""One training step as titanlike/train/trainer.py's train_step runs it (the same loss helpers, AMP, SDPA and loss
-parallel contexts, clip and optimizer), under torch.distributed._tools' memory trackers. Works on fake and on real
+"""One training step as titanlike/train/trainer.py's train_step runs it, under torch.distributed._tools' memory
+trackers: the trainer's own step code (titanlike/train/step.py's StepCompute: loss, AMP, SDPA and loss-parallel
+contexts, backward; the Updater's clip), so a change there is traced here too. What the trace adds: a later pipeline
+stage's input (hidden states, _hidden) and the compiled loss's memory (_fused_loss). Works on fake and on real
 tensors alike (the tests compare the two)."""
 from __future__ import annotations
 
@@ -9,13 +11,11 @@ import itertools
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
-from models.common.backends import sdpa_context
-from titanlike.optim.adamw import clip_grad_norm_
 from titanlike.optim.container import optimizers_of
 from models.batch import Batch, StepContext
-from titanlike.train.loss import IGNORE_INDEX, loss_targets, objective_loss, plain_loss
+from titanlike.train.loss import IGNORE_INDEX
+from titanlike.train.step import StepCompute
 
 # The trackers' categories (FSDPMemTracker's _FSDPRefType, MemTracker's _MemRefType) -> the estimate's groups.
 GROUPS = {
@@ -182,29 +182,19 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     master_bytes = sum(_nbytes(x) for x in masters)
     _create_optimizer_state(parts, optimizer)
     tracker = _tracker(parts, optimizer, masters)
-    def autocast():
-        return (torch.autocast(device.type, dtype=getattr(torch, t.mixed_precision_param))
-                if gpu and update.precision == "autocast" else contextlib.nullcontext())
-
-    amp = autocast()
-    sdpa = sdpa_context(cfg.model.attn_backend, device)
-    lp = dims.tp_enabled and par.enable_loss_parallel
-    fused_loss = compiled_loss  # the run compiles its loss: _FusedCrossEntropySum has its memory
+    # The trainer's step code; the run's compiled loss (compile is off in the traced config) has _fused_loss's memory
+    compute = StepCompute(cfg, dims, device, update.precision, built.objective, built.loss_head,
+                          loss_fn=_fused_loss if compiled_loss else None)
     # the master-weight update compiled (one fused kernel per parameter): its eager temporaries are not the run's
     compiled_update = compiled_loss and update.precision == "master_weights" and "optimizer" in cfg.compile.components
     grads = 0
     act_per_mb = 0
 
-    def forward(part):
+    def stage(part):
+        """(input in place of the batch's primary one or None, whether the part computes the loss)"""
         first = getattr(part, built.spec.input_modules[0], None) is not None
         last = getattr(part, built.spec.output_modules[-1], None) is not None
-        with amp:
-            x = traced.args()[0] if first else _hidden(built, traced.args()[0], cfg, dims, gpu)
-            return _forward(part, built, x, traced, last, fused_loss)
-
-    def contexts(part):
-        last = getattr(part, built.spec.output_modules[-1], None) is not None
-        return sdpa(), (loss_parallel() if lp and last else contextlib.nullcontext())
+        return (None if first else _hidden(built, traced.args()[0], cfg, dims, gpu)), last
 
     emulate = contextlib.nullcontext()
     if compiled_blocks:  # the blocks keep what their compiled versions keep (titanlike/planner/compiled.py)
@@ -212,31 +202,28 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
 
         def forward_only():
             for part in parts:
-                sd, lpc = contexts(part)
-                with sd, lpc:
-                    forward(part)
+                x, last = stage(part)
+                with compute.attention_kernels(), compute.loss_context(last), compute.amp():
+                    compute.forward_loss(part, traced, x, last)
 
-        emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes, autocast)
+        emulate = emulate_compiled_blocks(block_inputs(parts, forward_only), notes, compute.amp)
     with emulate, tracker:
         for mb in range(traced_mb):
             if mb and hasattr(tracker, "reset_mod_stats"):  # (the global peak stays; per-module stats restart)
                 tracker.reset_mod_stats()
             for part in parts:
-                sd, lpc = contexts(part)
-                with sd, lpc:
-                    before = _live(tracker)
-                    out, is_loss = forward(part)
+                before = _live(tracker)  # (a later stage's input counts with the activations)
+                x, last = stage(part)
+
+                def measure():
+                    nonlocal act_per_mb
                     act_per_mb = max(act_per_mb, _live(tracker) - before)
-                    if is_loss:
-                        out.backward()
-                    else:
-                        out.backward(torch.ones_like(out))
+
+                # scale 1: the trainer's (global token count) changes values, not memory
+                compute.forward_backward(part, traced, 1.0, x=x, last=last, after_forward=measure)
         params = list(itertools.chain.from_iterable(p.parameters() for p in parts))
         grads = sum(_nbytes(optimizer.grad(p) if hasattr(optimizer, "grad") else p.grad) for p in params)
-        if update.precision == "master_weights":
-            update.clip(parts[0])
-        else:
-            clip_grad_norm_(params, t.max_norm, update.fused_clip, update.loss_scale)
+        update.clip(parts)  # the trainer's clip (Updater.clip): master weights', fused or DTensor-aware
         if not compiled_update:  # eager: the update's temporaries count (a compiled one has none to speak of)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -307,19 +294,10 @@ class _FusedCrossEntropySum(torch.autograd.Function):
         return out.view_as(logits), None
 
 
-def _forward(part, built, x, mb: Batch, last: bool, fused_loss: bool = False):
-    """(output, whether it is the summed loss) as the trainer's forward_loss computes it on the last stage; `x` is
-    the Batch's primary input (first stage) or the hidden states a previous stage sends."""
-    kwargs, labels = mb.kwargs(), mb.labels
-    if not last:
-        return part(x, **kwargs), False
-    if built.loss_head is None:
-        logits = part(x, **kwargs)
-        if fused_loss and isinstance(logits, DTensor):  # loss parallel: each rank's vocabulary shard, fused
-            local = logits.to_local()
-            return _FusedCrossEntropySum.apply(local, labels % local.shape[-1]), True
-        if fused_loss:
-            return _FusedCrossEntropySum.apply(logits, labels), True
-        return plain_loss(objective_loss(built.objective)(logits, labels)), True
-    with loss_targets(built.loss_head, labels):
-        return part(x, **kwargs), True
+def _fused_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """StepCompute's loss_fn when the run compiles its loss: the summed cross-entropy with the compiled version's
+    memory (under loss parallel each rank's vocabulary shard, fused)."""
+    if isinstance(logits, DTensor):
+        local = logits.to_local()
+        return _FusedCrossEntropySum.apply(local, labels % local.shape[-1])
+    return _FusedCrossEntropySum.apply(logits, labels)

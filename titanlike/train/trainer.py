@@ -6,18 +6,14 @@ optimizer/LR → data → metrics.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
 
 import torch
-from torch.distributed.tensor.parallel import loss_parallel
 
 from models.batch import Batch, StepContext
-from models.common.backends import sdpa_context
 from parallelize import get_plan
-from parallelize.compile import compile_loss
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.data import build_dataloader, build_validation_dataloader
@@ -33,9 +29,10 @@ from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.construct import build_model, materialise, run_vocab
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
-from titanlike.train.loss import IGNORE_INDEX, loss_targets, objective_loss, plain_loss
+from titanlike.train.loss import IGNORE_INDEX
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
+from titanlike.train.step import StepCompute
 from titanlike.train.update import Updater
 
 logger = logging.getLogger("titanlike")
@@ -106,13 +103,11 @@ class Trainer:
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
-        self.loss_fn = compile_loss(objective_loss(self.objective), cfg.compile)  # compile.components "loss"
-        self.amp = (torch.autocast("cuda", dtype=getattr(torch, t.mixed_precision_param))
-                    if self.precision == "autocast" else contextlib.nullcontext())
-        self.attention_kernels = sdpa_context(cfg.model.attn_backend, self.device)  # per pass (model.attn_backend)
-        # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
-        # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
-        self.loss_parallel = self.dims.tp_enabled and cfg.parallelism.enable_loss_parallel
+        # Forward, loss and backward with the run's contexts: the same code the memory estimate traces
+        # (titanlike/train/step.py). The loss is compiled with compile.components "loss".
+        self.compute = StepCompute(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head)
+        self.attention_kernels = self.compute.attention_kernels
+        self.amp = self.compute.amp()  # (validation and eval enter it too)
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
         self.signals.enter("data")
@@ -177,9 +172,19 @@ class Trainer:
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
 
+    @property
+    def loss_fn(self):
+        """(output, labels) -> summed loss: StepCompute's, which the step and the pipeline's last stage call (a test
+        may replace it to inject a bad loss)."""
+        return self.compute.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn) -> None:
+        self.compute.loss_fn = fn
+
     def loss_context(self):
         """Where the loss and its backward run: loss_parallel() when TP leaves the logits vocabulary-sharded."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+        return self.compute.loss_context()
 
     def sum_over_data(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data (and context) parallel ranks: the ranks that see different tokens."""
@@ -200,10 +205,7 @@ class Trainer:
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
-        if self.loss_head is None:
-            return plain_loss(self.loss_fn(self.model(*batch.args(), **batch.kwargs()), batch.labels))
-        with loss_targets(self.loss_head, batch.labels):
-            return self.model(*batch.args(), **batch.kwargs())
+        return self.compute.forward_loss(self.model, batch)
 
     def train_step(self, batches: list[Batch], log: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, target count, grad norm):
@@ -217,16 +219,11 @@ class Trainer:
             with self.attention_kernels(), self.loss_context(), self.amp:
                 loss_sum = self.pp.step(batches, scale)
             mb_losses = [loss_sum]
-        else:
-            loss_sum, mb_losses = torch.zeros((), device=self.device), []
-            for batch in batches:
-                # backward kernels and handlers follow the forward's: both inside
-                with self.attention_kernels(), self.loss_context():
-                    with self.amp:
-                        loss = self.forward_loss(batch)
-                    (loss * scale).backward()
-                loss_sum += loss.detach()
-                mb_losses.append(loss.detach())
+        else:  # forward and backward of each micro-batch (titanlike/train/step.py, what the estimate traces)
+            mb_losses = [self.compute.forward_backward(self.model, batch, scale) for batch in batches]
+            loss_sum = torch.zeros((), device=self.device)
+            for loss in mb_losses:  # (in order, one add at a time: the sum the log reads, bitwise as it was)
+                loss_sum += loss
         grad_norm = self.update.clip(self.model, self.pp)
         self.checkpointer.wait_for_staging()  # an async save's copy of the weights must finish before they change
         commit = self.ft is None or self.ft.should_commit()  # torchft: a step a peer group failed in is redone

@@ -52,13 +52,16 @@ class Updater:
         """fp16: the backward loss is multiplied by this (a device tensor); the clip divides it out again."""
         return self.scaler.scale if self.scaler is not None else None
 
-    def clip(self, model: torch.nn.Module | None, pp=None) -> torch.Tensor:
-        """Clip by the global gradient norm and return it (the true norm under fp16), without a host sync."""
+    def clip(self, model: torch.nn.Module | list[torch.nn.Module] | None, pp=None) -> torch.Tensor:
+        """Clip by the global gradient norm and return it (the true norm under fp16), without a host sync. `model`:
+        the model, or the parts this rank holds (the memory estimate's pipeline stages, traced without a schedule)."""
         if pp is not None:  # over all stages
             return pp.clip_grad_norm_(self.max_norm, self.fused_clip, self.loss_scale)
         if self.precision == "master_weights":
             return self.optimizer.clip_grad_norm_(self.max_norm, self.loss_scale)
-        return clip_grad_norm_(model.parameters(), self.max_norm, self.fused_clip, self.loss_scale)
+        parts = model if isinstance(model, list) else [model]
+        params = [p for part in parts for p in part.parameters()]
+        return clip_grad_norm_(params, self.max_norm, self.fused_clip, self.loss_scale)
 
     def apply(self, step: int, mb_losses: list[torch.Tensor], loss_sum: torch.Tensor, grad_norm: torch.Tensor,
               commit: bool) -> None:
