@@ -98,8 +98,8 @@ def test_8b_on_8_fake_ranks_allocates_no_weights(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
     assert out.returncode == 0, out.stderr[-2000:]
-    secs, rss_growth, params, opt, peak, total, temps = map(float, out.stdout.split()[-7:])
-    assert secs > 0  # how fast is scripts/bench's business: a busy CI machine took 40-80 s
+    # (the first number, seconds, is for a reader: 40-80 s on a busy 2-core machine; speed is not asserted here)
+    _secs, rss_growth, params, opt, peak, total, temps = map(float, out.stdout.split()[-7:])
     assert params > 3 * 2 ** 30  # ~7B fp32 parameters / 8 ranks
     assert rss_growth < 0.2 * params  # no real weights
     assert opt >= 2 * params  # AdamW moments (+ step counters)
