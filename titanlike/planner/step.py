@@ -1,6 +1,7 @@
 """One training step as titanlike/train/trainer.py's train_step runs it (the same loss helpers, AMP, SDPA and loss
 parallel contexts, clip and optimizer), under torch.distributed._tools' memory trackers. Works on fake and on real
-tensors alike (the tests compare the two)."""
+tensors alike (the tests compare the two). It reads the whole JobConfig, as the Trainer's step does: it stands in
+for the whole run's step."""
 from __future__ import annotations
 
 import contextlib
