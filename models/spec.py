@@ -76,7 +76,7 @@ class ModelSpec:
     # (repeat_kv_heads too, where it exists); checkpoints store dataclasses.asdict(args), rebuilt by args_cls(**d).
     args_cls: type
     flavors: dict[str, Any]  # flavor name -> args (read-only: derive copies with dataclasses.replace)
-    plans: str  # module under parallelize/ whose PLANS dict maps plan names to fn(model, dims, cfg) -> model
+    plans: str  # module under parallelize/ whose PLANS dict maps plan names to fn(model, dims, sections) -> model
     param_counts: Callable[[Any], ParamCounts]  # args -> exact counts
     flops_per_token: Callable[[Any, int], int]  # (args, seq_len) -> training FLOPs per token (forward + backward)
     pp_costs: Callable[[Any, int], PipelineCosts]  # (args, seq_len) -> costs the pipeline split balances

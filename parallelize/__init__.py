@@ -1,14 +1,18 @@
-"""Parallelization plans: fn(model, dims: ParallelDims, cfg: JobConfig) -> model.
+"""Parallelization plans: fn(model, dims: ParallelDims, sections: PlanSections) -> model.
 
 Each technique lives in its own module (fsdp, tp, pp, ac, compile, ...); a model family's plans compose them in
 parallelize/<name>.py, whose PLANS dict its ModelSpec names (ModelSpec.plans). `get_plan` picks a plan by name, or
-imports a user's "package.module:function". Nothing here is imported until a plan is asked for.
+imports a user's "package.module:function". A plan reads only `PlanSections` (parallelize/sections.py: model flavor,
+parallelism, training, activation_checkpoint, compile), which the caller builds once from its config. Nothing but
+that dataclass is imported until a plan is asked for.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Callable
+
+from parallelize.sections import PlanSections
 
 
 def _import_plan(ref: str) -> Callable:
@@ -53,4 +57,4 @@ def get_plan(model_name: str, plan_name: str) -> Callable:
         ) from None
 
 
-__all__ = ["get_plan"]
+__all__ = ["PlanSections", "get_plan"]

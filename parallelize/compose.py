@@ -16,7 +16,7 @@ Under PP, parallelize/pp.py splits the model first and calls the plan on each st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
@@ -25,7 +25,11 @@ from parallelize.compile import apply_compile
 from parallelize.cp import maybe_cp
 from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
+from parallelize.sections import PlanSections
 from parallelize.tp import apply_tp, maybe_enable_async_tp
+
+if TYPE_CHECKING:
+    from titanlike.config.sections import Compile, Parallelism
 
 ORDER = "TP -> EP -> CP -> AC -> compile -> FSDP"
 
@@ -61,50 +65,49 @@ def _refuse_unimplemented(recipe: Recipe, dims, allow: tuple[str, ...]) -> None:
                              f"{name.upper()}{why}; set parallelism.{name}=1")
 
 
-def _check(recipe: Recipe, model: nn.Module, dims, cfg) -> None:
-    problems = recipe.spec.check(model.args, dims, cfg.model.flavor)  # config validation ran it too
+def _check(recipe: Recipe, model: nn.Module, dims, flavor: str) -> None:
+    problems = recipe.spec.check(model.args, dims, flavor)  # config validation ran it too
     if problems:
         raise ValueError(problems[0])
 
 
-def _maybe_tp(recipe: Recipe, model: nn.Module, dims, cfg) -> None:
+def _maybe_tp(recipe: Recipe, model: nn.Module, dims, par: Parallelism, compile_cfg: Compile) -> None:
     if not dims.tp_enabled:
         return
-    par = cfg.parallelism
     tp_mesh = dims.get_mesh("tp")
     apply_tp(model, tp_mesh, recipe.tp_plan(model, sequence_parallel=par.enable_sequence_parallel,
                                             loss_parallel=par.enable_loss_parallel, ep_enabled=dims.ep > 1))
     if recipe.after_tp is not None:
         recipe.after_tp(model)
     maybe_enable_async_tp(tp_mesh, par.enable_async_tp,
-                          compile_enabled=cfg.compile.enable and "model" in cfg.compile.components)
+                          compile_enabled=compile_cfg.enable and "model" in compile_cfg.components)
 
 
 def compose_plans(recipe: Recipe) -> dict[str, Callable]:
     """PLANS for one family: {"default": TP -> EP -> CP -> AC -> compile -> FSDP, "fsdp_only": EP -> CP -> FSDP}.
-    Each plan is fn(model, dims: ParallelDims, cfg: JobConfig) -> model."""
+    Each plan is fn(model, dims: ParallelDims, sections: PlanSections) -> model."""
     ep = ("ep",) if recipe.experts else ()
 
-    def parallelize_default(model: nn.Module, dims, cfg) -> nn.Module:
+    def parallelize_default(model: nn.Module, dims, sections: PlanSections) -> nn.Module:
         _refuse_unimplemented(recipe, dims, allow=("tp", "pp", "cp", *ep))
-        _check(recipe, model, dims, cfg)
-        _maybe_tp(recipe, model, dims, cfg)
+        _check(recipe, model, dims, sections.flavor)
+        _maybe_tp(recipe, model, dims, sections.parallelism, sections.compile)
         maybe_ep(model, dims)
         maybe_cp(model, dims)
-        apply_ac(model, cfg.activation_checkpoint)
-        apply_compile(model, cfg.compile)
-        maybe_fsdp(model, dims, cfg, *recipe.groups(model))
+        apply_ac(model, sections.activation_checkpoint)
+        apply_compile(model, sections.compile)
+        maybe_fsdp(model, dims, sections.parallelism, sections.training, *recipe.groups(model))
         return model
 
-    def parallelize_fsdp_only(model: nn.Module, dims, cfg) -> nn.Module:
+    def parallelize_fsdp_only(model: nn.Module, dims, sections: PlanSections) -> nn.Module:
         if dims.tp_enabled:
             raise ValueError(f"model.plan='fsdp_only' applies FSDP only, but parallelism.tp={dims.tp}; use "
                              f"model.plan='default' ({ORDER}) or set parallelism.tp=1")
         _refuse_unimplemented(recipe, dims, allow=("pp", "cp", *ep))
-        _check(recipe, model, dims, cfg)
+        _check(recipe, model, dims, sections.flavor)
         maybe_ep(model, dims)
         maybe_cp(model, dims)
-        maybe_fsdp(model, dims, cfg, *recipe.groups(model))
+        maybe_fsdp(model, dims, sections.parallelism, sections.training, *recipe.groups(model))
         return model
 
     name = recipe.spec.name

@@ -8,10 +8,15 @@ A 2-D mesh (dp_replicate, dp_shard) gives HSDP: shard within a row, all-reduce g
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from titanlike.config.sections import Parallelism, Training
 
 RESHARD_MODES = ("default", "always", "never")  # parallelism.fsdp_reshard_after_forward (config validation reads it)
 
@@ -79,7 +84,7 @@ def apply_fsdp(
     return model
 
 
-def fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
+def fsdp_dtypes(dims, training: Training) -> tuple[torch.dtype, torch.dtype]:
     """bf16/fp32 (from config) on CUDA; fp32/fp32 on CPU, where parity tests need exact float32."""
     if dims.world_mesh is None or dims.world_mesh.device_type == "cpu":
         return torch.float32, torch.float32
@@ -90,28 +95,29 @@ def fsdp_dtypes(dims, training_cfg) -> tuple[torch.dtype, torch.dtype]:
             raise ValueError(f"training.mixed_precision_*: {name!r} is not a torch dtype")
         return value
 
-    return dtype(training_cfg.mixed_precision_param), dtype(training_cfg.mixed_precision_reduce)
+    return dtype(training.mixed_precision_param), dtype(training.mixed_precision_reduce)
 
 
-def maybe_fsdp(model: nn.Module, dims, cfg, input_modules: tuple[str, ...] = (),
+def maybe_fsdp(model: nn.Module, dims, par: Parallelism, training: Training, input_modules: tuple[str, ...] = (),
                output_modules: tuple[str, ...] = ()) -> None:
-    """FSDP2/HSDP over the ParallelDims' FSDP mesh with the config's dtypes and reshard mode; nothing without FSDP.
+    """FSDP2/HSDP over the ParallelDims' FSDP mesh with training's mixed-precision dtypes and parallelism's reshard
+    mode; nothing without FSDP.
     input_modules / output_modules: the model's top-level modules before / after `layers` (see apply_fsdp)."""
     if not dims.fsdp_enabled:
         return
     mesh = dims.fsdp_mesh
     if mesh is None:
         raise RuntimeError("parallelize: FSDP is enabled but ParallelDims.build_mesh() was not called")
-    param_dtype, reduce_dtype = fsdp_dtypes(dims, cfg.training)
+    param_dtype, reduce_dtype = fsdp_dtypes(dims, training)
     ignored = None
     if dims.ep > 1:  # the routed experts first: FSDP over the ranks holding the same experts
         from parallelize.ep import fsdp_experts
 
-        reshard = resolve_reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
+        reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled)
         ignored = fsdp_experts(model, dims, {"reshard_after_forward": reshard, "mp_policy": MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype)})
     apply_fsdp(
         model, mesh, param_dtype, reduce_dtype,
-        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
+        reshard_after_forward=par.fsdp_reshard_after_forward, pp_enabled=dims.pp_enabled,
         input_modules=input_modules, output_modules=output_modules, ignored_params=ignored,
     )

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
 
 from parallelize.pp_split import PP_SCHEDULES, V_SCHEDULES, pp_microbatches, stage_layout, stage_owners
+from parallelize.sections import PlanSections
 
 logger = logging.getLogger("titanlike")
 
@@ -90,20 +91,20 @@ def model_layout(model: nn.Module, spec, args, par, seq_len: int) -> list[list[s
                         [m for m in spec.output_modules if m in present])
 
 
-def build_pipeline(model: nn.Module, spec, args, dims, cfg, device: torch.device, loss_fn: Callable,
-                   stage_plan: Callable) -> Pipeline:
-    """Split meta `model` (built by ModelSpec `spec` from `args`) into stages, apply `stage_plan(part, dims, cfg)`
+def build_pipeline(model: nn.Module, spec, args, dims, sections: PlanSections, device: torch.device,
+                   loss_fn: Callable, stage_plan: Callable) -> Pipeline:
+    """Split meta `model` (built by ModelSpec `spec` from `args`) into stages, apply `stage_plan(part, dims, sections)`
     (TP/AC/compile/FSDP) to this rank's stages and build the schedule named by parallelism.pp_schedule.
 
     `loss_fn(output, target) -> scalar` runs on the last stage once per micro-batch; its backward is the only
     gradient scaling (the schedule gets scale_grads=False), so normalise inside it. Materialise the returned
     model_parts (to_empty + init_weights) before the first schedule step."""
-    par = cfg.parallelism
+    par, t = sections.parallelism, sections.training
     pp_mesh = dims.get_mesh("pp")
     if pp_mesh is None:
         raise RuntimeError("build_pipeline: parallelism.pp > 1 needs ParallelDims.build_mesh() first")
     cls = schedule_class(par.pp_schedule)
-    layout = model_layout(model, spec, args, par, cfg.training.seq_len)
+    layout = model_layout(model, spec, args, par, t.seq_len)
     num_stages = len(layout)
     pp_rank = pp_mesh.get_local_rank()
     group = pp_mesh.get_group()
@@ -111,13 +112,13 @@ def build_pipeline(model: nn.Module, spec, args, dims, cfg, device: torch.device
     stages, parts = [], []
     for sid in (s for s, owner in enumerate(owners) if owner == pp_rank):
         top_level = (*spec.input_modules, *spec.output_modules)
-        part = stage_plan(stage_module(model, layout[sid], top_level), dims, cfg)
+        part = stage_plan(stage_module(model, layout[sid], top_level), dims, sections)
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=group))
-    n_mb = pp_microbatches(par, cfg.training.local_batch_size)
-    if cfg.training.local_batch_size % n_mb:
+    n_mb = pp_microbatches(par, t.local_batch_size)
+    if t.local_batch_size % n_mb:
         raise ValueError(f"parallelism.pp_microbatches={n_mb} must divide training.local_batch_size="
-                         f"{cfg.training.local_batch_size}")
+                         f"{t.local_batch_size}")
     multi = issubclass(cls, pp_schedules.PipelineScheduleMulti)
     if not multi and len(stages) != 1:
         raise ValueError(f"parallelism.pp_schedule={par.pp_schedule!r} runs one stage per rank, got {len(stages)}")
@@ -129,7 +130,7 @@ def build_pipeline(model: nn.Module, spec, args, dims, cfg, device: torch.device
     for sid, names in enumerate(layout):
         logger.info(f"pp stage {sid} on pp rank {owners[sid]}: {_describe(names)}")
     logger.info(f"pp schedule {par.pp_schedule}: {num_stages} stages over {dims.pp} ranks, {n_mb} micro-batches "
-                f"of {cfg.training.local_batch_size // n_mb}; this rank holds stages {[s.stage_index for s in stages]}")
+                f"of {t.local_batch_size // n_mb}; this rank holds stages {[s.stage_index for s in stages]}")
     return Pipeline(schedule, stages, parts, layout, owners, n_mb)
 
 

@@ -36,7 +36,7 @@ import models
 from models.batch import Batch
 from models.common.masks import document_ids
 from par_helpers import exit_without_teardown
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config import config_from_dict
 from titanlike.config.sections import Data
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -152,7 +152,7 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = build(family)
-    model = get_plan(name, "default")(model, dims, cfg)
+    model = get_plan(name, "default")(model, dims, PlanSections.of(cfg))
     assert all((b._compiled_call_impl is not None) == compile for b in model.layers.values())
     model.to_empty(device="cpu")
     model.init_weights()

@@ -35,7 +35,7 @@ from parallelize.ac import apply_ac
 from parallelize.compile import apply_compile
 from parallelize.ep import apply_ep
 from parallelize.fsdp import maybe_fsdp
-from titanlike.config.sections import ActivationCheckpoint, Compile, JobConfig
+from titanlike.config.sections import ActivationCheckpoint, Compile, Parallelism, Training
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.train.moe import MoEBookkeeping
@@ -130,7 +130,7 @@ def run(layout: str, world: int):
     if "compile" in items:  # as a plan does: AC, then compile, then FSDP. aot_eager: Inductor's graphs, compiled fast
         apply_ac(net, ActivationCheckpoint(mode="selective", selective_option="op"))
         apply_compile(net, Compile(enable=True, components=["model"], backend="aot_eager"))
-    maybe_fsdp(net, dims, JobConfig(), ("tok_embeddings",), ("norm", "output"))
+    maybe_fsdp(net, dims, Parallelism(), Training(), ("tok_embeddings",), ("norm", "output"))
     net.to_empty(device="cpu")
     for layer in net.layers.values():  # buffers (expert bias, counters): their init, as init_weights would
         layer.moe.expert_bias.zero_()

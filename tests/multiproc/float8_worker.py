@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import float8
 from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.train.loss import apply_chunked_loss, loss_targets
@@ -46,7 +46,7 @@ def fsdp_model(f8_cfg=None, chunk: int = 0):
     model = meta_model()
     conv = float8.convert(model, f8_cfg, fsdp_enabled=True) if f8_cfg else float8.Float8Converter()
     head = apply_chunked_loss(model, chunk) if chunk else None
-    model = get_plan("llama3", "fsdp_only")(model, dims, JobConfig())
+    model = get_plan("llama3", "fsdp_only")(model, dims, PlanSections.of(JobConfig()))
     model.to_empty(device="cpu")
     model.init_weights()
     set_model_state_dict(model, reference_model(0).state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -186,7 +186,7 @@ def tp_plan_case(ref: list[float]) -> None:
     dims.build_mesh("cpu")
     model = meta_model()
     conv = float8.convert(model, f8("tensorwise"), fsdp_enabled=dims.fsdp_enabled)
-    model = get_plan("llama3", "default")(model, dims, JobConfig())
+    model = get_plan("llama3", "default")(model, dims, PlanSections.of(JobConfig()))
     model.to_empty(device="cpu")
     model.init_weights()
     set_model_state_dict(model, reference_model(0).state_dict(), options=StateDictOptions(full_state_dict=True))

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -78,7 +78,7 @@ def train_case(name: str, dims_kw: dict, plan: str, ac: tuple[str, str] = ("none
     cfg.parallelism.fsdp_reshard_after_forward = reshard
 
     ref = reference_model(seed=0).to(DEVICE)
-    model = get_plan("llama3", plan)(meta_model(), dims, cfg)
+    model = get_plan("llama3", plan)(meta_model(), dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy below must overwrite all of it
     model.init_weights()

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from par_helpers import exit_without_teardown
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -58,7 +58,7 @@ def case(name: str, dims_kw: dict, tie: bool, sp: bool = True, lp: bool = True) 
     ref.init_weights()
     with torch.device("meta"):
         meta = SPEC.model_cls(a)
-    model = get_plan("gpt", "default")(meta, dims, cfg)
+    model = get_plan("gpt", "default")(meta, dims, PlanSections.of(cfg))
     model.to_empty(device="cpu")
     torch.manual_seed(123)  # a different init: the state dict copy must overwrite all of it
     model.init_weights()

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import models
 from models.batch import Batch
 from par_helpers import exit_without_teardown, SEQ, global_batch, tiny_args
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -70,7 +70,8 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     with torch.device("meta"):
         meta = spec.model_cls(args)
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    runner = PipelineRunner(meta, spec, args, dims, cfg, device, get_plan("llama3", "default"), ce_sum)
+    runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), device, get_plan("llama3", "default"),
+                            ce_sum)
     if expect_layout is not None:
         assert runner.pipeline.layout == expect_layout, f"{name}: layout {runner.pipeline.layout}"
     ref_sd = ref.state_dict()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from par_helpers import global_batch, loss_fn, reference_model
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from parallelize.compile import apply_compile, compile_loss
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -26,7 +26,7 @@ def test_compiled_blocks_match_eager():
     cfg = JobConfig()
     cfg.compile.enable = True
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_option = "selective", "op"
-    model = get_plan("llama3", "default")(model, ParallelDims(world_size=1), cfg)
+    model = get_plan("llama3", "default")(model, ParallelDims(world_size=1), PlanSections.of(cfg))
     assert all(b._compiled_call_impl is not None for b in model.layers.values())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]  # no _orig_mod.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from par_helpers import meta_model
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from parallelize.llama3 import PLANS
 from parallelize.ac import is_checkpointed
 from titanlike.config.sections import JobConfig
@@ -14,9 +14,9 @@ from titanlike.distributed.parallel_dims import ParallelDims
 CALLS = []
 
 
-def my_plan(model, dims, cfg):
+def my_plan(model, dims, sections):
     """A user's plan, addressed as "<this module>:my_plan"."""
-    CALLS.append((dims.world_size, cfg.model.name))
+    CALLS.append((dims.world_size, sections.flavor))
     model.user_plan_applied = True
     return model
 
@@ -31,17 +31,17 @@ def test_single_process_plans_apply_ac_but_no_fsdp():
     cfg = JobConfig()
     cfg.activation_checkpoint.mode = "full"
     dims = ParallelDims(world_size=1)
-    model = get_plan("llama3", "default")(meta_model(), dims, cfg)
+    model = get_plan("llama3", "default")(meta_model(), dims, PlanSections.of(cfg))
     assert all(is_checkpointed(b) for b in model.layers.values())
-    model = get_plan("llama3", "fsdp_only")(meta_model(), dims, cfg)
+    model = get_plan("llama3", "fsdp_only")(meta_model(), dims, PlanSections.of(cfg))
     assert not any(is_checkpointed(b) for b in model.layers.values())  # fsdp_only ignores AC
 
 
 def test_user_plan_by_import_path():
     plan = get_plan("llama3", f"{__name__}:my_plan")
     assert plan is my_plan
-    model = plan(meta_model(), ParallelDims(world_size=1), JobConfig())
-    assert model.user_plan_applied and CALLS[-1] == (1, "llama3")
+    model = plan(meta_model(), ParallelDims(world_size=1), PlanSections.of(JobConfig()))
+    assert model.user_plan_applied and CALLS[-1] == (1, "debugmodel")
     assert get_plan("some_other_model", f"{__name__}:my_plan") is my_plan  # import paths work for any model
 
 
@@ -65,4 +65,4 @@ def test_errors():
 def test_plans_refuse_expert_parallelism(plan):
     dims = ParallelDims(world_size=2, ep=2, dp_shard=2)
     with pytest.raises(ValueError, match=r"parallelism.ep=2: the llama3 plan does not implement EP"):
-        get_plan("llama3", plan)(meta_model(), dims, JobConfig())
+        get_plan("llama3", plan)(meta_model(), dims, PlanSections.of(JobConfig()))

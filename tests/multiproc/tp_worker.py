@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models.common.attention
 from par_helpers import exit_without_teardown, global_batch, meta_model, reference_model
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.optim.adamw import clip_grad_norm_
@@ -156,7 +156,7 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     cfg.compile.enable, cfg.compile.components = compile, ["model"]
 
     ref = reference_model(seed=0).to(DEVICE)
-    model = get_plan("llama3", "default")(meta_model(), dims, cfg)
+    model = get_plan("llama3", "default")(meta_model(), dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
     model.init_weights(buffer_device=DEVICE)

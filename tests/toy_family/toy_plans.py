@@ -17,12 +17,12 @@ def _spec_of(model: nn.Module):
     return next(s for s in (ENCODER, VISION, DECODER) if isinstance(model, s.model_cls))
 
 
-def parallelize_toy(model: nn.Module, dims, cfg) -> nn.Module:
+def parallelize_toy(model: nn.Module, dims, sections) -> nn.Module:
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(dims, name) > 1:
             raise ValueError(f"parallelism.{name}={getattr(dims, name)}: the toy plan implements FSDP only")
     spec = _spec_of(model)
-    maybe_fsdp(model, dims, cfg, spec.input_modules, spec.output_modules)
+    maybe_fsdp(model, dims, sections.parallelism, sections.training, spec.input_modules, spec.output_modules)
     return model
 
 

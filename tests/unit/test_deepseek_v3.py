@@ -346,7 +346,7 @@ def _plan_case(name: str, dims_kw: dict, sp: bool, lp: bool, q_lora_rank: int, c
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from parallelize import get_plan
+    from parallelize import PlanSections, get_plan
     from titanlike.config.sections import JobConfig
     from titanlike.distributed.parallel_dims import ParallelDims
 
@@ -365,7 +365,7 @@ def _plan_case(name: str, dims_kw: dict, sp: bool, lp: bool, q_lora_rank: int, c
                 block.moe.expert_bias.copy_(0.05 * torch.randn(8, generator=torch.Generator().manual_seed(1)))
     with torch.device("meta"):
         model = Transformer(args)
-    model = get_plan("deepseek_v3", "default")(model, dims, cfg)
+    model = get_plan("deepseek_v3", "default")(model, dims, PlanSections.of(cfg))
     model.to_empty(device="cpu")
     model.init_weights()
     set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))

@@ -190,17 +190,21 @@ def test_mode_choice_and_errors():
     one = types.SimpleNamespace(world_size=1, fsdp_enabled=False)
     two = types.SimpleNamespace(world_size=2, fsdp_enabled=True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert mixed_precision_mode(cfg(), one, cuda) == "master_weights"
-    assert mixed_precision_mode(cfg(mixed_precision_impl="autocast"), one, cuda) == "autocast"
-    assert mixed_precision_mode(cfg(), one, cpu) == "none"
-    assert mixed_precision_mode(cfg(mixed_precision_impl="master_weights"), one, cpu) == "master_weights"
-    assert mixed_precision_mode(cfg(), two, cuda) == "fsdp"
+
+    def mode(c, dims, device):  # the sections it reads, from a whole config
+        return mixed_precision_mode(c.training, c.compile, dims, device, fault_tolerant=c.fault_tolerance.enable)
+
+    assert mode(cfg(), one, cuda) == "master_weights"
+    assert mode(cfg(mixed_precision_impl="autocast"), one, cuda) == "autocast"
+    assert mode(cfg(), one, cpu) == "none"
+    assert mode(cfg(mixed_precision_impl="master_weights"), one, cpu) == "master_weights"
+    assert mode(cfg(), two, cuda) == "fsdp"
     no_opt_compile = config_from_dict({"compile": {"enable": True, "components": ["model", "loss"]}})
-    assert mixed_precision_mode(no_opt_compile, one, cuda) == "autocast"
+    assert mode(no_opt_compile, one, cuda) == "autocast"
     with pytest.raises(ValueError, match="mixed_precision_impl='master_weights' is for runs on one device"):
-        mixed_precision_mode(cfg(mixed_precision_impl="master_weights"), two, cuda)
+        mode(cfg(mixed_precision_impl="master_weights"), two, cuda)
     with pytest.raises(ValueError, match="mixed_precision_param='float32'; set it to 'bfloat16'"):
-        mixed_precision_mode(cfg(mixed_precision_impl="master_weights", mixed_precision_param="float32"), one, cuda)
+        mode(cfg(mixed_precision_impl="master_weights", mixed_precision_param="float32"), one, cuda)
 
 
 def _trainer_cfg(tmp_path, name, **training):

@@ -103,7 +103,7 @@ def test_block_translates_or_is_refused_in_one_line(name: str) -> None:
     if cfg.model.n_layers > 0:
         import dataclasses
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
-    validate_model(spec, args, cfg)  # heads by tp, stages by layers
+    validate_model(spec, args, cfg.parallelism, cfg.model.flavor)  # heads by tp, stages by layers
 
 
 def test_shape_of_no_named_flavor_is_built_from_the_flags() -> None:

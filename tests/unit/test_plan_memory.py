@@ -69,7 +69,7 @@ def test_fsdp2_shards_on_fake_ranks(tmp_path):
     with torch.device("meta"):
         from titanlike.planner.build import vocab_and_eod
 
-        vocab, _ = vocab_and_eod(cfg, spec, [])
+        vocab, _ = vocab_and_eod(cfg.model, cfg.data, spec, [])
         import dataclasses
 
         m = spec.model_cls(dataclasses.replace(args, vocab_size=vocab, max_seq_len=cfg.training.seq_len))
@@ -112,7 +112,7 @@ def _meta_model(cfg):
     from titanlike.planner.build import vocab_and_eod
 
     spec = models.get_spec(cfg.model.name)
-    vocab, _ = vocab_and_eod(cfg, spec, [])
+    vocab, _ = vocab_and_eod(cfg.model, cfg.data, spec, [])
     args = dataclasses.replace(spec.flavor_args(cfg.model.flavor), vocab_size=vocab, max_seq_len=cfg.training.seq_len)
     with torch.device("meta"):
         return spec.model_cls(args)

@@ -139,6 +139,7 @@ def test_tp_plan_layout():
 
 
 def test_plans_refuse_what_they_lack():
+    from parallelize import PlanSections
     from parallelize.qwen3 import PLANS
     from titanlike.config import config_from_dict
     from titanlike.distributed.parallel_dims import ParallelDims
@@ -148,10 +149,10 @@ def test_plans_refuse_what_they_lack():
         model = Transformer(SPEC.flavors["debugmodel"])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
     with pytest.raises(ValueError, match="applies FSDP only, but parallelism.tp=2"):
-        PLANS["fsdp_only"](model, dims, cfg)
+        PLANS["fsdp_only"](model, dims, PlanSections.of(cfg))
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
     with pytest.raises(ValueError, match="no experts"):
-        PLANS["fsdp_only"](model, dims, cfg)
+        PLANS["fsdp_only"](model, dims, PlanSections.of(cfg))
 
 
 def test_compile_expert_parallel_blocks_per_child(caplog):

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 import models
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from parallelize.llama3 import llama_tp_plan
 from parallelize.tp import ReplicateParallel, describe_plan, maybe_enable_async_tp
 from models.llama3 import SPEC
@@ -67,7 +67,7 @@ def test_llama_plan_is_the_megatron_layout():
 def test_divisibility_errors(kw, tp, message):
     dims = ParallelDims(tp=tp, world_size=tp)
     with pytest.raises(ValueError, match=message):
-        get_plan("llama3", "default")(meta_llama(**kw), dims, JobConfig())
+        get_plan("llama3", "default")(meta_llama(**kw), dims, PlanSections.of(JobConfig()))
 
 
 def test_gqa_with_tp_equal_to_kv_heads_is_fine():
@@ -78,7 +78,7 @@ def test_gqa_with_tp_equal_to_kv_heads_is_fine():
 def test_fsdp_only_plan_refuses_tp():
     dims = ParallelDims(tp=2, world_size=2)
     with pytest.raises(ValueError, match="model.plan='fsdp_only' applies FSDP only, but parallelism.tp=2"):
-        get_plan("llama3", "fsdp_only")(meta_llama(), dims, JobConfig())
+        get_plan("llama3", "fsdp_only")(meta_llama(), dims, PlanSections.of(JobConfig()))
 
 
 def test_config_rules():

@@ -86,7 +86,7 @@ class CommitMixin:
         self.bad_steps.discard(step)
         if prune:  # a full-state step-N (not an export, not the seed)
             self.verified_step = step
-        deleted = self._rank0_do(layout.prune, self.folder, self.cfg.keep_latest_k, step,
+        deleted = self._rank0_do(layout.prune, self.folder, self.ckpt.keep_latest_k, step,
                                  (self.verified_step,) if self.verified_step is not None else (),
                                  tuple(sorted(self.bad_steps))) if prune else []
         self.saving = None

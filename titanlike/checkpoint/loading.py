@@ -22,30 +22,30 @@ _EXTRAS = ("lr_scheduler", "dataloader", "trainer")
 
 class LoadMixin:
     def load(self, step: int | None = None) -> int:
-        """Restore cfg.load_step (-1: the newest complete step) or `step`; returns the step training resumes
-        after (0 when starting fresh). With nothing saved yet, starts from cfg.initial_load_path if set: its weights
+        """Restore ckpt.load_step (-1: the newest complete step) or `step`; returns the step training resumes
+        after (0 when starting fresh). With nothing saved yet, starts from ckpt.initial_load_path if set: its weights
         only (initial_load_model_only, the default: step 0) or its full state."""
         if not self.enabled:
             return 0
-        if self.cfg.enable:
-            want = self.cfg.load_step if step is None else step
+        if self.ckpt.enable:
+            want = self.ckpt.load_step if step is None else step
             info = self._choose(self.folder, want)
             if info is not None:
                 self.verified_step = info.step  # keep-last-k keeps it until a newer step is committed
                 return self._load_step(info, model_only=False)
-        initial = self.cfg.initial_load_path
+        initial = self.ckpt.initial_load_path
         if initial:
             info = self._choose(initial, -1, own=False)
             if info is None:
                 raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
-            return self._load_step(info, model_only=self.cfg.initial_load_model_only)
-        if self.cfg.enable:
+            return self._load_step(info, model_only=self.ckpt.initial_load_model_only)
+        if self.ckpt.enable:
             logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
         return 0
 
     def load_newest_saved(self) -> int | None:
         """Load the newest complete step this run saved itself (never initial_load_path); None if there is none."""
-        info = self._choose(self.folder, -1) if self.cfg.enable else None
+        info = self._choose(self.folder, -1) if self.ckpt.enable else None
         return None if info is None else self._load_step(info, model_only=False)
 
     def _choose(self, folder: str, want: int, own: bool = True) -> layout.StepInfo | None:
@@ -63,7 +63,7 @@ class LoadMixin:
     def _check_shared(self, info: layout.StepInfo) -> layout.Check:
         t0 = time.perf_counter()
         try:
-            found = layout.check_step(info, self.cfg.verify_checksums, share=(self.rank, self.world),
+            found = layout.check_step(info, self.ckpt.verify_checksums, share=(self.rank, self.world),
                                       threads=integrity.threads_for("load"))
         except Exception as e:  # noqa: BLE001 - this rank must still reach the gather below
             found = layout.Check([(integrity.CORRUPT, "?", f"checking {info.path} failed on rank {self.rank}: "

@@ -47,6 +47,7 @@ from titanlike.checkpoint.states import EXTRA, FLAT_OPTIM, MODEL, OPTIM, pack, q
 from titanlike.checkpoint.staging import (
     KeepStagedBuffers, Prestage, init_optimizer_state, make_pinned_stager, stop_writer_process,
 )
+from titanlike.config.sections import Checkpoint
 from titanlike.distributed.timeouts import keep_own_timeout
 from titanlike.optim.container import optimizers_of
 
@@ -84,14 +85,14 @@ class CheckpointManager(CommitMixin, LoadMixin):
     an optimizer, a list paired with the parts, or a container with `.optimizers`. `trainer` (optional) provides
     `state_dict()` / `load_state_dict()` for its counters (step, tokens seen). `strict=False` lets the checkpoint
     hold model keys this process does not have (a pipeline rank holds only its stages).
-    Every method must be called on every rank (they synchronise). With `cfg.enable` false (and no seed
+    Every method must be called on every rank (they synchronise). With `ckpt.enable` false (and no seed
     checkpoint or initial_load_path) every method is a no-op, so callers need no conditionals.
     """
 
-    def __init__(self, cfg, folder: str, *, model, optimizer=None, lr_scheduler=None,
+    def __init__(self, ckpt: Checkpoint, folder: str, *, model, optimizer=None, lr_scheduler=None,
                  dataloader=None, trainer=None, model_name: str = "", model_args: Any = None,
                  config_toml: str = "", strict: bool = True):
-        self.cfg, self.folder = cfg, folder
+        self.ckpt, self.folder = ckpt, folder
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         opts = optimizer if isinstance(optimizer, (list, tuple)) else optimizers_of(optimizer)
         self.optimizers = [o for o in opts if o is not None]
@@ -99,8 +100,8 @@ class CheckpointManager(CommitMixin, LoadMixin):
             raise ValueError(f"CheckpointManager: {len(self.optimizers)} optimizers for {len(self.parts)} model parts")
         self.lr_scheduler = lr_scheduler
         self.dataloader, self.trainer, self.strict = dataloader, trainer, strict
-        # Saving needs cfg.enable; a seed checkpoint or a start from initial_load_path work without it.
-        self.enabled = bool(cfg.enable or cfg.create_seed_checkpoint or cfg.initial_load_path)
+        # Saving needs ckpt.enable; a seed checkpoint or a start from initial_load_path work without it.
+        self.enabled = bool(ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path)
         self.meta = {"model_name": model_name,
                      "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None}
         self.config_toml = config_toml
@@ -110,7 +111,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         self.stats: list[dict] = []  # per committed save: step, mode, stall_s, wait_s, write_s; per load: load_s
         self._pending: _Pending | None = None
         self._staging_done = True
-        self.mode = resolve_async_mode(cfg.async_mode, self.parts) if cfg.enable else "disabled"
+        self.mode = resolve_async_mode(ckpt.async_mode, self.parts) if ckpt.enable else "disabled"
         # Control collectives (barriers, "is the async write done?") run on their own gloo group: they must not
         # interleave with the training collectives, nor with the writer's own collectives.
         # Both wait for the slowest rank's write of a whole checkpoint: they keep gloo's 30 min timeout, not the
@@ -170,13 +171,13 @@ class CheckpointManager(CommitMixin, LoadMixin):
         """Before step 1 (the Trainer calls it; every rank): refuse to start when the checkpoint folder is not
         writable or its disk lacks room for the checkpoints this run keeps (preflight.py). Rank 0 checks the
         folder; the state size is summed over ranks; every rank gets the verdict."""
-        if not self.cfg.enable:
+        if not self.ckpt.enable:
             return
         model, optim = preflight.state_bytes(self._model_sd(), self.optimizers)
         model, optim = self._all_max([model, optim], sum_=True)
-        export = (getattr(torch, self.cfg.export_dtype).itemsize / 4
-                  if self.cfg.model_only_export or self.cfg.last_save_model_only else 0.0)
-        self._rank0_do(preflight.check_folder, self.folder, model, optim, self.cfg.keep_latest_k, export)
+        export = (getattr(torch, self.ckpt.export_dtype).itemsize / 4
+                  if self.ckpt.model_only_export or self.ckpt.last_save_model_only else 0.0)
+        self._rank0_do(preflight.check_folder, self.folder, model, optim, self.ckpt.keep_latest_k, export)
 
     # ------------------------------------------------------------------------------------------ state
     def _model_sd(self) -> dict:
@@ -206,7 +207,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         return {MODEL: model_sd, OPTIM: optim_sd, EXTRA: extra}
 
     def _writer(self, path: str) -> FileSystemWriter:
-        return FileSystemWriter(path, thread_count=max(1, self.cfg.io_threads))
+        return FileSystemWriter(path, thread_count=max(1, self.ckpt.io_threads))
 
     def _marker(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict:
         return {"step": step, "world_size": self.world, "model_only": model_only,
@@ -218,7 +219,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
         background thread while the first steps run, so the pinned buffers (cached by the stager per tensor) exist
         before the first save. The copied values are never used; the optimizer state is created first
         (init_optimizer_state) so its buffers are the ones later saves copy."""
-        if self._stager is None or not self.cfg.enable or not self.cfg.prestage:
+        if self._stager is None or not self.ckpt.enable or not self.ckpt.prestage:
             return
         for opt in self.optimizers:
             init_optimizer_state(opt)
@@ -234,16 +235,16 @@ class CheckpointManager(CommitMixin, LoadMixin):
             return
         self._check_prestage(block=False)
         self._finish_pending(block=False)
-        if not self.cfg.enable:
+        if not self.ckpt.enable:
             return
-        export_only = last_step and self.cfg.last_save_model_only
-        if (step % self.cfg.interval == 0 or last_step) and not export_only:
+        export_only = last_step and self.ckpt.last_save_model_only
+        if (step % self.ckpt.interval == 0 or last_step) and not export_only:
             self.save(step)
-        if last_step and (export_only or self.cfg.model_only_export):
+        if last_step and (export_only or self.ckpt.model_only_export):
             self.export(step)
 
     def save(self, step: int) -> None:
-        """Save the full training state as step-<step> (async per cfg.async_mode)."""
+        """Save the full training state as step-<step> (async per ckpt.async_mode)."""
         self._finish_pending(block=True)  # one save in flight at a time (the wait is logged with the previous save)
         t0 = time.perf_counter()
         self.saving = step
@@ -278,9 +279,9 @@ class CheckpointManager(CommitMixin, LoadMixin):
         self._pending = _Pending(step, tmp, final, upload, staging, t0, time.perf_counter() - t0, marker)
 
     def export(self, step: int) -> None:
-        """Model weights only, in cfg.export_dtype, as export-step-<step>: the release artifact (sync)."""
+        """Model weights only, in ckpt.export_dtype, as export-step-<step>: the release artifact (sync)."""
         self._finish_pending(block=True)
-        dtype = getattr(torch, self.cfg.export_dtype)
+        dtype = getattr(torch, self.ckpt.export_dtype)
         t0 = time.perf_counter()
         self.saving = step
         tmp = self._rank0_do(self._prepare, step, "export-step")

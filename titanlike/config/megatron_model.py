@@ -140,8 +140,9 @@ def _name_shape(name: str, args, t) -> None:
     def diff(flavor) -> dict:
         return {k: getattr(args, k) for k in keys if getattr(flavor, k, None) != getattr(args, k)}
 
+    width = spec.shape(args).dim  # the spec's own reading of the width (families name it differently)
     flavor = min(spec.flavors, key=lambda n: (len(diff(spec.flavors[n])),
-                                              abs(getattr(spec.flavors[n], "dim", 0) - getattr(args, "dim", 0)), n))
+                                              abs(spec.shape(spec.flavors[n]).dim - width), n))
     base = spec.flavors[flavor]
     t.set("model.name", name)
     t.set("model.flavor", flavor)

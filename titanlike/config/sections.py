@@ -1,4 +1,8 @@
-"""Typed config sections. One dataclass per TOML table; each builder receives only its own section.
+"""Typed config sections. One dataclass per TOML table; each builder receives only the sections it reads: its own
+section (`CheckpointManager(cfg.checkpoint, ...)`), or a small frozen dataclass of the few it reads, built once by
+the caller from the JobConfig (`parallelize.PlanSections.of(cfg)` for plans, `BuildSections` for build_model,
+`UpdateSections` for the Updater). The whole JobConfig goes only where it is the input: validation, load/TOML, the
+Trainer (the run) and the planner (which estimates a whole run).
 
 Field types are the contract with the TOML loader: the loader checks every value against these annotations,
 so a new field needs nothing but a line here (and a check in validate.py if it has cross-field rules).

@@ -18,7 +18,7 @@ from parallelize.compile import BACKENDS as COMPILE_BACKENDS
 from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
 from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
-from titanlike.config.sections import JobConfig
+from titanlike.config.sections import JobConfig, Parallelism, Training
 from titanlike.config.validate_data import check_data
 from titanlike.config.validate_eval import check_eval
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
@@ -231,16 +231,14 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
                           f"fault_tolerance.group_size = {unit} (times the data-parallel degree inside a group)")
 
 
-def check_mixed_precision(cfg: JobConfig, world_size: int | None, errors: list[str]) -> None:
+def check_mixed_precision(t: Training, ft: bool, world_size: int | None, errors: list[str]) -> None:
     """training.mixed_precision_impl="master_weights" (titanlike/optim/master_weights.py): one device, bf16 or fp16
-    weights; fp16 loss scaling is not wired into torchft's replica groups."""
-    t = cfg.training
-    if t.mixed_precision_param == "float16" and cfg.fault_tolerance.enable:
+    weights; fp16 loss scaling is not wired into torchft's replica groups (`ft`: fault_tolerance.enable)."""
+    if t.mixed_precision_param == "float16" and ft:
         errors.append("training.mixed_precision_param='float16' (loss scaling) is not supported with "
                       "fault_tolerance.enable yet; use 'bfloat16'")
     if t.mixed_precision_impl != "master_weights":
         return
-    ft = cfg.fault_tolerance.enable
     if (world_size or 1) > 1 or ft:
         errors.append(f"training.mixed_precision_impl='master_weights' is for runs on one device (this one has "
                       f"{world_size} processes{' and torchft' if ft else ''}); FSDP casts sharded weights itself: "
@@ -322,7 +320,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     _check_numbers(cfg, errors)
     _check_features(cfg, errors)
     _check_global_batch(cfg, dp_shard, errors)
-    check_mixed_precision(cfg, world_size, errors)
+    check_mixed_precision(cfg.training, cfg.fault_tolerance.enable, world_size, errors)
     check_loss_scaling(cfg, errors)
     check_data(cfg, errors)
     if cfg.checkpoint.create_seed_checkpoint and world_size is not None and world_size > 1:
@@ -366,10 +364,10 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
 
 
-def validate_model(spec, model_args: Any, cfg: JobConfig) -> None:
+def validate_model(spec, model_args: Any, par: Parallelism, flavor: str) -> None:
     """Rules that need the model's shapes: the family's own checks (ModelSpec.check: heads by TP, ...) and the
-    pipeline's stages against its layers."""
-    errors = list(spec.check(model_args, cfg.parallelism, cfg.model.flavor))
-    check_pipeline_model(model_args.n_layers, cfg, errors)  # stages (pp x stages per rank) <= n_layers
+    pipeline's stages against its layers. `flavor`: model.flavor, for the messages."""
+    errors = list(spec.check(model_args, par, flavor))
+    check_pipeline_model(model_args.n_layers, par, flavor, errors)  # stages (pp x stages per rank) <= n_layers
     if errors:
         raise ConfigError("\n".join(errors))

@@ -63,15 +63,15 @@ def check_pipeline(cfg: JobConfig, errors: list[str]) -> None:
                       f"compile.enable=false (or compile.components=[\"loss\"]) or use 1F1B/Interleaved1F1B")
 
 
-def check_pipeline_model(n_layers: int, cfg: JobConfig, errors: list[str]) -> None:
-    """Rules that need the layer count: the stage count must fit the layers."""
-    par = cfg.parallelism
+def check_pipeline_model(n_layers: int, par: Parallelism, flavor: str, errors: list[str]) -> None:
+    """Rules that need the layer count: the stage count must fit the layers (`flavor`: model.flavor, for the
+    message)."""
     if par.pp <= 1:
         return
     stages = pp_stage_count(par, n_layers)
     if stages > n_layers:
         per_rank = "" if stages == par.pp else f" with {stages} stages in all ({par.pp_schedule})"
-        errors.append(f"parallelism.pp={par.pp}{per_rank} exceeds model.flavor {cfg.model.flavor!r}'s "
+        errors.append(f"parallelism.pp={par.pp}{per_rank} exceeds model.flavor {flavor!r}'s "
                       f"n_layers={n_layers}; each pipeline stage needs at least one layer: lower parallelism.pp or "
                       f"the stages per rank, or use a deeper flavor")
     elif par.pp_layers_per_stage > 0:

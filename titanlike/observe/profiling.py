@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from titanlike.config.sections import Profiling
+
 logger = logging.getLogger("titanlike")
 
 # Allocator events kept for the snapshot: enough for several steps of an 8B model without exhausting host memory.
@@ -28,8 +30,8 @@ MEMORY_HISTORY_MAX_ENTRIES = 100_000
 
 
 class StepProfiler:
-    def __init__(self, cfg, run_dir: str, rank: int, device: torch.device, start_step: int = 0):
-        """`cfg`: the Profiling section. `start_step`: the step already done (non-zero after a resume), so traces
+    def __init__(self, cfg: Profiling, run_dir: str, rank: int, device: torch.device, start_step: int = 0):
+        """`cfg`: the [profiling] section. `start_step`: the step already done (non-zero after a resume), so traces
         still land on multiples of profile_freq."""
         self.cfg, self.rank, self.device = cfg, rank, device
         self.trace_dir = os.path.join(run_dir, cfg.save_traces_folder)

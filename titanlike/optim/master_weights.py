@@ -33,21 +33,22 @@ import itertools
 import torch
 from torch import nn
 
+from titanlike.config.sections import Compile, Optimizer, Training
 from titanlike.config.validate import check_mixed_precision
 from titanlike.optim.adamw import clip_with_norm_, param_groups
 
 
-def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
+def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool
+                         ) -> str:
     """What casts the weights to the compute dtype: "fsdp" (its MixedPrecisionPolicy; fp32 on CPU), "autocast",
     "master_weights" (this file) or "none" (fp32 throughout). training.mixed_precision_impl picks among the last
     three on one device ("auto": master weights when the update compiles, else autocast); ValueError naming the
-    key when the choice cannot be honoured."""
-    t = cfg.training
+    key when the choice cannot be honoured. fault_tolerant: fault_tolerance.enable (torchft's replica groups)."""
     errors: list[str] = []
-    check_mixed_precision(cfg, dims.world_size, errors)  # the config rule, here for configs built in code too
+    check_mixed_precision(t, fault_tolerant, dims.world_size, errors)  # the config rule, for configs built in code
     if errors:
         raise ValueError(errors[0])
-    if dims.world_size > 1 or cfg.fault_tolerance.enable:
+    if dims.world_size > 1 or fault_tolerant:
         if dims.fsdp_enabled:
             return "fsdp"
         return "autocast" if device.type == "cuda" and t.mixed_precision_param != "float32" else "none"
@@ -55,7 +56,7 @@ def mixed_precision_mode(cfg, dims, device: torch.device) -> str:
         return "master_weights"
     if device.type != "cuda" or t.mixed_precision_param == "float32":
         return "none"
-    compiled = cfg.compile.enable and "optimizer" in cfg.compile.components
+    compiled = compile_cfg.enable and "optimizer" in compile_cfg.components
     if t.mixed_precision_impl == "auto" and compiled and t.mixed_precision_param in ("bfloat16", "float16"):
         return "master_weights"
     return "autocast"
@@ -317,11 +318,11 @@ def _expose_masters(model: nn.Module, parts: dict[str, tuple[nn.Parameter, torch
     model.register_load_state_dict_pre_hook(load_pre_hook)
 
 
-def build_master_weight_adamw(model: nn.Module, cfg, compile: bool, accumulate_fp32: bool, overlap: bool = False,
-                              stable_state_dict: bool = False,
+def build_master_weight_adamw(model: nn.Module, opt: Optimizer, compile: bool, accumulate_fp32: bool,
+                              overlap: bool = False, stable_state_dict: bool = False,
                               dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become bf16 here.
     (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
-    return MasterWeightAdamW(model, param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+    return MasterWeightAdamW(model, param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                              compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap,
                              stable_state_dict=stable_state_dict, dtype=dtype)

@@ -88,9 +88,9 @@ def gpu_choices(cfg, enabled: bool):
     t = cfg.training
     dtypes = (getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce))
     orig_mode = update_mod.mixed_precision_mode
-    with mock.patch.object(fsdp_mod, "fsdp_dtypes", lambda dims, training_cfg: dtypes), \
+    with mock.patch.object(fsdp_mod, "fsdp_dtypes", lambda dims, training: dtypes), \
          mock.patch.object(update_mod, "mixed_precision_mode",
-                           lambda c, dims, device: orig_mode(c, dims, torch.device("cuda"))):
+                           lambda t, comp, dims, device, **kw: orig_mode(t, comp, dims, torch.device("cuda"), **kw)):
         yield
 
 

@@ -1,6 +1,7 @@
-"""Whether a layout fits, before launching it: `estimate_memory(cfg, world_size)` builds the real model under the
-real plan for each kind of rank on this machine and traces one training step (forward and backward of every
-micro-batch the peak can depend on, clip, optimizer step) with torch's own tools, no device memory:
+"""Whether a layout fits, before launching it: `estimate_memory(cfg, world_size)` (the whole JobConfig: it estimates
+the whole run) builds the real model under the real plan for each kind of rank on this machine and traces one training
+step (forward and backward of every micro-batch the peak can depend on, clip, optimizer step) with torch's own tools,
+no device memory:
 
   - the fake process group (torch.testing._internal.distributed.fake_pg) as the rank being simulated, so the
     DeviceMesh, FSDP2, DTensor TP/SP/CP/EP see a world of N ranks while collectives return at once;

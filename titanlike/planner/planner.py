@@ -5,6 +5,8 @@
 A candidate is the base config with parallelism / batch / AC / float8 / reshard keys changed; the config check
 (titanlike/config/validate.py) and the family's own checks (ModelSpec.check) run on each, so no layout the planner
 proposes fails at launch for a rule the trainer knows.
+
+Its functions take the whole JobConfig on purpose: a candidate *is* a whole run's config, estimated and checked whole.
 """
 from __future__ import annotations
 
@@ -164,7 +166,7 @@ def _checked(base: JobConfig, over: dict[str, object], world: int, spec, args) -
         setattr(getattr(cfg, section), key, value)
     try:
         validate(cfg, world)
-        validate_model(spec, args, cfg)
+        validate_model(spec, args, cfg.parallelism, cfg.model.flavor)
     except ConfigError:
         return None
     return cfg

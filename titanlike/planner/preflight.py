@@ -3,7 +3,8 @@
 The traced estimate (titanlike/planner/memory.py) of the config at its world size against the GPU's memory. When it
 does not fit, the cheapest fix: the changes a user reaches for first (more activation checkpointing, a smaller
 micro-batch with accumulation, the chunked loss, resharding after forward), each estimated, and of those that fit
-the one the cost model (titanlike/planner/cost.py) predicts fastest.
+the one the cost model (titanlike/planner/cost.py) predicts fastest. Whole JobConfigs in and out: a fix is a changed
+run.
 """
 from __future__ import annotations
 

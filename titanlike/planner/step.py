@@ -2,7 +2,7 @@
 trackers: the trainer's own step code (titanlike/train/step.py's StepCompute: loss, AMP, SDPA and loss-parallel
 contexts, backward; the Updater's clip), so a change there is traced here too. What the trace adds: a later pipeline
 stage's input (hidden states, _hidden) and the compiled loss's memory (_fused_loss). Works on fake and on real
-tensors alike (the tests compare the two)."""
+tensors alike (the tests compare the two). It reads the whole JobConfig: it stands in for the whole run's step."""
 from __future__ import annotations
 
 import contextlib

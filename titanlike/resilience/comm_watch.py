@@ -147,7 +147,7 @@ def _rerun(checkpointer) -> str:
     """What rerunning the same command does: resume only where a complete checkpoint exists."""
     if checkpointer is None:
         return "rerun the same command to resume from the newest complete checkpoint, if any"
-    if not checkpointer.cfg.enable:
+    if not checkpointer.ckpt.enable:
         return "checkpointing is off (checkpoint.enable=false), so nothing was saved and a rerun starts over"
     kept = _complete_steps(checkpointer)
     if not kept:

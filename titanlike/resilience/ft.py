@@ -34,20 +34,22 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 
 from titanlike.checkpoint.states import FLAT_OPTIM
+from titanlike.config.sections import Comm
+from titanlike.config.sections import FaultTolerance as FaultToleranceSection  # (the class below is the runtime)
 from titanlike.optim.container import optimizers_of
 from titanlike.resilience.comm_watch import CommError
 
 logger = logging.getLogger("titanlike")
 
 
-def ft_data_shard(ft_cfg, dp_degree: int, dp_rank: int) -> tuple[int, int]:
+def ft_data_shard(ft_cfg: FaultToleranceSection, dp_degree: int, dp_rank: int) -> tuple[int, int]:
     """(dp_degree, dp_rank) over all replica groups: group i reads the i-th block of every global batch."""
     if not ft_cfg.enable:
         return dp_degree, dp_rank
     return dp_degree * ft_cfg.group_size, ft_cfg.replica_id * dp_degree + dp_rank
 
 
-def ft_run_dir(ft_cfg, run_dir: str) -> str:
+def ft_run_dir(ft_cfg: FaultToleranceSection, run_dir: str) -> str:
     return os.path.join(run_dir, f"replica_{ft_cfg.replica_id}") if ft_cfg.enable else run_dir
 
 
@@ -96,8 +98,8 @@ def _ddp_class():
 class FaultTolerance:
     """One replica group's torchft Manager and the trainer's hooks into it (see the module docstring)."""
 
-    def __init__(self, cfg, comm_cfg, device: torch.device, *, model_parts, optimizer, lr_scheduler, dataloader,
-                 trainer):
+    def __init__(self, cfg: FaultToleranceSection, comm_cfg: Comm, device: torch.device, *, model_parts, optimizer,
+                 lr_scheduler, dataloader, trainer):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and commit at info
         try:
             import torchft

@@ -21,6 +21,7 @@ import float8
 import models
 from models.batch import build_objective
 from models.common.backends import mask_kernel, repeats_kv_heads, wants_fa4
+from titanlike.config.sections import Data, Float8, JobConfig, Model, Parallelism, Training
 from titanlike.config.validate import validate_model
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import apply_chunked_loss
@@ -39,7 +40,7 @@ class ModelBuild:
     loss_head: object | None  # the chunked-loss LM head (training.loss_chunk_tokens > 0)
 
 
-def run_vocab(model_cfg, tokenizer_vocab: int) -> int:
+def run_vocab(model_cfg: Model, tokenizer_vocab: int) -> int:
     """model.vocab_size, else the tokenizer's padded to model.vocab_pad_multiple (Megatron's vocabulary padding)."""
     if model_cfg.vocab_size > 0:
         return model_cfg.vocab_size
@@ -47,33 +48,47 @@ def run_vocab(model_cfg, tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // pad) * pad
 
 
-def build_model(cfg, dims, device: torch.device, vocab: int, eod_id: int | None, *,
+@dataclasses.dataclass(frozen=True)
+class BuildSections:
+    """The config sections build_model reads, built once by its caller (`BuildSections.of(cfg)`)."""
+    model: Model
+    training: Training  # seq_len (the args' max_seq_len), loss_chunk_tokens
+    parallelism: Parallelism  # the family's checks (heads by TP, ...) and the pipeline's stages against the layers
+    data: Data  # document masking and position resets: what each model call takes (BatchLayout)
+    float8: Float8
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> BuildSections:
+        return cls(cfg.model, cfg.training, cfg.parallelism, cfg.data, cfg.float8)
+
+
+def build_model(sections: BuildSections, dims, device: torch.device, vocab: int, eod_id: int | None, *,
                 compile_loss_chunk: bool) -> ModelBuild:
     """Everything before the plan, on the meta device. `vocab`: run_vocab's; `eod_id`: the tokenizer's."""
-    t = cfg.training
-    spec = models.get_spec(cfg.model.name)
-    flavor = spec.flavor_args(cfg.model.flavor, cfg.model.args)
-    n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else flavor.n_layers
+    t, m, data = sections.training, sections.model, sections.data
+    spec = models.get_spec(m.name)
+    flavor = spec.flavor_args(m.flavor, m.args)
+    n_layers = m.n_layers if m.n_layers > 0 else flavor.n_layers
     run = dict(vocab_size=vocab, max_seq_len=t.seq_len, n_layers=n_layers)  # every family's args have these
     if "repeat_kv_heads" in {f.name for f in dataclasses.fields(flavor)}:  # a kernel knob of GQA families
-        run["repeat_kv_heads"] = repeats_kv_heads(cfg.model.attn_backend, device)
+        run["repeat_kv_heads"] = repeats_kv_heads(m.attn_backend, device)
     model_args = dataclasses.replace(flavor, **run)
-    validate_model(spec, model_args, cfg)
+    validate_model(spec, model_args, sections.parallelism, m.flavor)
     objective = build_objective(spec.objective, model_args)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the
     # kernel of their masked attention (models/common/masks.py).
-    layout = BatchLayout(dims, cfg.data, eod_id)
+    layout = BatchLayout(dims, data, eod_id)
     layout.check_model(model)
     if hasattr(model, "mask_kernel"):
-        model.mask_kernel = mask_kernel(cfg.model.mask_kernel, cfg.data.document_masking or dims.cp_enabled, device)
-    if wants_fa4(cfg.model.attn_backend, device):  # before compile traces the attention modules
+        model.mask_kernel = mask_kernel(m.mask_kernel, data.document_masking or dims.cp_enabled, device)
+    if wants_fa4(m.attn_backend, device):  # before compile traces the attention modules
         from models.common.fa4 import use_fa4
 
         logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
     # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
-    f8 = float8.convert(model, cfg.float8, fsdp_enabled=dims.fsdp_enabled)
+    f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled)
     loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=compile_loss_chunk,
                                     head_name=spec.output_modules[-1]) if t.loss_chunk_tokens > 0 else None)
     return ModelBuild(spec, model_args, model, objective, layout, f8, loss_head)
@@ -107,4 +122,4 @@ def _to_empty(part: torch.nn.Module, device: torch.device) -> None:
                 torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
-__all__ = ["ModelBuild", "build_model", "materialise", "run_vocab"]
+__all__ = ["BuildSections", "ModelBuild", "build_model", "materialise", "run_vocab"]

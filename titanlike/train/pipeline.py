@@ -27,21 +27,23 @@ from torch.distributed.tensor import DTensor
 from models.batch import Batch
 from models.common.moe import MoE
 from parallelize.pp import Pipeline, build_pipeline
+from parallelize.sections import PlanSections
 from parallelize.tied import TiedParameters, tied_pairs
 from titanlike.optim.adamw import clip_with_norm_, grad_norm
 
 
 class PipelineRunner:
-    def __init__(self, model: nn.Module, spec, args, dims, cfg, device: torch.device, stage_plan: Callable,
-                 loss_fn: Callable):
+    def __init__(self, model: nn.Module, spec, args, dims, sections: PlanSections, device: torch.device,
+                 stage_plan: Callable, loss_fn: Callable):
         """Split meta `model` (ModelSpec `spec`, built from `args`) and build the schedule (see
-        parallelize.pp.build_pipeline). `loss_fn(logits, labels)` returns the summed token cross-entropy of one
-        micro-batch (the objective's loss: output against Batch.labels)."""
+        parallelize.pp.build_pipeline; `sections` is what the plan and the split read). `loss_fn(logits, labels)`
+        returns the summed token cross-entropy of one micro-batch (the objective's loss: output against
+        Batch.labels)."""
         self.loss_fn = loss_fn
         self.device = device
         self.pp_group = dims.get_mesh("pp").get_group()
         self._scale = torch.ones((), device=device)  # per step: FSDP divide factor / global token count
-        self.pipeline: Pipeline = build_pipeline(model, spec, args, dims, cfg, device, self._schedule_loss,
+        self.pipeline: Pipeline = build_pipeline(model, spec, args, dims, sections, device, self._schedule_loss,
                                                  stage_plan)
         self.schedule = self.pipeline.schedule
         self.model_parts: list[nn.Module] = self.pipeline.model_parts

@@ -3,6 +3,9 @@
 Order matters and mirrors docs/ARCHITECTURE.md: mesh → tokenizer → model on meta (titanlike/train/construct.py,
 the path the memory estimate builds through too) → parallelize (parallelize/compose.py) → materialise + init →
 optimizer/LR → data → metrics.
+
+The Trainer is the run, so it alone takes the whole JobConfig; each component it builds gets only the sections it
+reads (the builders' `...Sections.of(cfg)` dataclasses, or the section itself).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import os
 import torch
 
 from models.batch import Batch, StepContext
-from parallelize import get_plan
+from parallelize import PlanSections, get_plan
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import JobConfig, config_to_toml
 from titanlike.data import build_dataloader, build_validation_dataloader
@@ -27,13 +30,13 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
-from titanlike.train.construct import build_model, materialise, run_vocab
+from titanlike.train.construct import BuildSections, build_model, materialise, run_vocab
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
 from titanlike.train.loss import IGNORE_INDEX
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 from titanlike.train.step import StepCompute
-from titanlike.train.update import Updater
+from titanlike.train.update import UpdateSections, Updater
 
 logger = logging.getLogger("titanlike")
 
@@ -66,7 +69,7 @@ class Trainer:
         # The model before its plan, through the one construction path the memory estimate also takes
         # (titanlike/train/construct.py): args, checks, objective, meta model, batch layout, float8, loss head.
         compile_chunk = cfg.compile.enable and "loss" in cfg.compile.components
-        mb = build_model(cfg, self.dims, self.device, run_vocab(cfg.model, self.tokenizer.vocab_size),
+        mb = build_model(BuildSections.of(cfg), self.dims, self.device, run_vocab(cfg.model, self.tokenizer.vocab_size),
                          self.tokenizer.eod_id, compile_loss_chunk=compile_chunk)
         self.spec = spec = mb.spec
         self.model_args, model = mb.model_args, mb.model
@@ -79,14 +82,15 @@ class Trainer:
                     f"({counts.total - counts.embedding:,} non-embedding), "
                     f"{self.flops_per_token / 1e9:.2f} GFLOP/token")
         plan = get_plan(cfg.model.name, cfg.model.plan)
+        plan_sections = PlanSections.of(cfg)  # all a plan reads of the config (parallelize/sections.py)
         self.signals.enter("parallelize")
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
-            self.pp = PipelineRunner(model, spec, self.model_args, self.dims, cfg, self.device, plan,
+            self.pp = PipelineRunner(model, spec, self.model_args, self.dims, plan_sections, self.device, plan,
                                      lambda out, y: self.loss_fn(out, y))
             self.model_parts = self.pp.model_parts
         else:
-            self.model_parts = [plan(model, self.dims, cfg)]
+            self.model_parts = [plan(model, self.dims, plan_sections)]
         self.signals.enter("weights init")
         materialise(self.model_parts, self.device, t.seed)  # the same initial weights on every layout
         # The whole model; None under PP, where this rank holds only its stages (self.model_parts, whose
@@ -95,7 +99,7 @@ class Trainer:
 
         # The update half of a step: precision mode, optimizer, LR, clip, non-finite guard, fp16 loss scaling
         self.signals.enter("optimizer")
-        self.update = Updater(cfg, self.dims, self.device, self.model_parts)
+        self.update = Updater(UpdateSections.of(cfg), self.dims, self.device, self.model_parts)
         self.precision, self.optimizer, self.lr_scheduler = (self.update.precision, self.update.optimizer,
                                                              self.update.lr_scheduler)
         self.guard = self.update.guard  # (the rollback resets its streak)

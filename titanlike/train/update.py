@@ -7,7 +7,12 @@ Nothing here waits for the GPU except where a host-side optimizer must be told t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from titanlike.config.sections import (Checkpoint, Compile, FaultTolerance, JobConfig, LossScaling, LRScheduler,
+                                       Optimizer, Training)
 
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_optimizers
 from titanlike.optim.container import OptimizersContainer, optimizers_of
@@ -17,30 +22,47 @@ from titanlike.optim.master_weights import build_master_weight_adamw, mixed_prec
 from titanlike.resilience.nonfinite import NonFiniteGuard, skips_on_device
 
 
+@dataclass(frozen=True)
+class UpdateSections:
+    """The config sections the Updater reads, built once by its caller (`UpdateSections.of(cfg)`)."""
+    training: Training
+    optimizer: Optimizer
+    lr_scheduler: LRScheduler
+    loss_scaling: LossScaling
+    compile: Compile  # "optimizer" in components: the master-weight update compiles, and "auto" picks it
+    checkpoint: Checkpoint  # enable + async_mode: pinned async saves need the master weights' state dict stable
+    fault_tolerance: FaultTolerance  # enable: torchft's groups rule master weights and fp16 out
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> UpdateSections:
+        return cls(cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.loss_scaling, cfg.compile, cfg.checkpoint,
+                   cfg.fault_tolerance)
+
+
 class Updater:
-    def __init__(self, cfg, dims, device: torch.device, model_parts: list[torch.nn.Module]):
-        t = cfg.training
+    def __init__(self, sections: UpdateSections, dims, device: torch.device, model_parts: list[torch.nn.Module]):
+        t, opt, comp, ckpt = sections.training, sections.optimizer, sections.compile, sections.checkpoint
         self.max_norm = t.max_norm
         # Who casts weights to the compute dtype: FSDP's policy, autocast, or bf16/fp16 weights + fp32 masters.
-        self.precision = mixed_precision_mode(cfg, dims, device)
+        self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable)
         if self.precision == "master_weights":
             self.optimizer = build_master_weight_adamw(
-                model_parts[0], cfg.optimizer, accumulate_fp32=t.global_batch_size > t.local_batch_size,
-                compile=cfg.compile.enable and "optimizer" in cfg.compile.components and device.type == "cuda",
-                overlap=cfg.optimizer.overlap_with_forward,
-                stable_state_dict=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem",
+                model_parts[0], opt, accumulate_fp32=t.global_batch_size > t.local_batch_size,
+                compile=comp.enable and "optimizer" in comp.components and device.type == "cuda",
+                overlap=opt.overlap_with_forward,
+                stable_state_dict=ckpt.enable and ckpt.async_mode == "async_with_pinned_mem",
                 dtype=getattr(torch, t.mixed_precision_param))
         else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
-            optimizers = [build_optimizer(part, cfg.optimizer, device) for part in model_parts]
+            optimizers = [build_optimizer(part, opt, device) for part in model_parts]
             self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, sections.lr_scheduler, t.steps)
         # Fused AdamW clips inside its kernel (titanlike/optim/adamw.py): one pass over the fp32 gradients less.
         self.fused_clip = fused_clip_optimizers(self.optimizer)
         self.guard = (NonFiniteGuard(self.optimizer, device, t.max_consecutive_bad_steps)
                       if t.skip_nonfinite_steps else None)
         # fp16 (Megatron's --fp16): the loss is scaled before backward; overflowing steps are skipped and do not
         # advance the LR schedule
-        self.scaler = LossScaler(cfg.loss_scaling, device) if t.mixed_precision_param == "float16" else None
+        self.scaler = LossScaler(sections.loss_scaling, device) if t.mixed_precision_param == "float16" else None
         if self.scaler is not None:
             self.lr_scheduler = SkipAwareLR(self.lr_scheduler, self.scaler)
             if self.guard is not None:  # a stop for overflows at the floor names the scale's keys
