@@ -183,7 +183,7 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
     _create_optimizer_state(parts, optimizer)
     tracker = _tracker(parts, optimizer, masters)
     # The trainer's step code; the run's compiled loss (compile is off in the traced config) has _fused_loss's memory
-    compute = StepCompute(cfg, dims, device, update.precision, built.objective, built.loss_head,
+    compute = StepCompute.of(cfg, dims, device, update.precision, built.objective, built.loss_head,
                           loss_fn=_fused_loss if compiled_loss else None)
     # the master-weight update compiled (one fused kernel per parameter): its eager temporaries are not the run's
     compiled_update = compiled_loss and update.precision == "master_weights" and "optimizer" in cfg.compile.components

@@ -29,17 +29,24 @@ class StepCompute:
     casts the weights); `loss_fn(output, labels) -> summed loss`: default the objective's loss, compiled when
     compile.components has "loss"; `loss_head`: the chunked-loss LM head (its forward returns the loss)."""
 
-    def __init__(self, cfg, dims, device: torch.device, precision: str, objective, loss_head,
-                 loss_fn: Callable | None = None):
-        self.loss_fn = loss_fn if loss_fn is not None else compile_loss(objective_loss(objective), cfg.compile)
+    @classmethod
+    def of(cls, cfg, dims, device: torch.device, precision: str, objective, loss_head,
+           loss_fn: Callable | None = None) -> StepCompute:
+        """From a JobConfig: the four sections it reads."""
+        return cls(cfg.training, cfg.model, cfg.parallelism, cfg.compile, dims, device, precision, objective,
+                   loss_head, loss_fn)
+
+    def __init__(self, training, model_cfg, par, compile_cfg, dims, device: torch.device, precision: str, objective,
+                 loss_head, loss_fn: Callable | None = None):
+        self.loss_fn = loss_fn if loss_fn is not None else compile_loss(objective_loss(objective), compile_cfg)
         self.loss_head = loss_head
         self.device_type = device.type
         # autocast only where nothing else casts the weights (titanlike/optim/master_weights.py)
-        self.amp_dtype = getattr(torch, cfg.training.mixed_precision_param) if precision == "autocast" else None
-        self.attention_kernels = sdpa_context(cfg.model.attn_backend, device)  # per pass (model.attn_backend)
+        self.amp_dtype = getattr(torch, training.mixed_precision_param) if precision == "autocast" else None
+        self.attention_kernels = sdpa_context(model_cfg.attn_backend, device)  # per pass (model.attn_backend)
         # TP's output layer leaves the logits vocabulary-sharded: cross-entropy and its backward run under
         # loss_parallel(), which never gathers [tokens, vocab] (the model's TP plan in parallelize/<model>.py).
-        self.loss_parallel = dims.tp_enabled and cfg.parallelism.enable_loss_parallel
+        self.loss_parallel = dims.tp_enabled and par.enable_loss_parallel
 
     def amp(self):
         """The forward's autocast (a new context each time), or nothing."""

@@ -109,7 +109,7 @@ class Trainer:
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
         # Forward, loss and backward with the run's contexts: the same code the memory estimate traces
         # (titanlike/train/step.py). The loss is compiled with compile.components "loss".
-        self.compute = StepCompute(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head)
+        self.compute = StepCompute.of(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head)
         self.attention_kernels = self.compute.attention_kernels
         self.amp = self.compute.amp()  # (validation and eval enter it too)
 
