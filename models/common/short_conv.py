@@ -5,11 +5,38 @@ The state is the last W inputs [B, D, W] (W = kernel size; the oldest column is 
 flash-linear-attention's `causal_conv1d` and of transformers' cache, so either can take over later. With documents
 (`seq_idx`: the per-token document index [B, T], non-decreasing along each row) a tap never reads across a document
 start, exactly as if each document were convolved alone.
+
+Also here, shared by both mixers: MixerState (what generation carries) and the init of their per-head scalars.
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+
+class MixerState(NamedTuple):
+    """What a conv + recurrent mixer carries from one forward to the next (generation): the conv's last inputs
+    [B, conv channels, W] and the recurrent state (Mamba-2: [B, H, P, N]; Gated DeltaNet: [B, HV, K, V], float32)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def init_mixer_scalars(A_log: nn.Parameter, dt_bias: nn.Parameter, a_range: tuple[float, float],
+                       dt_range: tuple[float, float], dt_floor: float) -> None:
+    """The per-head decay and step-size parameters of Mamba-2 and Gated DeltaNet (as mamba_ssm and fla draw them):
+    A ~ U(a_range), A_log = log A; dt log-uniform in dt_range (at least dt_floor), dt_bias = softplus^-1(dt). Drawn
+    through nn.init and finished in place, so the trainer's seeded init sees each parameter whole on any layout."""
+    with torch.no_grad():
+        nn.init.uniform_(A_log, *a_range)
+        A_log.log_()
+        nn.init.uniform_(dt_bias, math.log(dt_range[0]), math.log(dt_range[1]))
+        dt_bias.exp_().clamp_(min=dt_floor)
+        dt_bias.add_(torch.log(-torch.expm1(-dt_bias)))  # softplus^-1(dt) = dt + log(1 - exp(-dt))
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
