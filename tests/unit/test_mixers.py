@@ -218,3 +218,83 @@ def test_gated_attention_matches_qwen3_next():
     with torch.no_grad():
         ref, _ = hf(x, cos_sin, causal)
         close(ours(x, precompute_rope_cache(rd, seq, 10000.0)), ref)
+
+
+# ---- packed documents, decoding, compile -----------------------------------------------------------------------------
+
+MIXERS = {"mamba2": mamba2, "deltanet": deltanet}
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_packed_documents_equal_each_document_alone(name):
+    """A row packing three documents (doc_ids) gives each document's outputs and the same gradients as running the
+    documents one by one; the second row (one document) equals the plain forward."""
+    m = MIXERS[name]()
+    x = torch.randn(2, 24, DIM, requires_grad=True)
+    out = m(x, doc_ids=DOCS)
+    (out * cot(out)).sum().backward()
+    packed = grads(m, x)
+
+    bounds = [0, 9, 11, 24]
+    alone = torch.cat([m(x[:1, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    alone = torch.cat([alone, m(x[1:])], dim=0)
+    (alone * cot(out)).sum().backward()
+    separate = grads(m, x)
+    close(out, alone)
+    for k in packed:
+        close(packed[k], separate[k])
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_prefill_and_decode_steps_equal_the_full_forward(name):
+    m = MIXERS[name]()
+    x = torch.randn(2, 20, DIM)
+    with torch.no_grad():
+        full = m(x)
+        pre, state = m(x[:, :11], return_state=True)  # 11: one whole chunk of 8 and a partial one
+        outs = [pre]
+        for i in range(11, 15):
+            y, state = m.step(x[:, i:i + 1], state)
+            outs.append(y)
+        rest, state = m(x[:, 15:], state=state, return_state=True)  # a chunked continuation from a state
+        close(torch.cat(outs + [rest], dim=1), full)
+        _, end = m(x, return_state=True)
+        close(state.conv, end.conv)
+        close(state.recurrent, end.recurrent)
+        # A zero state is the same as none.
+        close(m(x, state=m.init_state(2)), full)
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_documents_then_decode(name):
+    """The state a packed prefill returns is its last document's alone: left padding (document 0) stays out of a
+    prompt's state."""
+    m = MIXERS[name]()
+    x = torch.randn(1, 14, DIM)
+    docs = torch.tensor([[0] * 5 + [1] * 9])
+    with torch.no_grad():
+        _, packed = m(x[:, :13], doc_ids=docs[:, :13], return_state=True)
+        _, alone = m(x[:, 5:13], return_state=True)
+        close(packed.conv, alone.conv)
+        close(packed.recurrent, alone.recurrent)
+        close(m.step(x[:, 13:], packed)[0], m(x[:, 5:])[:, -1:])
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_compiled_forward_equals_eager(name):
+    """The chunked forward (documents and the returned state included) and its backward compile as one graph
+    (fullgraph). aot_eager, as the other compile tests here: Inductor's CPU compile of these graphs takes minutes on
+    two cores (it passed when tried, with the same tolerance); tests/gpu/test_mixers_gpu.py runs Inductor on a GPU."""
+    torch._dynamo.reset()
+    m = MIXERS[name]()
+    x = torch.randn(2, 24, DIM, requires_grad=True)
+    ref, ref_state = m(x, doc_ids=DOCS, return_state=True)
+    (ref * cot(ref)).sum().backward()
+    eager = grads(m, x)
+    out, state = torch.compile(m, fullgraph=True, backend="aot_eager")(x, doc_ids=DOCS, return_state=True)
+    (out * cot(out)).sum().backward()
+    compiled = grads(m, x)
+    close(out, ref)
+    close(state.recurrent, ref_state.recurrent)
+    for k in eager:
+        close(compiled[k], eager[k])
