@@ -42,10 +42,14 @@ def deltanet(**kw) -> GatedDeltaNet:
 
 
 def randomize(m: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """init_weights, then every norm weight and conv bias moved off its constant start so the test sees them."""
+    """init_weights, then projections of unit gain (outputs of order 1, so absolute tolerances mean something) and
+    every norm weight and conv bias moved off its constant start so the test sees them."""
     torch.manual_seed(seed)
     with torch.no_grad():
         m.init_weights(0.02)
+        for lin in m.modules():
+            if isinstance(lin, torch.nn.Linear):
+                lin.weight.normal_(0, lin.in_features ** -0.5)
         m.norm.weight.add_(0.1 * torch.randn_like(m.norm.weight))
         if m.conv1d.bias is not None:
             m.conv1d.bias.normal_()
@@ -298,3 +302,21 @@ def test_compiled_forward_equals_eager(name):
     close(state.recurrent, ref_state.recurrent)
     for k in eager:
         close(compiled[k], eager[k])
+
+
+@pytest.mark.parametrize("name", MIXERS)
+def test_meta_build_and_init_weights(name):
+    """Built on meta like every model, materialised with to_empty + init_weights: A = exp(A_log) and
+    dt = softplus(dt_bias) land in their init ranges, and the forward is finite."""
+    ctor = {"mamba2": Mamba2Mixer, "deltanet": GatedDeltaNet}[name]
+    kw = (dict(dim=DIM, n_heads=4, head_dim=8, state_size=6, n_groups=2) if name == "mamba2"
+          else dict(dim=DIM, n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=6))
+    with torch.device("meta"):
+        m = ctor(**kw)
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.init_weights(0.01)
+    A, dt = m.A_log.exp(), torch.nn.functional.softplus(m.dt_bias)
+    assert ((A >= m.a_init_range[0] - 1e-4) & (A <= m.a_init_range[1] + 1e-4)).all()
+    assert ((dt >= 1e-3 - 1e-6) & (dt <= 1e-1 + 1e-6)).all()
+    assert torch.isfinite(m(torch.randn(2, 10, DIM))).all()
