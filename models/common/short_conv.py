@@ -1,0 +1,79 @@
+"""The short causal depthwise convolution in front of the linear-recurrent mixers (Mamba-2's over x, B, C; Gated
+DeltaNet's over q, k, v), with packed documents and a carried state.
+
+The state is the last W inputs [B, D, W] (W = kernel size; the oldest column is never read again), the layout of
+flash-linear-attention's `causal_conv1d` and of transformers' cache, so either can take over later. With documents
+(`seq_idx`: the per-token document index [B, T], non-decreasing along each row) a tap never reads across a document
+start, exactly as if each document were convolved alone.
+
+Also here, shared by both mixers: MixerState (what generation carries) and the init of their per-head scalars.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MixerState(NamedTuple):
+    """What a conv + recurrent mixer carries from one forward to the next (generation): the conv's last inputs
+    [B, conv channels, W] and the recurrent state (Mamba-2: [B, H, P, N]; Gated DeltaNet: [B, HV, K, V], float32)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def init_mixer_scalars(A_log: nn.Parameter, dt_bias: nn.Parameter, a_range: tuple[float, float],
+                       dt_range: tuple[float, float], dt_floor: float) -> None:
+    """The per-head decay and step-size parameters of Mamba-2 and Gated DeltaNet (as mamba_ssm and fla draw them):
+    A ~ U(a_range), A_log = log A; dt log-uniform in dt_range (at least dt_floor), dt_bias = softplus^-1(dt). Drawn
+    through nn.init and finished in place, so the trainer's seeded init sees each parameter whole on any layout."""
+    with torch.no_grad():
+        nn.init.uniform_(A_log, *a_range)
+        A_log.log_()
+        nn.init.uniform_(dt_bias, math.log(dt_range[0]), math.log(dt_range[1]))
+        dt_bias.exp_().clamp_(min=dt_floor)
+        dt_bias.add_(torch.log(-torch.expm1(-dt_bias)))  # softplus^-1(dt) = dt + log(1 - exp(-dt))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = "silu", initial_state: torch.Tensor | None = None,
+                  seq_idx: torch.Tensor | None = None, output_final_state: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution of x [B, T, D] with weight [D, W] (+ bias [D]), then the activation ("silu" or
+    None). initial_state [B, D, W]: the inputs before x (zeros when None); with `seq_idx` it continues the document of
+    x's first token. Returns (y [B, T, D], the final state [B, D, W] or None). One token with a state is a decode step.
+    """
+    b, t, d = x.shape
+    w = weight.shape[-1]
+    if initial_state is None:
+        history = x.new_zeros(b, w - 1, d)
+    else:
+        history = initial_state[:, :, 1:].transpose(1, 2).to(x.dtype)
+    xp = torch.cat([history, x], dim=1)  # [B, W - 1 + T, D]
+    if seq_idx is None:
+        y = F.conv1d(xp.transpose(1, 2), weight.unsqueeze(1).to(x.dtype), groups=d).transpose(1, 2)
+    else:
+        # One tap at a time (W is 2 to 4), each masked where its input lies in an earlier document: a dense conv
+        # cannot skip taps per token. The history counts as the first token's document.
+        docs = torch.cat([seq_idx[:, :1].expand(b, w - 1), seq_idx], dim=1)
+        y = x.new_zeros(b, t, d)
+        for j in range(w):
+            same = (docs[:, j:j + t] == seq_idx).unsqueeze(-1)
+            y = y + torch.where(same, xp[:, j:j + t], 0.0) * weight[:, j].to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not supported (use 'silu' or None)")
+    final = None
+    if output_final_state:
+        last = xp[:, -w:]
+        if seq_idx is not None:  # inputs of an earlier document are no history for the last one
+            last = torch.where((docs[:, -w:] == seq_idx[:, -1:]).unsqueeze(-1), last, 0.0)
+        final = last.transpose(1, 2).contiguous()
+    return y, final
