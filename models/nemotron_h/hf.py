@@ -22,6 +22,7 @@ MODEL_TYPES = ("nemotron_h",)
 _TOP = {"tok_embeddings.weight": "embeddings.weight", "norm.weight": "norm_f.weight"}
 _MIXER = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "up_proj", "w2": "down_proj"}
 _MIXER_INV = {v: k for k, v in _MIXER.items()}
+_MAMBA = {"in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj"}  # the same names on both sides
 _TL_LAYER = re.compile(r"^layers\.(\d+)\.(norm\.weight|mixer\.(\w+)(\..+)?)$")
 _HF_KEY = re.compile(r"^(?:model|backbone)\.(.+)$")
 # transformers' layers_block_type names (5.x, then the older ones) for the pattern letters
@@ -32,6 +33,8 @@ _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATT
 def _rename_mixer(m: re.Match, names: dict[str, str]) -> str:
     """A _TL_LAYER match with the mixer's module renamed by `names` (the rest as it was)."""
     layer, tail, sub = m.group(1), m.group(2), m.group(3)
+    if sub is not None and sub not in names and sub not in _MAMBA:
+        raise KeyError(f"unexpected mixer parameter {m.group(0)!r}")
     return f"layers.{layer}.{tail}" if sub is None else f"layers.{layer}.mixer.{names.get(sub, sub)}{m.group(4) or ''}"
 
 
@@ -63,7 +66,10 @@ def rename_from_hf(hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
         if rest in top_inv:
             out[top_inv[rest]] = value
         elif rest is not None and (lm := _TL_LAYER.match(rest)) is not None:
-            out[_rename_mixer(lm, _MIXER_INV)] = value
+            try:
+                out[_rename_mixer(lm, _MIXER_INV)] = value
+            except KeyError:
+                raise KeyError(f"from_hf: unexpected HF key {key!r}") from None
         else:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
     if "output.weight" not in out and "tok_embeddings.weight" in out:
