@@ -22,6 +22,11 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Mamba2Args) -> dict[st
     return rename_from_hf(hf_state_dict)
 
 
+def _float(v) -> float:
+    # transformers 5.x saves an infinite float in config.json as {"__float__": "Infinity"} (JSON has no inf)
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
 def args_from_hf_config(config: dict) -> Mamba2Args:
     """Mamba2Args from a transformers Mamba2Config dict. residual_in_fp32 (the published default) changes nothing in
     float32 and is not modelled: titanlike keeps the residual in the activations' dtype."""
@@ -33,7 +38,7 @@ def args_from_hf_config(config: dict) -> Mamba2Args:
         max_seq_len=config.get("max_position_embeddings", 2048), norm_eps=config.get("layer_norm_epsilon", 1e-5),
         mamba_n_heads=config["num_heads"], mamba_head_dim=config["head_dim"], ssm_state_size=config["state_size"],
         n_groups=config.get("n_groups", 1), conv_kernel=config.get("conv_kernel", 4),
-        chunk_size=config.get("chunk_size", 256), dt_limit=(float(limit[0]), float(limit[1])),
+        chunk_size=config.get("chunk_size", 256), dt_limit=(_float(limit[0]), _float(limit[1])),
         dt_min=config.get("time_step_min", 0.001), dt_max=config.get("time_step_max", 0.1),
         dt_floor=config.get("time_step_floor", 1e-4), mamba_bias=bool(config.get("use_bias", False)),
         conv_bias=bool(config.get("use_conv_bias", True)),

@@ -9,7 +9,7 @@ from models.nemotron_h.args import ATTENTION, HybridArgs, NemotronHArgs, pattern
 from models.nemotron_h.cache import HybridCache
 from models.nemotron_h.counts import flops_per_token, param_counts, pp_costs, shape
 from models.nemotron_h.flavors import nemotron_h_flavors
-from models.nemotron_h.model import HybridBlock, HybridModel
+from models.nemotron_h.model import HybridBlock, HybridModel, NemotronHModel
 from models.spec import ModelSpec
 
 INPUT_MODULES = ("tok_embeddings",)
@@ -39,7 +39,7 @@ def check(args: NemotronHArgs, par, flavor: str) -> list[str]:
 
 SPEC = ModelSpec(
     name="nemotron_h",
-    model_cls=HybridModel,
+    model_cls=NemotronHModel,
     args_cls=NemotronHArgs,
     flavors=nemotron_h_flavors,
     plans="parallelize.nemotron_h",
@@ -55,4 +55,5 @@ SPEC = ModelSpec(
     cache=HybridCache.for_model,
 )
 
-__all__ = ["SPEC", "HybridBlock", "HybridModel", "NemotronHArgs", "check", "hybrid_checks", "nemotron_h_flavors"]
+__all__ = ["SPEC", "HybridBlock", "HybridModel", "NemotronHArgs", "NemotronHModel", "check", "hybrid_checks",
+           "nemotron_h_flavors"]

@@ -172,3 +172,8 @@ class HybridModel(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+class NemotronHModel(HybridModel):
+    """nemotron_h's model class: the skeleton itself, named so that a Mamba2 model (models/mamba2's subclass of the
+    skeleton) is no instance of it (models.spec_of and isinstance lookups tell the families apart)."""
