@@ -3,7 +3,7 @@ adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
 from models import deepseek_v3, gpt, llama3
-from models import mixtral, qwen3
+from models import mamba2, mixtral, nemotron_h, qwen3
 from models.spec import ModelSpec
 
 # The family that the default config and the tools' defaults use (configs/debug_model.toml names it too).
@@ -15,6 +15,8 @@ MODELS: dict[str, ModelSpec] = {
     qwen3.SPEC.name: qwen3.SPEC,
     mixtral.SPEC.name: mixtral.SPEC,
     gpt.SPEC.name: gpt.SPEC,
+    nemotron_h.SPEC.name: nemotron_h.SPEC,
+    mamba2.SPEC.name: mamba2.SPEC,
 }
 
 

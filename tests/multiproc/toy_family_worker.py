@@ -28,6 +28,11 @@ import toy_vision
 
 FAMILIES = {"toy": toy_models.SPEC, "toy_encoder": toy_encoder.SPEC, "toy_vision": toy_vision.SPEC}
 models.MODELS.update(FAMILIES)  # the only registration: no library file lists these families
+# A registered library family rides along: the hybrid Mamba-2 / attention / MLP model, on packed documents with full
+# activation checkpointing, so its plan (AC -> FSDP) and its doc_ids path are held to the one-process run too.
+FAMILIES["nemotron_h"] = models.get_spec("nemotron_h")
+EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
+                        "activation_checkpoint": {"mode": "full"}}}
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -44,7 +49,7 @@ GLOBAL_BATCH = 4  # the 1-process reference accumulates 2 micro-batches of 2; FS
 
 
 def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkpoint: dict | None = None):
-    cfg = config_from_dict({
+    base = {
         "job": {"dump_folder": root, "run_name": name},
         "model": {"name": family, "flavor": "tiny"},  # vocab from the tokenizer
         "training": {"steps": STEPS, "seq_len": SEQ, "local_batch_size": LOCAL_BATCH,
@@ -56,7 +61,10 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
         "metrics": {"log_freq": 1, "enable_tensorboard": False},
         "parallelism": {"dp_shard": -1},
         "checkpoint": checkpoint or {},
-    })
+    }
+    for section, values in EXTRA.get(family, {}).items():
+        base[section] = {**base.get(section, {}), **values}
+    cfg = config_from_dict(base)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the config loader's rules, as load_config applies them
     return cfg
 
@@ -173,7 +181,7 @@ def saved_keys(step_dir: str) -> list[str]:
 
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
-    for family, seeded in (("toy", True), ("toy_encoder", False), ("toy_vision", True)):
+    for family, seeded in (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False)):
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
         run, trainer = train(root, name, expect_fsdp=fsdp, family=family, seeded=seeded, checkpoint=save)

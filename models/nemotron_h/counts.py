@@ -1,0 +1,79 @@
+"""Parameter counts, training FLOPs per token, pipeline costs and shape of the hybrid Mamba-2 families, from the args
+alone (shared by nemotron_h and mamba2).
+
+FLOPs are what the training step computes: 6 per weight per token (forward 2, backward 4) plus the sequence-mixing
+work that has no weight:
+  - attention ("*"): QK^T and PV over all S keys (no causal discount, as the other families): 12 x n_heads x head_dim
+    x S per token;
+  - Mamba-2 ("M"), models/common/ssd.py's chunked scan with chunk L (the sequence padded to a multiple of L), per
+    token and forward: C.B^T scores 2 L N G, scores x (dt x) 2 L H P, each chunk's state 2 H P N, the carried state's
+    reading 2 H P N; x3 for training. The short conv is a weight (its 6 per weight per token is its real work); the
+    gates, norms and the state's decay are elementwise and not counted.
+"""
+from __future__ import annotations
+
+import math
+
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs
+from models.spec import ModelShape, ParamCounts, PipelineCosts
+
+
+def mixer_params(args: HybridArgs, kind: str) -> int:
+    """Parameters of one block of `kind` (its pre-norm included)."""
+    d = args.dim
+    if kind == MAMBA:
+        h, p, n, g = args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups
+        inner, conv_dim = h * p, h * p + 2 * g * n
+        proj = d * (inner + conv_dim + h) + inner * d + (inner + conv_dim + h + d) * args.mamba_bias
+        conv = conv_dim * args.conv_kernel + conv_dim * args.conv_bias
+        mixer = proj + conv + 3 * h + inner  # + dt_bias, A_log, D, the gated norm's weight
+    elif kind == ATTENTION:
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        mixer = 2 * d * q + 2 * d * kv + (q + 2 * kv + d) * args.attention_bias
+    elif kind == MLP:
+        mixer = 2 * d * args.hidden_dim + (args.hidden_dim + d) * args.mlp_bias
+    else:
+        raise ValueError(f"hybrid_override_pattern letter {kind!r} is not implemented; use 'M', '*' or '-'")
+    return mixer + d
+
+
+def param_counts(args: HybridArgs) -> ParamCounts:
+    """Exact: embedding + each block + final norm + (untied) output. Dense: active = total."""
+    embedding = args.vocab_size * args.dim
+    total = embedding + sum(mixer_params(args, k) for k in args.pattern()) + args.dim + args.dim * args.vocab_size
+    return ParamCounts(total=total, active=total, embedding=embedding)
+
+
+def mixing_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
+    """Training FLOPs per token of a block's weightless sequence mixing (module docstring)."""
+    if kind == ATTENTION:
+        return 12 * args.n_heads * args.head_dim * seq_len
+    if kind == MAMBA:
+        h, p, n, g, L = args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups, args.chunk_size
+        per_token = 2 * L * n * g + 2 * L * h * p + 4 * h * p * n
+        padded = math.ceil(seq_len / L) * L  # the scan computes the padding of the last chunk too
+        return 3 * per_token * padded / seq_len
+    return 0
+
+
+def layer_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
+    return 6.0 * mixer_params(args, kind) + mixing_flops(args, kind, seq_len)
+
+
+def flops_per_token(args: HybridArgs, seq_len: int) -> int:
+    """Training FLOPs per token: every block's (weights and mixing), the final norm's gain and the output projection
+    (the embedding is a lookup)."""
+    blocks = sum(layer_flops(args, k, seq_len) for k in args.pattern())
+    return int(round(blocks + 6 * (args.dim + args.dim * args.vocab_size)))
+
+
+def pp_costs(args: HybridArgs, seq_len: int) -> PipelineCosts:
+    """Each block's training FLOPs per token: Mamba, attention and MLP blocks differ a lot, so the split weighs them."""
+    return PipelineCosts(layers={str(i): layer_flops(args, k, seq_len) for i, k in enumerate(args.pattern())},
+                         embedding=0.0, output=6.0 * args.dim * args.vocab_size)
+
+
+def shape(args: HybridArgs) -> ModelShape:
+    """kv_dim: keys plus values per token of an attention layer (0 without attention: nothing to gather)."""
+    kv = 2 * args.n_kv_heads * args.head_dim if ATTENTION in args.pattern() else 0
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv)

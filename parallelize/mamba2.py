@@ -1,0 +1,8 @@
+"""The mamba2 plans: parallelize/nemotron_h.py's recipe (AC -> compile -> FSDP, PP; TP, CP and EP refused)."""
+from __future__ import annotations
+
+from models.mamba2 import SPEC
+from parallelize.compose import Recipe, compose_plans
+from parallelize.nemotron_h import no_tp_plan
+
+PLANS = compose_plans(Recipe(SPEC, tp_plan=no_tp_plan))
