@@ -25,4 +25,15 @@ def get_spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model.name={name!r}; known models: {sorted(MODELS)}") from None
 
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "ModelSpec", "get_spec"]
+def spec_of(model) -> ModelSpec:
+    """The registered spec whose model_cls built `model`: its own class, else the nearest base class (FSDP and other
+    wrappers subclass the model's class). For callers that hold a bare model (titanlike/infer/generate.py)."""
+    for cls in type(model).__mro__:
+        for spec in MODELS.values():
+            if spec.model_cls is cls:
+                return spec
+    raise ValueError(f"no registered ModelSpec builds {type(model).__name__}: register its family in "
+                     f"models.MODELS or pass its spec")
+
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "ModelSpec", "get_spec", "spec_of"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from models.batch import Objective
+from models.cache import GenerationCache
+from models.common.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,10 @@ class ModelSpec:
     objective: str | Callable[[Any], Objective] = "next_token"
     # ModelArgs fields that are run settings rather than architecture: ignored when matching args to a flavor.
     run_fields: tuple[str, ...] = field(default=("vocab_size", "max_seq_len"))
+    # What generation keeps between forwards (models/cache.py): (model, rows, max_len) -> GenerationCache. The
+    # default caches attention K/V per block (models/common/kv_cache.py); a family with recurrent or other state
+    # declares its own.
+    cache: Callable[[Any, int, int], GenerationCache] = KVCache.for_model
 
     def flavor_args(self, flavor: str, changes: dict | None = None) -> Any:
         """The flavor's args with `changes` (model.args: {field: value}) applied; ValueError naming the field."""

@@ -141,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
                              f"lower --max-new-tokens")
     print(f"loaded {_what(loaded)}", file=sys.stderr)  # stderr: stdout holds only the text
     kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, temperature=a.temperature,
-              top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile)
+              top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile, spec=loaded.spec)
     if len(prompts) == 1:
         sys.stdout.write(texts[0] if texts else " ".join(map(str, prompts[0])) + " -> ")
         generate(loaded.model, prompts, on_token=_Stream(tok if texts else None), **kw)

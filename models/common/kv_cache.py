@@ -1,4 +1,5 @@
-"""The KV cache for generation (titanlike/infer/generate.py), for every family of the Decoder skeleton.
+"""The KV cache for generation (titanlike/infer/generate.py), for every family of the Decoder skeleton: the default
+`ModelSpec.cache`, one implementation of models/cache.py's GenerationCache.
 
 One `KVCache` holds, per block, static buffers [B, max_len, ...] of whatever the block's attention chooses to cache,
 and for each forward the slots it writes and the boolean mask of the slots each query may see. Slots are shared by
@@ -23,6 +24,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.cache import Step
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -79,8 +82,15 @@ class KVCache:
         self.mask: torch.Tensor | None = None  # [B, 1, S, attend_len or max_len] bool
         self.attend_len: int | None = None  # None: attend over all max_len slots (static shapes)
 
-    def set_step(self, slots: torch.Tensor, mask: torch.Tensor, attend_len: int | None) -> None:
-        self.slots, self.mask, self.attend_len = slots, mask, attend_len
+    @classmethod
+    def for_model(cls, model: nn.Module, rows: int, max_len: int) -> KVCache:
+        """ModelSpec.cache's signature; the buffers take their shapes from the first write, not from the model."""
+        return cls(rows, max_len)
+
+    def set_step(self, step: Step) -> None:
+        """Slots, mask and attend_len only: old slots are overwritten or masked, so a new sequence (step.start) needs
+        no reset, and pad tokens write K/V that the mask hides (step.valid is for carried states)."""
+        self.slots, self.mask, self.attend_len = step.slots, step.mask, step.attend_len
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for lc in self.layers.values() for b in (lc.buffers or []))

@@ -1,7 +1,7 @@
-"""Generation with the KV cache (titanlike/infer, models/common/kv_cache.py), for every family: greedy tokens equal
-transformers' generate on the same weights (fp32, CPU), cached decode logits equal a full forward, a left-padded batch
-equals each prompt alone, seeded sampling, stop sequences, loading a real training run's DCP checkpoint, and the
-one-line errors of scripts/generate.py."""
+"""Generation with the KV cache (titanlike/infer, models/common/kv_cache.py; a family's own cache:
+test_generate_cache.py), for every family: greedy tokens equal transformers' generate on the same weights (fp32,
+CPU), cached decode logits equal a full forward, a left-padded batch equals each prompt alone, seeded sampling, stop
+sequences, loading a real training run's DCP checkpoint, and the one-line errors of scripts/generate.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import models
-from models.common.kv_cache import KVCache
 from tests.launch import REPO_ROOT
 from titanlike.infer import generate, load_for_inference
-from titanlike.infer.generate import _mask
+from titanlike.infer.generate import step_at
 from titanlike.infer.load import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -86,15 +85,16 @@ def test_cached_decode_logits_equal_full_forward(family, flavor):
     with torch.no_grad():
         want = model(seq)
         for static in (False, True):  # eager (attend over the slots in use) and compiled-style (all slots, masked)
-            cache, valid = KVCache(2, total), torch.ones(2, total, dtype=torch.bool)
+            cache = models.get_spec(family).cache(model, 2, total)  # the family's declared cache: K/V
+            valid = torch.ones(2, total, dtype=torch.bool)
             pos = torch.arange(total).expand(2, total)
             got = []
             with cache.attached(model):
-                cache.set_step(torch.arange(prompt), _mask(valid, 0, prompt, prompt), prompt)
+                cache.set_step(step_at(valid, 0, prompt, prompt))
                 got.append(model(seq[:, :prompt], positions=pos[:, :prompt]))
                 for i in range(prompt, total):
                     n = None if static else i + 1
-                    cache.set_step(torch.tensor([i]), _mask(valid, i, 1, n or total), n)
+                    cache.set_step(step_at(valid, i, 1, n))
                     got.append(model(seq[:, i:i + 1], positions=pos[:, i:i + 1]))
             err = (torch.cat(got, dim=1) - want).abs().max().item()
             assert err <= LOGITS_ATOL, (static, err)

@@ -1,4 +1,5 @@
-"""Inference on what titanlike trained (or Hugging Face published): loading and generation with a KV cache.
+"""Inference on what titanlike trained (or Hugging Face published): loading and generation with the cache its family
+declares (ModelSpec.cache; attention K/V by default).
 
     load.py      load_for_inference(source, device=, dtype=, step=) -> Loaded(model, spec, args, tokenizer, ...)
     generate.py  generate(model, prompts, max_new_tokens=, ...) -> the new tokens of each prompt

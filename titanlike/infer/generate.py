@@ -1,12 +1,14 @@
-"""Autoregressive generation with a KV cache, for any model of the registry (models/common/kv_cache.py).
+"""Autoregressive generation with the cache the model's family declares (ModelSpec.cache, models/cache.py: K/V by
+default, models/common/kv_cache.py), for any model of the registry.
 
     new_tokens = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)            # greedy
     generate(model, prompts, max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0)  # sampled, reproducible
 
-Prompts are left-padded into one batch: every row's next token then sits in the same cache slot, the mask hides
-the pad slots, and positions count from each row's first real token, so a row gives the tokens it gives alone. A
-prefill forward fills the cache, then each step feeds one token per row. The returned lists hold only the new
-tokens, without the EOS token or the stop sequence that ended a row (as vLLM does; transformers keeps the EOS).
+Prompts are left-padded into one batch: every row's next token then sits in the same cache slot, the mask hides the pad
+slots (a carried state skips them: Step.valid), and positions count from each row's first real token, so a row gives the
+tokens it gives alone. A prefill forward fills the cache, then each step feeds one token per row. The returned lists
+hold only the new tokens, without the EOS token or the stop sequence that ended a row (as vLLM does; transformers keeps
+the EOS).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from models.common.kv_cache import KVCache
+import models
+from models.cache import Step
 
 # model -> (shape key, cache, compiled decode step): the compiled step's guards hold on to one cache object, so it is
 # reused while the batch and length fit (a benchmark's warm-up then leaves the timed call nothing to compile).
@@ -57,6 +60,14 @@ def _mask(valid: torch.Tensor, first: int, n: int, attend: int) -> torch.Tensor:
     q = torch.arange(first, first + n, device=valid.device)[:, None]
     kv = torch.arange(attend, device=valid.device)[None, :]
     return ((valid[:, None, :attend] & (kv <= q)[None]) | (kv == q)[None]).unsqueeze(1)
+
+
+def step_at(valid: torch.Tensor, first: int, n: int, attend_len: int | None) -> Step:
+    """The Step of a forward feeding slots first..first+n-1 of rows whose valid (non-pad) slots are `valid` [B, L];
+    attend_len None: over all L slots (static shapes). The forward from slot 0 is the prefill: it starts sequences."""
+    slots = torch.arange(first, first + n, device=valid.device)
+    return Step(slots, _mask(valid, first, n, attend_len or valid.shape[1]), attend_len, valid[:, first:first + n],
+                start=first == 0)
 
 
 class _Stops:
@@ -110,11 +121,12 @@ class _Stops:
 def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              eos_id: int | list[int] | None = None, stop: list[list[int]] | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, compile: bool = False,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None, spec=None) -> list[list[int]]:
     """The new tokens of each prompt (see the module docstring). `eos_id` (one id or several) and `stop` (token
     sequences) end a row; `seed` makes sampling reproducible (a torch.Generator on the model's device);
     `compile` compiles the one-token decode step over static cache shapes; `on_token(row, token)` is called for each
-    returned token as soon as it is final. The model should be in eval mode."""
+    returned token as soon as it is final; `spec`: the model's ModelSpec (default: the registry's for its class),
+    whose `cache` is used. The model should be in eval mode."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (give a BOS token for an empty prompt)")
@@ -133,10 +145,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
     generator = None
     if seed is not None:
         generator = torch.Generator(device).manual_seed(seed)
-    cache, step = _cache_and_step(model, rows, length, device, compile)
+    cache, step = _cache_and_step(model, spec or models.spec_of(model), rows, length, device, compile)
     stops = _Stops(rows, eos_id, stop, on_token)
     with cache.attached(model):
-        cache.set_step(slot[:longest], _mask(valid, 0, longest, longest), longest)
+        cache.set_step(step_at(valid, 0, longest, longest))
         logits = model(tokens, positions=positions[:, :longest])[:, -1]
         for t in range(max_new_tokens):
             new = next_tokens(logits, temperature, top_k, top_p, generator)
@@ -145,23 +157,23 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
             if all(stops.done) or t == max_new_tokens - 1:
                 break
             at = longest + t
-            attend = None if compile else at + 1
-            cache.set_step(slot[at:at + 1], _mask(valid, at, 1, attend or length), attend)
+            cache.set_step(step_at(valid, at, 1, None if compile else at + 1))
             logits = step(new[:, None], positions[:, at:at + 1])
     stops.finish_all()
     return stops.out
 
 
-def _cache_and_step(model, rows: int, length: int, device, compile: bool):
-    """A fresh cache and the eager decode step, or (compile) the model's cached compiled step and its cache."""
+def _cache_and_step(model, spec, rows: int, length: int, device, compile: bool):
+    """A fresh cache of the family's kind and the eager decode step, or (compile) the model's cached compiled step and
+    its cache (reused by later calls: Step.start tells it that new sequences begin)."""
     def decode(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions=positions)[:, -1]
 
     if not compile:
-        return KVCache(rows, length), decode
+        return spec.cache(model, rows, length), decode
     key = (rows, length, str(device), next(model.parameters()).dtype)
     held = _COMPILED.get(model)
     if held is None or held[0] != key:
-        held = (key, KVCache(rows, length), torch.compile(decode, dynamic=False))
+        held = (key, spec.cache(model, rows, length), torch.compile(decode, dynamic=False))
         _COMPILED[model] = held
     return held[1], held[2]
