@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from models import deepseek_v3, gpt, llama3
 from models import mixtral, qwen3
+from models import qwen3_next
 from models.spec import ModelSpec
 
 # The family that the default config and the tools' defaults use (configs/debug_model.toml names it too).
@@ -15,6 +16,7 @@ MODELS: dict[str, ModelSpec] = {
     qwen3.SPEC.name: qwen3.SPEC,
     mixtral.SPEC.name: mixtral.SPEC,
     gpt.SPEC.name: gpt.SPEC,
+    qwen3_next.SPEC.name: qwen3_next.SPEC,
 }
 
 
