@@ -28,9 +28,9 @@ qwen3_next_flavors: dict[str, Qwen3NextArgs] = {
     # Tiny hybrid for CPU tests and smoke runs (vocab_size comes from the tokenizer): 4 layers, the last one
     # attention (3:1), MoE of 8 experts top 2 plus the gated shared expert on every layer.
     "debugmodel": Qwen3NextArgs(
-        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=2048, max_seq_len=2048,
-        linear_n_k_heads=2, linear_n_v_heads=4, linear_head_k_dim=32, linear_head_v_dim=32, hidden_dim=256,
-        shared_hidden_dim=128, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, score_func="softmax",
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, vocab_size=2048, max_seq_len=2048,
+        linear_n_k_heads=2, linear_n_v_heads=4, linear_head_k_dim=64, linear_head_v_dim=64, hidden_dim=512,
+        shared_hidden_dim=256, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, score_func="softmax",
                                            route_norm=True, aux_loss_coeff=0.001)),
     "80B-A3B": _80b_a3b,
     # The 80B-A3B shape cut to 4 layers (three Gated DeltaNet, one attention): real layer shapes on one GPU.

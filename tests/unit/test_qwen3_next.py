@@ -184,7 +184,8 @@ def test_flops_match_flop_counter():
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     unseen_solves = n_delta * delta_rule_terms(args, seq)[1] // 2
     one_d = sum(p.numel() for p in model.parameters() if p.ndim == 1)
-    edges = n_delta * args.linear_n_v_heads * 4 * 2 * args.linear_chunk_size * 32 * 32 / seq
+    dk, dv = args.linear_head_k_dim, args.linear_head_v_dim
+    edges = n_delta * args.linear_n_v_heads * 4 * 2 * args.linear_chunk_size * dk * dv / seq
     assert counted == spec - unseen_solves - 6 * one_d + n_moe * 6 * args.moe.top_k * args.dim - edges
     assert counted == pytest.approx(spec, rel=0.02)
     # another sequence length: the attention layer's term grows linearly, the DeltaNet's per-token cost stays
