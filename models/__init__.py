@@ -3,7 +3,7 @@ adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
 from models import deepseek_v3, gpt, llama3
-from models import mamba2, mixtral, nemotron_h, qwen3
+from models import mamba2, mixtral, nemotron_h, qwen3, qwen3_next
 from models.spec import ModelSpec
 
 # The family that the default config and the tools' defaults use (configs/debug_model.toml names it too).
@@ -17,6 +17,7 @@ MODELS: dict[str, ModelSpec] = {
     gpt.SPEC.name: gpt.SPEC,
     nemotron_h.SPEC.name: nemotron_h.SPEC,
     mamba2.SPEC.name: mamba2.SPEC,
+    qwen3_next.SPEC.name: qwen3_next.SPEC,
 }
 
 

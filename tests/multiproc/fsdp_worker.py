@@ -8,6 +8,7 @@ prints one "CHECK <name> ..." line per check and "ALL CHECKS PASSED".
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from par_helpers import exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
+import models
+from par_helpers import VOCAB, SEQ, exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
@@ -67,8 +69,31 @@ def mesh_checks() -> None:
 
 
 # ------------------------------------------------------------------------------------------ training
+def qwen3_next_args():
+    """A tiny hybrid: one Gated DeltaNet and one attention layer, MoE (4 experts, top 2) + gated shared expert. No
+    balance loss: it is a statistic of each rank's own batch, so its gradient is not the global batch's."""
+    spec = models.get_spec("qwen3_next")
+    moe = dataclasses.replace(spec.flavors["debugmodel"].moe, num_experts=4, hidden_dim=32, aux_loss_coeff=0.0)
+    return dataclasses.replace(
+        spec.flavors["debugmodel"], dim=64, n_layers=2, layer_types=("linear_attention", "full_attention"),
+        n_heads=4, n_kv_heads=2, head_dim=16, linear_head_k_dim=16, linear_head_v_dim=16, linear_chunk_size=8,
+        hidden_dim=64, shared_hidden_dim=32, moe=moe, vocab_size=VOCAB, max_seq_len=SEQ)
+
+
+def family_models(family: str, seed: int = 0):
+    """(reference on CPU from `seed`, meta model) of a family: llama3 (par_helpers) or qwen3_next."""
+    if family == "llama3":
+        return reference_model(seed=seed), meta_model()
+    spec = models.get_spec(family)
+    torch.manual_seed(seed)
+    ref = spec.model_cls(qwen3_next_args())
+    ref.init_weights()
+    with torch.device("meta"):
+        return ref, spec.model_cls(qwen3_next_args())
+
+
 def train_case(name: str, dims_kw: dict, plan: str, ac: tuple[str, str] = ("none", "op"), reshard: str = "default",
-               compile: bool = False, param_dtype: str = "float32", tol: float = TOL):
+               compile: bool = False, param_dtype: str = "float32", tol: float = TOL, family: str = "llama3"):
     dims = ParallelDims(**dims_kw, world_size=world)
     dims.build_mesh(DEVICE)
     cfg = JobConfig()
@@ -77,8 +102,9 @@ def train_case(name: str, dims_kw: dict, plan: str, ac: tuple[str, str] = ("none
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_option = ac
     cfg.parallelism.fsdp_reshard_after_forward = reshard
 
-    ref = reference_model(seed=0).to(DEVICE)
-    model = get_plan("llama3", plan)(meta_model(), dims, PlanSections.of(cfg))
+    ref, meta = family_models(family)
+    ref = ref.to(DEVICE)
+    model = get_plan(family, plan)(meta, dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy below must overwrite all of it
     model.init_weights()
@@ -148,6 +174,7 @@ def main() -> None:
     elif world == 2:
         train_case("fsdp2_default_plan_sac_op", {}, "default", ac=("selective", "op"))
         train_case("fsdp2_fsdp_only_reshard_never", {}, "fsdp_only", reshard="never")
+        train_case("fsdp2_qwen3_next_sac_op", {}, "default", ac=("selective", "op"), family="qwen3_next")
         train_case("replicate2_default_plan_ac_full", {"dp_replicate": 2}, "default", ac=("full", "op"),
                    reshard="always")
     if world == 4:

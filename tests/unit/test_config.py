@@ -29,6 +29,8 @@ WORLD_SIZES = {
     "mamba2_debug.toml": [1, 2],
     "nemotron_h_8b.toml": [8],
     "qwen3_30b_a3b.toml": [8, 16],
+    "debug_qwen3_next.toml": [1, 2],
+    "qwen3_next_80b_a3b.toml": [16, 32],
     "mixtral_8x7b.toml": [16, 8],
     "deepseek_v3_debug.toml": [1, 2],
     "deepseek_v3_16b.toml": [8],

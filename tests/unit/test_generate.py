@@ -27,6 +27,7 @@ SCRIPT = str(REPO_ROOT / "scripts/generate.py")
 FAMILIES = [("llama3", "debugmodel"), ("gpt", "debugmodel_untied"), ("qwen3", "debugmodel_moe"),
             ("mixtral", "debugmodel"), ("deepseek_v3", "debugmodel"), ("nemotron_h", "debugmodel"),
             ("mamba2", "debugmodel")]
+FAMILIES += [("qwen3_next", "debugmodel")]  # 4 layers: three Gated DeltaNet (their own cache state), one attention
 # Cached decode vs full forward, fp32: the same math in another order (masked SDPA over the cache, MLA's absorbed
 # wkv_b), so equal to float rounding.
 LOGITS_ATOL = 1e-4
@@ -41,7 +42,7 @@ def tiny(family: str, flavor: str, seed: int = 0) -> torch.nn.Module:
     kw = dict(dim=64, n_layers=2, vocab_size=128, max_seq_len=64)
     if family == "qwen3":
         kw["head_dim"] = 16
-    if family == "nemotron_h":  # its depth is its pattern's ("M*M-": every kind of layer)
+    if family in ("nemotron_h", "qwen3_next"):  # its pattern's depth ("M*M-"); qwen3_next: layer 4 attends
         kw["n_layers"] = 4
     args = dataclasses.replace(spec.flavors[flavor], **kw)
     torch.manual_seed(seed)
