@@ -35,6 +35,7 @@ def test_ep_accepted_and_bad_ep_named():
 
 
 def test_plans_refuse_tp_without_the_config():
+    from parallelize import PlanSections
     from parallelize.qwen3_next import PLANS
     from titanlike.config import config_from_dict
     from titanlike.distributed.parallel_dims import ParallelDims
@@ -44,7 +45,7 @@ def test_plans_refuse_tp_without_the_config():
         model = SPEC.model_cls(SPEC.flavors["debugmodel"])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
     with pytest.raises(ValueError, match="parallelism.tp=2.*set parallelism.tp=1"):
-        PLANS["default"](model, dims, cfg)
+        PLANS["default"](model, dims, PlanSections.of(cfg))
 
 
 def _build(args):
