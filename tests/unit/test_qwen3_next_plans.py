@@ -17,7 +17,7 @@ from titanlike.config import ConfigError
 from titanlike.config.load import load_config
 
 torch.set_num_threads(1)
-CONFIG = "configs/debug_qwen3_next.toml"
+CONFIG = "configs/qwen3_next_debug.toml"
 
 
 @pytest.mark.parametrize("degree,key", [("tp", "parallelism.tp"), ("cp", "parallelism.cp")])
@@ -88,7 +88,7 @@ def test_blocks_compile_fullgraph_and_checkpoint(ac, backend):
 
 @pytest.mark.slow
 def test_debug_config_trains(tmp_path):
-    """configs/debug_qwen3_next.toml through the trainer, shortened, with packed-document masking on."""
+    """configs/qwen3_next_debug.toml through the trainer, shortened, with packed-document masking on."""
     from titanlike.train.trainer import Trainer
 
     cfg = load_config(["--config", CONFIG, f"--job.dump_folder={tmp_path}", "--training.steps=8",
