@@ -58,8 +58,13 @@ class MegatronAdapter(Protocol):
     the canonical Megatron state dict of models/common/megatron_utils.py (whole tensors, global layer numbers);
     titanlike/checkpoint/megatron.py reads and writes the on-disk formats around them."""
 
-    POSITION_EMBEDDING_TYPES: tuple[str, ...]  # Megatron --position-embedding-type values that mean this family
+    POSITION_EMBEDDING_TYPES: tuple[str, ...]  # Megatron --position-embedding-type values this family trains
     TP_SPLIT: dict[str, str]  # Megatron key or per-layer suffix -> "col" | "row" | "rep" | "glu" (how TP shards it)
+
+    # Whether these Megatron args are this family's model (scripts/from_megatron.py and convert_megatron.py pick the
+    # family by it). The position type alone cannot tell a hybrid (pretrain_mamba.py) model from a GPT one; an adapter
+    # without it claims by position type (models/common/megatron_utils.claims).
+    def claims(self, margs: dict) -> bool: ...
 
     def args_from_megatron(self, margs: dict) -> Any: ...  # ValueError naming the Megatron flag it cannot follow
     def notes(self, margs: dict) -> list[str]: ...  # what imports but computes slightly differently

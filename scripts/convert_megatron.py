@@ -7,7 +7,8 @@ Megatron adapter (models/<name>/megatron.py). No megatron install is needed for 
             folder, in torch_dist or the legacy mp_rank_XX[_YYY]/model_optim_rng.pt format (any TP x PP).
             The architecture comes from the checkpoint's args; --megatron-arg sets or overrides one (Megatron's
             argument name, e.g. --megatron-arg num_query_groups=8). The family follows from
-            --position-embedding-type (learned_absolute, rope) unless --family names it.
+            --position-embedding-type (learned_absolute, rope), or a hybrid model's layer pattern / Mamba --spec,
+            unless --family names it.
             Megatron's padded vocabulary is kept unless --vocab-size N (the tokenizer's size) drops the padding.
         OUT/step-0: a model-only titanlike checkpoint; train from it with --checkpoint.initial_load_path=OUT
     python scripts/convert_megatron.py export CKPT OUT [--dtype bfloat16] [--iteration 0]
@@ -49,7 +50,8 @@ def main(argv: list[str]) -> int:
     imp.add_argument("megatron_dir")
     imp.add_argument("out")
     imp.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
-    imp.add_argument("--family", default=None, help="titanlike model family; default: from the position embedding")
+    imp.add_argument("--family", default=None, help="titanlike model family; default: the one whose adapter "
+                     "claims the checkpoint's args (position embedding, hybrid pattern)")
     imp.add_argument("--vocab-size", type=int, default=None,
                      help="keep only the first N embedding/output rows (default: Megatron's padded size)")
     imp.add_argument("--megatron-arg", type=_override, action="append", default=[], metavar="NAME=VALUE",

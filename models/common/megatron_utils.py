@@ -54,6 +54,10 @@ ARG_DEFAULTS = {
     "use_rope_scaling": False, "rope_scaling_factor": 8.0, "num_experts": None, "qk_layernorm": False,
     "multi_latent_attention": False, "apply_residual_connection_post_layernorm": False,
     "init_method_std": 0.02, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+    # hybrid (pretrain_mamba.py) models: TransformerConfig's mamba_* defaults and the hybrid layer allocation's
+    "hybrid_override_pattern": None, "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0, "is_hybrid_model": False,
+    "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8, "mamba_num_heads": None,
+    "squared_relu": False, "spec": None, "tensor_model_parallel_size": 1,
 }
 
 
@@ -61,6 +65,28 @@ def arg(margs: dict, name: str):
     """A Megatron argument, or Megatron-LM's default when the checkpoint's args lack it."""
     value = margs.get(name)
     return ARG_DEFAULTS.get(name) if value is None else value
+
+
+def is_hybrid(margs: dict) -> bool:
+    """Whether the args are a Megatron hybrid (MambaModel, pretrain_mamba.py) model: a layer pattern or ratio, the
+    --is-hybrid-model switch, or a Mamba layer --spec (pretrain_mamba.py refuses to run without one). Every Megatron
+    checkpoint carries mamba_* args (TransformerConfig's defaults), so those alone say nothing."""
+    spec = arg(margs, "spec") or []
+    return bool(arg(margs, "is_hybrid_model") or arg(margs, "hybrid_override_pattern")
+                or float(arg(margs, "hybrid_attention_ratio")) > 0 or float(arg(margs, "hybrid_mlp_ratio")) > 0
+                or any("mamba" in str(word) for word in ([spec] if isinstance(spec, str) else spec)))
+
+
+def claims(adapter, margs: dict) -> bool:
+    """Whether a family's Megatron adapter takes these args: its own claims(margs) where it has one, else a
+    non-hybrid model whose --position-embedding-type is one of its POSITION_EMBEDDING_TYPES."""
+    own = getattr(adapter, "claims", None)
+    return bool(own(margs)) if own is not None else by_position(adapter.POSITION_EMBEDDING_TYPES, margs)
+
+
+def by_position(types: tuple[str, ...], margs: dict) -> bool:
+    """A plain (GPTModel) family's claim: not a hybrid, and the --position-embedding-type is one of `types`."""
+    return not is_hybrid(margs) and arg(margs, "position_embedding_type") in types
 
 
 def common_refusals(margs: dict) -> list[str]:

@@ -38,6 +38,10 @@ _LAYER_INV = {v: k for k, v in _LAYER.items()}
 _QKV = ("wq", "wk", "wv")
 
 
+def claims(margs: dict) -> bool:
+    return megatron_utils.by_position(POSITION_EMBEDDING_TYPES, margs)
+
+
 def args_from_megatron(margs: dict) -> ModelArgs:
     """ModelArgs from a Megatron-LM args dict; ValueError naming the flag that titanlike GPT cannot follow."""
     bad = common_refusals(margs)

@@ -34,6 +34,10 @@ _QKV = "self_attention.linear_qkv.weight"
 _FC1 = "mlp.linear_fc1.weight"
 
 
+def claims(margs: dict) -> bool:
+    return megatron_utils.by_position(POSITION_EMBEDDING_TYPES, margs)
+
+
 def args_from_megatron(margs: dict) -> ModelArgs:
     """ModelArgs from a Megatron-LM args dict; ValueError naming the flag that titanlike Llama cannot follow."""
     bad = common_refusals(margs)

@@ -2,7 +2,7 @@
 mixer; its own args, flavors and HF adapter, one ModelSpec."""
 from __future__ import annotations
 
-from models.mamba2 import hf
+from models.mamba2 import hf, megatron
 from models.mamba2.args import Mamba2Args
 from models.mamba2.flavors import mamba2_flavors
 from models.nemotron_h import INPUT_MODULES, OUTPUT_MODULES, hybrid_checks
@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,
     cache=HybridCache.for_model,
 )
 

@@ -4,7 +4,7 @@ counts, config checks, Hugging Face adapter and generation cache, as one ModelSp
 from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks
-from models.nemotron_h import hf
+from models.nemotron_h import hf, megatron
 from models.nemotron_h.args import ATTENTION, HybridArgs, NemotronHArgs, pattern_problems
 from models.nemotron_h.cache import HybridCache
 from models.nemotron_h.counts import flops_per_token, param_counts, pp_costs, shape
@@ -51,6 +51,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
     cache=HybridCache.for_model,
 )

@@ -28,7 +28,8 @@ from titanlike.checkpoint.layout import CheckpointError
 from titanlike.checkpoint.resolve import check_output_folder
 from titanlike.checkpoint.states import full_model_state
 
-LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                  "mixer.in_proj", "mixer.out_proj")  # (the last two: a hybrid model's Mamba layers)
 REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
 
 
@@ -37,23 +38,23 @@ def _adapters() -> dict:
 
 
 def choose_family(margs: dict, family: str | None, where: str) -> str:
-    """The titanlike family for these Megatron args: `family` if given, else the one whose adapter claims the
-    checkpoint's --position-embedding-type."""
-    from models.common.megatron_utils import arg
+    """The titanlike family for these Megatron args: `family` if given, else the one whose adapter claims them (the
+    --position-embedding-type for GPT-style models; a hybrid layer pattern or Mamba --spec for hybrid ones)."""
+    from models.common.megatron_utils import arg, claims
 
     adapters = _adapters()
     if family is not None:
         if family not in adapters:
             raise CheckpointError(f"--family {family}: no Megatron adapter; choose one of {sorted(adapters)}")
         return family
-    pos = arg(margs, "position_embedding_type")
-    found = [n for n, a in adapters.items() if pos in a.POSITION_EMBEDDING_TYPES]
+    found = [n for n, a in adapters.items() if claims(a, margs)]
     if not found:
+        pos = arg(margs, "position_embedding_type")
         known = sorted(t for a in adapters.values() for t in a.POSITION_EMBEDDING_TYPES)
         raise CheckpointError(f"{where}: --position-embedding-type {pos!r} is not supported (titanlike imports "
                               f"{known}); a model with it cannot be converted")
     if len(found) > 1:
-        raise CheckpointError(f"{where}: --position-embedding-type {pos!r} fits {found}: pass --family NAME")
+        raise CheckpointError(f"{where}: the Megatron args fit {found}: pass --family NAME")
     return found[0]
 
 
@@ -148,6 +149,7 @@ def export_megatron(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", itera
              "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "tensor_model_parallel_size": 1,
              "pipeline_model_parallel_size": 1, "iteration": iteration, "params_dtype": dtype,
              "bf16": dtype == "bfloat16", "fp16": dtype == "float16", "ckpt_format": "torch_dist"}
+    margs.setdefault("num_attention_heads", 1)  # Megatron asks for it even when no layer is attention (all-Mamba)
     tmp = out_dir.rstrip("/") + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -175,5 +177,13 @@ def megatron_flags(margs: dict) -> str:
             flags.append(flag)
     if margs.get("add_bias_linear") is False:
         flags.append("--disable-bias-linear")
+    if margs.get("hybrid_override_pattern"):  # a hybrid model (pretrain_mamba.py)
+        flags.append(f"--is-hybrid-model --hybrid-override-pattern {margs['hybrid_override_pattern']} --spec "
+                     + " ".join(margs.get("spec") or ()))
+        flags += [f"--{k.replace('_', '-')} {margs[k]}" for k in ("mamba_state_dim", "mamba_head_dim",
+                                                                  "mamba_num_groups", "mamba_num_heads", "kv_channels")
+                  if margs.get(k) is not None]
+        if margs.get("squared_relu"):
+            flags.append("--squared-relu")
     flags.append(f"--make-vocab-size-divisible-by {margs.get('make_vocab_size_divisible_by', 128)}")
     return " ".join(flags)

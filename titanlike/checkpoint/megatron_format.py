@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from models.common.megatron_utils import LAYER_PREFIX, LOCAL_NORM_NAMES
+from models.common.megatron_utils import LAYER_PREFIX, LOCAL_NORM_NAMES, is_hybrid
 from titanlike.checkpoint.layout import CheckpointError
 from titanlike.checkpoint.states import quiet_dcp
 
@@ -232,15 +232,19 @@ def _merge(parts: list[torch.Tensor], rule: str) -> torch.Tensor:
 
 def write_torch_dist(out_dir: str, iteration: int, msd: dict[str, torch.Tensor], margs: dict,
                      linear_modules: tuple[str, ...]) -> str:
-    """A canonical dict -> OUT/iter_<iteration>/ as Megatron-Core's torch_dist (homogeneous layers stacked on a leading
-    dimension, each linear's empty `_extra_state` object, common.pt with the args) + the tracker file. Returns the
-    iteration folder."""
-    import argparse
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
+    """A canonical dict -> OUT/iter_<iteration>/ as Megatron-Core's torch_dist (a GPT model's homogeneous layers
+    stacked on a leading dimension; a hybrid model's MambaStack keys each layer by its number instead), each linear's
+    empty `_extra_state` object, common.pt with the args) + the tracker file. Returns the iteration folder."""
     n_layers = int(margs["num_layers"])
+    if is_hybrid(margs):
+        flat = {k: v.contiguous() for k, v in msd.items()}
+        for key in msd:  # one unstacked object per linear of each layer (MambaStack passes no layer offsets)
+            if key.startswith(LAYER_PREFIX):
+                layer, suffix = key[len(LAYER_PREFIX):].split(".", 1)
+                for module in linear_modules:
+                    if suffix.startswith(module + "."):
+                        flat[f"{LAYER_PREFIX}{layer}.{module}._extra_state/shard_0_1"] = [None]
+        return _save(out_dir, iteration, flat, margs)
     flat: dict = {k: v.contiguous() for k, v in msd.items() if not k.startswith(LAYER_PREFIX)}
     per_suffix: dict[str, dict[int, torch.Tensor]] = {}
     for key, value in msd.items():
@@ -255,6 +259,15 @@ def write_torch_dist(out_dir: str, iteration: int, msd: dict[str, torch.Tensor],
         for i in range(n_layers):
             # DCP pickles a non-tensor value as it is; Megatron reads a list of the objects' data (None: no state).
             flat[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{n_layers}"] = [None]
+    return _save(out_dir, iteration, flat, margs)
+
+
+def _save(out_dir: str, iteration: int, flat: dict, margs: dict) -> str:
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
     path = os.path.join(out_dir, f"iter_{iteration:07d}")
     os.makedirs(path)
     with quiet_dcp():

@@ -87,13 +87,15 @@ _WHY = {  # flags known to have no titanlike equivalent yet -> why
     "--moe-router-topk": "the router's top-k is part of an MoE family's flavor (see --num-experts)",
     "--recompute-method": "titanlike checkpoints whole blocks (activation_checkpoint.mode=full) or by op",
     "--tensorboard-dir": "TensorBoard writes under the run folder: metrics.save_tb_folder is relative to it",
+    "--no-position-embedding": ("deprecated: Megatron-LM refuses it unless the positions are rope; write "
+                                "--position-embedding-type none (a hybrid model) instead"),
 }
 _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters",
           "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path",
           "--make-vocab-size-divisible-by")
 VALUED = set(_PLAIN) | set(megatron_model.VALUED) | set(_SCHED) | {"--distributed-backend", "--transformer-impl",
     "--load", "--num-experts", "--moe-router-topk", "--recompute-method", "--tensorboard-dir",
-    "--max-position-embeddings"}
+    "--max-position-embeddings", megatron_model.SPEC}
 # Megatron's defaults where titanlike's differ: set when the block leaves the flag out, so the run is the one Megatron
 # would have trained (flag -> key, Megatron's default; --adam-beta1/2 are read together in _schedule).
 DEFAULTS = {
@@ -137,7 +139,8 @@ def tokenize(text: str) -> list[str]:
     return read_launch(text).flags
 
 
-_MULTI = {"--data-path"}  # flags of several values (a blend: 0.3 prefix_a 0.7 prefix_b); the others take one
+# flags of several values (a blend: 0.3 prefix_a 0.7 prefix_b; --spec module function); the others take one
+_MULTI = {"--data-path", megatron_model.SPEC}
 STRAY = "(stray words)"  # parse()'s key for words that follow no flag taking them
 
 

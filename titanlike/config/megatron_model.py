@@ -1,17 +1,19 @@
 """Megatron's model flags -> model.name, model.flavor, model.n_layers and model.args (titanlike/config/megatron.py).
 
 Megatron users give a model by its flags, so the model is built from them: the flags become the Megatron argument
-dict that a checkpoint would carry, the family is the one whose Megatron adapter (models/<name>/megatron.py, the same
-one scripts/convert_megatron.py uses) takes the --position-embedding-type, and that adapter builds the args (or
-refuses, naming the flag). The args are then written as the nearest named flavor plus the fields that differ
-(model.args), so a named shape reads as its name. Flags left out take Megatron's defaults (learned absolute
-positions, LayerNorm, GELU MLP, biased linears, output tied to the embedding), as Megatron itself would.
+dict that a checkpoint would carry, the family is the one whose Megatron adapter (models/<name>/megatron.py, the
+same one scripts/convert_megatron.py uses) claims them (by --position-embedding-type; by a hybrid layer pattern or
+Mamba --spec for pretrain_mamba.py models), and that adapter builds the args (or refuses, naming the flag). The args
+are then written as the nearest named flavor plus the fields that differ (model.args), so a named shape reads as its
+name. Flags left out take Megatron's defaults (learned absolute positions, LayerNorm, GELU MLP, biased linears,
+output tied to the embedding), as Megatron itself would.
 """
 from __future__ import annotations
 
 import math
 
 from models import DEFAULT_MODEL, MODELS
+from models.common.megatron_utils import claims, is_hybrid
 from titanlike.config.megatron_shell import MegatronError
 
 SHAPE = ("--num-layers", "--hidden-size", "--num-attention-heads")
@@ -24,6 +26,12 @@ VALUED = {  # flag -> (Megatron argument, type)
     "--rotary-percent": ("rotary_percent", float), "--rope-scaling-factor": ("rope_scaling_factor", float),
     "--init-method-std": ("init_method_std", float), "--attention-dropout": ("attention_dropout", float),
     "--hidden-dropout": ("hidden_dropout", float),
+    # hybrid models (pretrain_mamba.py): the family is the one whose adapter claims the pattern
+    "--hybrid-override-pattern": ("hybrid_override_pattern", str),
+    "--hybrid-attention-ratio": ("hybrid_attention_ratio", float), "--hybrid-mlp-ratio": ("hybrid_mlp_ratio", float),
+    "--mamba-state-dim": ("mamba_state_dim", int),
+    "--mamba-head-dim": ("mamba_head_dim", int), "--mamba-num-groups": ("mamba_num_groups", int),
+    "--mamba-num-heads": ("mamba_num_heads", int),
 }
 SWITCHES = {  # flag -> (Megatron argument, value)
     "--swiglu": ("swiglu", True), "--group-query-attention": ("group_query_attention", True),
@@ -33,8 +41,12 @@ SWITCHES = {  # flag -> (Megatron argument, value)
     "--apply-residual-connection-post-layernorm": ("apply_residual_connection_post_layernorm", True),
     "--use-rotary-position-embeddings": ("position_embedding_type", "rope"),
     "--rotary-interleaved": ("rotary_interleaved", True),
+    "--is-hybrid-model": ("is_hybrid_model", True), "--squared-relu": ("squared_relu", True),
 }
-FLAGS = set(VALUED) | set(SWITCHES) | {"--max-position-embeddings"}
+# --spec takes two words (module, function): read with the model flags, never compared (a layer recipe, not a shape)
+SPEC = "--spec"
+MAMBA_SPECS = ("mamba_stack_spec", "mamba_inference_stack_spec")  # megatron.core.models.mamba.mamba_layer_specs'
+FLAGS = set(VALUED) | set(SWITCHES) | {"--max-position-embeddings", SPEC, "--disable-mamba-mem-eff-path"}
 _KINDS = {int: "whole number", float: "number", str: "word"}
 
 
@@ -82,14 +94,19 @@ def build(f: dict[str, list[str]], t) -> None:
         margs["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64 if margs.get("swiglu") else 4 * hidden
     if margs.get("group_query_attention"):
         margs.setdefault("num_query_groups", 1)
-    name, pos, adapter = _family(margs)
+    _spec(f, margs, t)
+    name, adapter = _family(margs)
+    pos = margs.get("position_embedding_type", "learned_absolute")
+    hybrid = is_hybrid(margs)
     try:
         args = adapter.args_from_megatron(margs)
     except (ValueError, TypeError) as e:
-        raise MegatronError(f"the model flags fit no titanlike family: --position-embedding-type {pos} is "
-                            f"{name}'s, and {name} refuses: {e}") from None
-    t.said.append(f"family {name}: {_why(f, margs, pos)}" + ("" if "--position-embedding-type" in f else
+        which = "a hybrid (Mamba) model" if hybrid else f"--position-embedding-type {pos}"
+        raise MegatronError(f"the model flags fit no titanlike family: {which} is {name}'s, and {name} refuses: "
+                            f"{e}") from None
+    t.said.append(f"family {name}: {_why(f, margs, pos)}" + ("" if "--position-embedding-type" in f or hybrid else
                   " (the flags, not the script's name, decide: a RoPE model needs --position-embedding-type rope)"))
+    t.notes += [("(model)", text) for text in adapter.notes(margs)]
     _followed(f, margs, adapter.megatron_args(args), name, t)
     _name_shape(name, args, t)
     if "--attention-dropout" not in f and "--hidden-dropout" not in f:
@@ -105,15 +122,33 @@ def build(f: dict[str, list[str]], t) -> None:
             t.notes.append(("--max-position-embeddings", "titanlike sizes positions to training.seq_len"))
 
 
+def _spec(f: dict, margs: dict, t) -> None:
+    """--spec: Megatron's own Mamba layer spec is what the hybrid families build; another spec is unknown here."""
+    if "--disable-mamba-mem-eff-path" in f:
+        t.notes.append(("--disable-mamba-mem-eff-path", "a Mamba kernel choice (the fused scan or not): the same "
+                        "model; titanlike's scan is models/common/ssd.py"))
+    if SPEC not in f:
+        return
+    margs["spec"] = list(f[SPEC])
+    if any(word in MAMBA_SPECS for word in f[SPEC]):
+        t.notes.append((SPEC, "Megatron's Mamba layer spec (Transformer Engine's fused norms): the hybrid family "
+                              "builds the same layers"))
+    else:
+        t.unmapped.append((SPEC, f"{' '.join(f[SPEC])}: a custom layer spec; titanlike builds its family's own "
+                                 f"layers, which may differ from it"))
+
+
 def _family(margs: dict):
+    """(name, adapter) of the family whose Megatron adapter claims these args (models/common/megatron_utils.claims:
+    the position type, or a hybrid layer pattern); titanlike's default family first when several do."""
     adapters = {n: s.megatron for n, s in MODELS.items() if s.megatron is not None}
-    pos = margs.get("position_embedding_type", "learned_absolute")
-    found = sorted((n != DEFAULT_MODEL, n) for n, a in adapters.items() if pos in a.POSITION_EMBEDDING_TYPES)
+    found = sorted((n != DEFAULT_MODEL, n) for n, a in adapters.items() if claims(a, margs))
     if not found:
+        pos = margs.get("position_embedding_type", "learned_absolute")
         known = sorted(p for a in adapters.values() for p in a.POSITION_EMBEDDING_TYPES)
         raise MegatronError(f"--position-embedding-type {pos}: no titanlike family trains it; use one of {known}")
     name = found[0][1]
-    return name, pos, adapters[name]
+    return name, adapters[name]
 
 
 def _followed(f: dict, margs: dict, back: dict, name: str, t) -> None:
@@ -166,12 +201,14 @@ def _why(f: dict, margs: dict, pos: str) -> str:
     def said(flag: str, yes: str, no: str) -> str:
         return yes if flag in f else f"{no} (Megatron's default)"
 
-    return ", ".join([
+    hybrid = [" ".join([k, *f[k]]) for k in ("--hybrid-override-pattern", "--hybrid-attention-ratio",
+                                              "--hybrid-mlp-ratio", "--is-hybrid-model", SPEC) if k in f]
+    return ", ".join(hybrid + [
         f"--position-embedding-type {pos}" + ("" if "position_embedding_type" in margs and
                                              ("--position-embedding-type" in f or "--use-rotary-position-embeddings"
                                               in f) else " (Megatron's default)"),
         said("--normalization", f"--normalization {margs.get('normalization')}", "LayerNorm"),
-        said("--swiglu", "--swiglu", "GELU MLP"),
+        "--squared-relu" if "--squared-relu" in f else said("--swiglu", "--swiglu", "GELU MLP"),
         said("--disable-bias-linear", "no linear biases", "biased linears"),
         said("--untie-embeddings-and-output-weights", "untied output", "output tied to the embedding"),
     ])
