@@ -138,6 +138,23 @@ def test_causal_conv1d_documents_and_state():
     close(torch.cat([head, tail], dim=1), dense)
 
 
+
+def test_mamba2_half_of_the_groups_is_a_mixer():
+    """What tensor parallel relies on (parallelize/nemotron_h.py): a contiguous half of the group-major in_proj rows,
+    of conv1d's channels, of the per-head scalars and of the norm weight, with the matching half of out_proj's
+    columns, is a mixer of half the groups; the two halves' outputs add up to the whole mixer's (documents included)."""
+    m = mamba2()
+    x = torch.randn(2, 24, DIM)
+    with torch.no_grad():
+        parts = []
+        for k in range(2):
+            half = Mamba2Mixer(DIM, n_heads=2, head_dim=8, state_size=6, n_groups=1, chunk_size=8)
+            half.load_state_dict({n: t.chunk(2, dim=1 if n == "out_proj.weight" else 0)[k]
+                                  for n, t in m.state_dict().items()})
+            parts.append(half(x, doc_ids=DOCS))
+        close(parts[0] + parts[1], m(x, doc_ids=DOCS))
+
+
 # ---- modules == transformers -----------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")

@@ -127,8 +127,26 @@ def test_pattern_checks_name_the_key_and_the_fix():
     assert "'E' (MoE)" in NEMOTRON_H.check(moe, _Par(), "debugmodel")[0]
     par = _Par()
     par.tp, par.cp = 2, 2
-    problems = MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")
-    assert any(p.startswith("parallelism.tp=2") for p in problems) and any("parallelism.cp=2" in p for p in problems)
+    assert [p.split(":")[0] for p in MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")] == [
+        "parallelism.cp=2"]  # TP 2 splits its 2 groups; CP has no plan
+
+
+def test_tensor_parallel_checks_one_line_each():
+    """tp must divide the Mamba heads and groups, the attention heads and KV heads and the MLP's hidden size."""
+    par = _Par()
+    par.tp = 4  # debugmodel: 8 Mamba heads in 2 groups, 4 heads over 2 KV heads, MLP hidden 256
+    (groups,) = MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")
+    assert groups.startswith("model.flavor 'debugmodel' has n_groups=2 which parallelism.tp=4 does not divide") \
+        and groups.endswith("use tp in {1,2}")
+    assert NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel") == [
+        groups, "model.flavor 'debugmodel' has n_kv_heads=2 which parallelism.tp=4 does not divide; use tp in {1,2}"]
+    par.tp = 3
+    problems = NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel")
+    assert [p.split(" which")[0] for p in problems] == [
+        "model.flavor 'debugmodel' has mamba_n_heads=8", "model.flavor 'debugmodel' has n_groups=2",
+        "model.flavor 'debugmodel' has n_kv_heads=2", "model.flavor 'debugmodel' has the FFN hidden size 256,"]
+    par.tp = 2
+    assert NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel") == []
 
 
 def test_published_shapes():
