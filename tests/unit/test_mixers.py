@@ -174,7 +174,7 @@ def test_mamba2_matches_nemotron_h():
                           layer_norm_epsilon=1e-5)
     hf = NemotronHMamba2Mixer(cfg, layer_idx=0).eval()
     ours = mamba2(dt_limit=(0.3, float("inf")), norm_eps=1e-5, conv_bias=True, bias=False)
-    hf.load_state_dict(hf_state(ours))  # the same names: an adapter renames only the prefix
+    hf.load_state_dict(hf_state(ours))  # the same names; an adapter renames the prefix and reorders in_proj, conv1d
     x = torch.randn(2, 21, DIM)
     with torch.no_grad():
         close(ours(x), hf(x))
