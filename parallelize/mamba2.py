@@ -1,8 +1,9 @@
-"""The mamba2 plans: parallelize/nemotron_h.py's recipe (AC -> compile -> FSDP, PP; TP, CP and EP refused)."""
+"""The mamba2 plans: parallelize/nemotron_h.py's recipe and TP dict (every block a Mamba-2 mixer; CP and EP
+refused)."""
 from __future__ import annotations
 
 from models.mamba2 import SPEC
 from parallelize.compose import Recipe, compose_plans
-from parallelize.nemotron_h import no_tp_plan
+from parallelize.nemotron_h import hybrid_tp_plan
 
-PLANS = compose_plans(Recipe(SPEC, tp_plan=no_tp_plan))
+PLANS = compose_plans(Recipe(SPEC, tp_plan=hybrid_tp_plan))

@@ -1,18 +1,100 @@
-"""The nemotron_h plans (parallelize/compose.py): AC -> compile -> FSDP per hybrid block, and PP by the spec's
-per-layer costs. Refused, with the key to change (the family's check, models/nemotron_h/__init__.py): TP (no plan
-splits the Mamba-2 projections by heads and groups yet), CP (the SSM state would pass between ranks along the
-sequence) and EP (no experts). parallelize/mamba2.py uses the same recipe."""
+"""The nemotron_h plans (parallelize/compose.py): TP -> AC -> compile -> FSDP per hybrid block, and PP by the spec's
+per-layer costs; parallelize/mamba2.py uses the same recipe. Refused, with the key to change (the family's check,
+models/nemotron_h/__init__.py): CP (the SSM state would pass between ranks along the sequence), EP (no experts), and
+a tp that does not divide the Mamba heads and groups, the attention heads and KV heads or the MLP's hidden size.
+
+Tensor parallel, per block kind (layouts as parallelize/tp.py describes them for Llama; seq = the residual stream,
+Shard(1) with sequence parallel, Replicate without):
+
+    layers.<i>.norm        SequenceParallel              (ReplicateParallel without sequence parallel)
+    "M" mixer              PrepareModuleInput            all-gather the hidden states (doc_ids are whole already)
+                           + ShardParameters             dt_bias, A_log, D: per head, this rank's heads
+      in_proj              ColwiseParallel               group-major rows (models/common/mamba2.py): whole groups
+      conv1d               ShardParameters               weight, bias: depthwise, the same channels as in_proj's
+      norm                 ShardParameters               the gated norm normalises per group: local
+      out_proj             RowwiseParallel               reduce-scatter -> seq
+    "*" mixer              PrepareModuleInput            as Llama's attention without RoPE: wq, wk, wv colwise
+                                                         (local heads, plain tensors to SDPA), wo rowwise
+    "-" mixer              PrepareModuleInput            w1 colwise, squared ReLU on local units, w2 rowwise
+
+The scan, the conv and the gated norm run on plain local tensors: each rank is the one-process mixer with n_groups /
+tp groups (the mixer counts them from its shapes). tok_embeddings, the final norm and the output (loss parallel) are
+Llama's. Keys name each layer (layers.<i>.mixer.in_proj): the layer kinds differ, and a "*" key would warn on every
+block it does not resolve in.
+"""
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+)
 
 from models.nemotron_h import SPEC
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP
 from parallelize.compose import Recipe, compose_plans
+from parallelize.tp import (
+    ReplicateParallel, ShardParameters, Styles, SyncOutputColwiseParallel, SyncOutputRowwiseParallel,
+)
 
 
-def no_tp_plan(model: nn.Module, **_) -> dict:
-    # The spec's check refuses parallelism.tp > 1 before this is reached; kept for a hand-built ParallelDims.
-    raise ValueError(f"parallelism.tp: {type(model).__name__} has no tensor-parallel plan yet; set parallelism.tp=1")
+def mixer_plans(seq) -> dict[str, dict[str, ParallelStyle]]:
+    """Pattern letter -> {path inside the block: style}. `seq`: the residual stream's placement."""
+    gather = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
+    return {
+        MAMBA: {  # the mixer is called as mixer(hidden, doc_ids)
+            "mixer": Styles(gather, ShardParameters("dt_bias", "A_log", "D")),
+            "mixer.in_proj": ColwiseParallel(),
+            "mixer.conv1d": ShardParameters("weight", "bias"),
+            "mixer.norm": ShardParameters("weight"),
+            "mixer.out_proj": RowwiseParallel(output_layouts=seq),
+        },
+        ATTENTION: {  # mixer(hidden, attn_mask)
+            "mixer": gather,
+            "mixer.wq": ColwiseParallel(),
+            "mixer.wk": ColwiseParallel(),
+            "mixer.wv": ColwiseParallel(),
+            "mixer.wo": RowwiseParallel(output_layouts=seq),
+        },
+        MLP: {  # mixer(hidden)
+            "mixer": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mixer.w1": ColwiseParallel(),
+            "mixer.w2": RowwiseParallel(output_layouts=seq),
+        },
+    }
 
 
-PLANS = compose_plans(Recipe(SPEC, tp_plan=no_tp_plan))
+def _check_norm_groups(model: nn.Module) -> None:
+    # The gated norm is local only if it normalises within the mixer's groups (build_mixer never sets norm_groups:
+    # a hand-built mixer that does would need a reduction across the TP ranks, which this plan has not).
+    for key, block in model.layers.items():
+        mixer = block.mixer if block is not None and block.kind == MAMBA else None
+        if mixer is not None and mixer.norm.group_size * mixer.n_groups != mixer.inner:
+            raise ValueError(f"layers.{key}.mixer: its gated norm's groups ({mixer.inner // mixer.norm.group_size}) "
+                             f"are not its n_groups ({mixer.n_groups}); tensor parallel needs norm_groups=n_groups")
+
+
+def hybrid_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+                   **_) -> dict[str, ParallelStyle]:
+    """Module path -> DTensor style for the hybrid model (or a pipeline stage of it), in application order."""
+    _check_norm_groups(model)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    kinds = mixer_plans(seq)
+    plan: dict[str, ParallelStyle] = {
+        # Vocabulary-sharded rows; token ids arrive replicated on every TP rank (SyncOutput*: parallelize/tp.py).
+        "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+    }
+    for key, block in model.layers.items():
+        if block is not None:
+            plan[f"layers.{key}.norm"] = SequenceParallel()
+            plan |= {f"layers.{key}.{path}": style for path, style in kinds[block.kind].items()}
+    plan["norm"] = SequenceParallel()
+    # Loss parallel keeps the logits vocabulary-sharded (a DTensor, so loss_parallel() sees the sharding).
+    plan["output"] = SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else
+                                               Replicate(), use_local_output=not loss_parallel)
+    if not sequence_parallel:  # the norms then see the whole sequence on every rank: replicated parameters
+        plan = {k: ReplicateParallel() if isinstance(v, SequenceParallel) else v for k, v in plan.items()}
+    return plan
+
+
+PLANS = compose_plans(Recipe(SPEC, tp_plan=hybrid_tp_plan))

@@ -15,6 +15,11 @@ plan the layouts along one block are (tp ranks, S = sequence):
 
 Heads are split across TP ranks, so n_heads and n_kv_heads must be divisible by tp (checked here with the fix in
 the message; config-level twin: titanlike/config/validate.py:validate_model).
+
+Modules that read their parameters directly rather than through a Linear (the Mamba-2 mixer's conv, per-head
+scalars and gated norm: parallelize/nemotron_h.py) get ShardParameters: DTensors sharded on dim 0, the forward left
+alone, reading its local rows through models/common/local.py. A plan dict holds one style per module path; Styles
+applies several to one module.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -82,6 +87,45 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
+class ShardParameters(ParallelStyle):
+    """The module's own parameters named here (not its children's) become DTensors sharded on dim 0 over the TP
+    mesh; inputs, outputs and forward are left alone. For modules that read their parameters directly: the module
+    computes on the rows it holds (models/common/local.py), while the optimizer, checkpoints (whole tensors,
+    resharded on load) and the grad norm see one kind of parameter. A parameter that is None (no bias) is skipped.
+    The module's forward must use only its own rows of each, i.e. be local along dim 0 (per head, group or channel).
+    """
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            param = getattr(module, name)
+            if param is None:
+                continue
+            if param.shape[0] % device_mesh.size():
+                raise ValueError(f"ShardParameters: {type(module).__name__}.{name} has {param.shape[0]} rows, which "
+                                 f"tensor parallel {device_mesh.size()} does not divide; choose a tp that divides it")
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module
+
+
+class Styles(ParallelStyle):
+    """Several styles applied to one module, in order (e.g. PrepareModuleInput and ShardParameters)."""
+
+    def __init__(self, *styles: ParallelStyle):
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            style.src_data_rank = self.src_data_rank  # parallelize_module sets it on the outer style only
+            module = style._apply(module, device_mesh)
+        return module
+
+
 def describe_plan(plan: dict[str, ParallelStyle]) -> str:
     """One line per entry, for logs and docs: 'layers.*.attention.wq  ColwiseParallel(...)'."""
     width = max(map(len, plan))
@@ -89,8 +133,10 @@ def describe_plan(plan: dict[str, ParallelStyle]) -> str:
 
 
 def _style_repr(style: ParallelStyle) -> str:
+    if isinstance(style, Styles):
+        return " + ".join(map(_style_repr, style.styles))
     fields = []
-    for name in ("input_layouts", "output_layouts", "desired_input_layouts", "use_local_output"):
+    for name in ("input_layouts", "output_layouts", "desired_input_layouts", "use_local_output", "names"):
         if hasattr(style, name):
             fields.append(f"{name}={getattr(style, name)}")
     return f"{type(style).__name__}({', '.join(fields)})"

@@ -1,6 +1,6 @@
 """Mamba-2's sequence mixer (the SSD layer), as Mamba2 and NemotronH (Megatron's hybrid "M" layers) use it.
 
-FQNs are transformers' Mamba2Mixer / NemotronHMamba2Mixer names, so an HF adapter renames only the prefix:
+FQNs are transformers' Mamba2Mixer / NemotronHMamba2Mixer names:
     in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj
 
     [z, xBC, dt] = in_proj(x)                     z: the gate, xBC = [x, B, C], dt: one step size per head
@@ -8,21 +8,67 @@ FQNs are transformers' Mamba2Mixer / NemotronHMamba2Mixer names, so an HF adapte
     y = SSD(x, dt, A = -exp(A_log), B, C, D)      (models/common/ssd.py; self.scan_fn)
     out = out_proj(norm(y, z))                    gated RMSNorm over norm groups (models/common/norms.py)
 
+Layout: group-major. in_proj's output rows and conv1d's channels are ordered by group: for each of the n_groups
+groups (heads h with h // (n_heads / n_groups) == g), its z rows, x rows, B rows, C rows and dt rows (conv1d: its x,
+B, C channels). transformers packs them part-major ([z | x | B | C | dt]); the HF adapters permute rows on import and
+export (`reorder_packed`, a fixed permutation that depends on the shapes alone, so checkpoints are the same on every
+layout). Why: tensor parallelism shards in_proj and conv1d on dim 0 and out_proj on dim 1, and a contiguous shard of
+a group-major tensor is whole groups with all their heads, so each rank runs the same mixer on fewer groups with no
+communication inside (the conv is depthwise, the scan is per head, the gated norm per group; dt_bias, A_log, D and
+the norm's weight are per head or channel, in group order already). Splitting in_proj into five projections would
+give the same sharding at the cost of five matmuls, eight parameters for transformers' two and renamed FQNs.
+
+A plain module (no distributed code): the forward counts the groups it holds from in_proj's output (-1 views) and
+reads its direct parameters through models/common/local.py, so a plan may make them sharded DTensors.
+
 What differs between the HF models is configuration: NemotronH clamps dt from below (dt_limit = (time_step_min,
 inf)), Mamba2 uses its config's time_step_limit; both normalise y * silu(z) in n_groups groups (norm_groups), and
-in_proj/out_proj/conv biases follow use_bias / use_conv_bias. A plain module (no distributed code): tensor
-parallelism would need the projections split per rank's heads and groups, which no plan does yet.
+in_proj/out_proj/conv biases follow use_bias / use_conv_bias.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
 
+from models.common.local import local
 from models.common.norms import GatedRMSNorm
 from models.common.short_conv import MixerState, causal_conv1d, init_mixer_scalars
 from models.common.ssd import ssd_chunk_scan, ssd_recurrent
+
+_PACKED = re.compile(r"(?:^|\.)(in_proj|conv1d)\.(?:weight|bias)$")
+
+
+def hf_order(n_heads: int, head_dim: int, state_size: int, n_groups: int) -> dict[str, torch.Tensor]:
+    """{"in_proj": rows, "conv1d": channels}: for each of our rows, the index of transformers' row it holds
+    (ours = theirs[index]; theirs = ours[argsort(index)])."""
+    r, g = n_heads // n_groups, n_groups
+    inner, gn = n_heads * head_dim, n_groups * state_size
+
+    def part(start: int, width: int) -> list[torch.Tensor]:  # each group's rows of one part, from `start`
+        return [torch.arange(start + k * width, start + (k + 1) * width) for k in range(g)]
+
+    z, x, B, C, dt = (part(0, r * head_dim), part(inner, r * head_dim), part(2 * inner, state_size),
+                      part(2 * inner + gn, state_size), part(2 * inner + 2 * gn, r))
+    cx, cB, cC = part(0, r * head_dim), part(inner, state_size), part(inner + gn, state_size)
+    return {"in_proj": torch.cat([t for k in range(g) for t in (z[k], x[k], B[k], C[k], dt[k])]),
+            "conv1d": torch.cat([t for k in range(g) for t in (cx[k], cB[k], cC[k])])}
+
+
+def reorder_packed(state_dict: dict[str, torch.Tensor], n_heads: int, head_dim: int, state_size: int,
+                   n_groups: int, *, to_hf: bool) -> dict[str, torch.Tensor]:
+    """Permute every Mamba-2 mixer's in_proj and conv1d tensors (keys ending in in_proj.weight/bias,
+    conv1d.weight/bias) from ours to transformers' order (to_hf) or back; other keys are passed through."""
+    order = hf_order(n_heads, head_dim, state_size, n_groups)
+    if to_hf:
+        order = {k: torch.argsort(v) for k, v in order.items()}
+    out = {}
+    for key, value in state_dict.items():
+        m = _PACKED.search(key)
+        out[key] = value.index_select(0, order[m.group(1)].to(value.device)) if m else value
+    return out
 
 
 class Mamba2Mixer(nn.Module):
@@ -30,6 +76,7 @@ class Mamba2Mixer(nn.Module):
 
     n_heads x head_dim is the inner width; B and C have `state_size` channels in each of `n_groups` groups (a head
     reads group h // (n_heads / n_groups)). The gated norm normalises `norm_groups` groups (default: n_groups).
+    in_proj and conv1d are group-major (module docstring).
 
     `scan_fn` (training, prefill) and `step_fn` (decoding) are swappable kernels with mamba_ssm's
     `mamba_chunk_scan_combined` signature (ssd.py): a GPU kernel can replace the pure-PyTorch ones."""
@@ -47,6 +94,7 @@ class Mamba2Mixer(nn.Module):
         self.a_init_range, self.dt_init_range, self.dt_init_floor = a_init_range, dt_init_range, dt_init_floor
         self.inner = n_heads * head_dim
         self.conv_dim = self.inner + 2 * n_groups * state_size
+        self.group_width = (self.inner + self.conv_dim + n_heads) // n_groups  # one group's in_proj rows
         self.scan_fn = ssd_chunk_scan
         self.step_fn = ssd_recurrent
         self.in_proj = nn.Linear(dim, self.inner + self.conv_dim + n_heads, bias=bias)
@@ -77,23 +125,28 @@ class Mamba2Mixer(nn.Module):
                    dtype: torch.dtype = torch.float32) -> MixerState:
         """The state before any token: zeros (the conv's in `dtype`, the recurrent state in float32)."""
         w = self.conv1d.kernel_size[0]
-        return MixerState(torch.zeros(batch, self.conv_dim, w, device=device, dtype=dtype),
-                          torch.zeros(batch, self.n_heads, self.head_dim, self.state_size, device=device))
+        channels, heads = local(self.conv1d.weight).shape[0], local(self.A_log).shape[0]  # those held here
+        return MixerState(torch.zeros(batch, channels, w, device=device, dtype=dtype),
+                          torch.zeros(batch, heads, self.head_dim, self.state_size, device=device))
 
     def _mix(self, x, doc_ids, state, return_state, step):
         bsz, s, _ = x.shape
-        h, p, g, n = self.n_heads, self.head_dim, self.n_groups, self.state_size
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, h], dim=-1)
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
-                                        initial_state=None if state is None else state.conv, seq_idx=doc_ids,
+        p, n = self.head_dim, self.state_size
+        r = self.n_heads // self.n_groups  # heads per group
+        # [B, S, groups held here, one group's z | x B C | dt]: the group count comes from the local shape (-1).
+        z, xbc, dt = self.in_proj(x).unflatten(-1, (-1, self.group_width)).split([r * p, r * p + 2 * n, r], dim=-1)
+        g = z.shape[2]
+        xbc, conv_state = causal_conv1d(xbc.flatten(2), local(self.conv1d.weight).squeeze(1), local(self.conv1d.bias),
+                                        "silu", initial_state=None if state is None else state.conv, seq_idx=doc_ids,
                                         output_final_state=return_state)
-        xs, B, C = xbc.split([self.inner, g * n, g * n], dim=-1)
-        args = (xs.view(bsz, s, h, p), dt, -torch.exp(self.A_log.float()), B.view(bsz, s, g, n), C.view(bsz, s, g, n))
-        kwargs = dict(D=self.D, dt_bias=self.dt_bias, initial_states=None if state is None else state.recurrent,
-                      seq_idx=doc_ids, dt_softplus=True, dt_limit=self.dt_limit, return_final_states=return_state)
+        xs, B, C = xbc.unflatten(-1, (g, -1)).split([r * p, n, n], dim=-1)
+        args = (xs.reshape(bsz, s, g * r, p), dt.reshape(bsz, s, g * r), -torch.exp(local(self.A_log).float()), B, C)
+        kwargs = dict(D=local(self.D), dt_bias=local(self.dt_bias), seq_idx=doc_ids, dt_softplus=True,
+                      initial_states=None if state is None else state.recurrent, dt_limit=self.dt_limit,
+                      return_final_states=return_state)
         out = self.step_fn(*args, **kwargs) if step else self.scan_fn(*args, chunk_size=self.chunk_size, **kwargs)
         y, ssm_state = out if return_state else (out, None)
-        y = self.out_proj(self.norm(y.reshape(bsz, s, self.inner), z).to(x.dtype))
+        y = self.out_proj(self.norm(y.reshape(bsz, s, -1), z.reshape(bsz, s, -1)).to(x.dtype))
         return (y, MixerState(conv_state, ssm_state)) if return_state else y
 
     def init_weights(self, init_std: float) -> None:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.local import local
+
 
 class RMSNorm(nn.Module):
     """RMSNorm normalising in float32 and casting back before the weight multiply (as Meta/HF Llama do),
@@ -63,7 +65,7 @@ class GatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             h = h * F.silu(gate.float())
         h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
-        out = self.weight * h.to(dtype)
+        out = local(self.weight) * h.to(dtype)  # the channels held here (models/common/local.py)
         if self.norm_before_gate:
             out = (out * F.silu(gate.float())).to(dtype)
         return out

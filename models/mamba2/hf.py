@@ -1,6 +1,7 @@
-"""State-dict and config adapter between titanlike's mamba2 and transformers' Mamba2ForCausalLM. The renaming is
-models/nemotron_h/hf.py's (same block layout and mixer names) under Mamba2's "backbone." prefix; a tied checkpoint
-(no lm_head) gets a copy of the embedding. Pure tensor/dict code (no `transformers` import)."""
+"""State-dict and config adapter between titanlike's mamba2 and transformers' Mamba2ForCausalLM. The renaming and the
+Mamba mixer's row order are models/nemotron_h/hf.py's (same block layout and mixer) under Mamba2's "backbone."
+prefix; a tied checkpoint (no lm_head) gets a copy of the embedding. Pure tensor/dict code (no `transformers`
+import)."""
 from __future__ import annotations
 
 import math
@@ -8,18 +9,18 @@ import math
 import torch
 
 from models.mamba2.args import Mamba2Args
-from models.nemotron_h.hf import rename_from_hf, rename_to_hf
+from models.nemotron_h.hf import from_hf_state, to_hf_state
 
 ARCHITECTURES = ("Mamba2ForCausalLM",)
 MODEL_TYPES = ("mamba2",)
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: Mamba2Args) -> dict[str, torch.Tensor]:
-    return rename_to_hf(state_dict, "backbone.")
+    return to_hf_state(state_dict, args, "backbone.")
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Mamba2Args) -> dict[str, torch.Tensor]:
-    return rename_from_hf(hf_state_dict)
+    return from_hf_state(hf_state_dict, args)
 
 
 def _float(v) -> float:

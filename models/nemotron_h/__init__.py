@@ -3,9 +3,9 @@ counts, config checks, Hugging Face adapter and generation cache, as one ModelSp
 (model.py, counts.py, cache.py) with every layer a Mamba-2 mixer."""
 from __future__ import annotations
 
-from models.common.checks import attention_head_checks, dense_checks
+from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.nemotron_h import hf, megatron
-from models.nemotron_h.args import ATTENTION, HybridArgs, NemotronHArgs, pattern_problems
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs, NemotronHArgs, pattern_problems
 from models.nemotron_h.cache import HybridCache
 from models.nemotron_h.counts import flops_per_token, param_counts, pp_costs, shape
 from models.nemotron_h.flavors import nemotron_h_flavors
@@ -16,14 +16,31 @@ INPUT_MODULES = ("tok_embeddings",)
 OUTPUT_MODULES = ("norm", "output")
 
 
+def _divisors(n: int) -> str:
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def mamba_tp_checks(args: HybridArgs, par, flavor: str) -> list[str]:
+    """Tensor parallel gives each rank whole Mamba-2 groups and their heads (parallelize/nemotron_h.py): tp must
+    divide mamba_n_heads and n_groups. One line each."""
+    problems = []
+    fix = f"use tp in {_divisors(args.n_groups)}"  # n_groups divides mamba_n_heads (HybridArgs checks it)
+    if args.mamba_n_heads % par.tp:
+        problems.append(f"model.flavor {flavor!r} has mamba_n_heads={args.mamba_n_heads} which parallelism.tp="
+                        f"{par.tp} does not divide (each rank holds whole Mamba-2 heads); {fix}")
+    if args.n_groups % par.tp:
+        problems.append(f"model.flavor {flavor!r} has n_groups={args.n_groups} which parallelism.tp={par.tp} does not "
+                        f"divide (each rank holds whole Mamba-2 groups); {fix}")
+    return problems
+
+
 def hybrid_checks(args: HybridArgs, par, flavor: str, name: str) -> list[str]:
-    """What every hybrid Mamba-2 family refuses: the pattern against the depth, and the parallelisms no plan of
-    theirs implements yet (tensor parallel would split the Mamba projections by heads and groups; context parallel
-    would pass the SSM state and conv window between ranks)."""
+    """What every hybrid Mamba-2 family refuses: the pattern against the depth, a tp that splits a Mamba-2 group,
+    and context parallel, which no plan of theirs implements (it would pass the SSM state and conv window between
+    ranks)."""
     problems = pattern_problems(args, flavor)
-    if par.tp > 1:
-        problems.append(f"parallelism.tp={par.tp}: {name} has no tensor-parallel plan yet (its Mamba-2 projections "
-                        f"would split by heads and groups); set parallelism.tp=1 and shard with FSDP (dp_shard)")
+    if par.tp > 1 and MAMBA in args.pattern():
+        problems += mamba_tp_checks(args, par, flavor)
     if par.cp > 1:
         problems.append(f"parallelism.cp={par.cp}: {name} has no context-parallel plan (the Mamba-2 state would pass "
                         f"from rank to rank along the sequence); set parallelism.cp=1")
@@ -32,8 +49,10 @@ def hybrid_checks(args: HybridArgs, par, flavor: str, name: str) -> list[str]:
 
 def check(args: NemotronHArgs, par, flavor: str) -> list[str]:
     problems = hybrid_checks(args, par, flavor, "nemotron_h")
-    if ATTENTION in args.pattern() and par.tp > 1:
+    if par.tp > 1 and ATTENTION in args.pattern():
         problems += attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor)
+    if par.tp > 1 and MLP in args.pattern():
+        problems += ffn_checks(args.hidden_dim, par, flavor)
     return problems
 
 

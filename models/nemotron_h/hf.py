@@ -3,8 +3,11 @@ tensor/dict code (no `transformers` import). models/mamba2/hf.py reuses the rena
 
 Names: titanlike keeps HF's block layout (layers.<i>.{norm, mixer}) and the Mamba mixer's names, so only the top
 level, the attention (wq/wk/wv/wo <-> q_proj/k_proj/v_proj/o_proj) and the MLP (w1/w2 <-> up_proj/down_proj) are
-renamed; no tensor is permuted (NemotronH's attention has no RoPE). The HF prefix is "model." (transformers 5.x)
-or "backbone." (the published Nemotron-H checkpoints, transformers' Mamba2); both are read, "model." is written.
+renamed. One permutation: the Mamba mixer's in_proj rows and conv1d channels are group-major in titanlike (so tensor
+parallelism shards whole groups; models/common/mamba2.py) and part-major in transformers; `to_hf_state` and
+`from_hf_state` reorder them (NemotronH's attention has no RoPE: nothing else is permuted). The HF prefix is "model."
+(transformers 5.x) or "backbone." (the published Nemotron-H checkpoints, transformers' Mamba2); both are read,
+"model." is written.
 A checkpoint without lm_head (tied) gets a copy of the embedding: titanlike never ties.
 """
 from __future__ import annotations
@@ -14,7 +17,8 @@ import re
 
 import torch
 
-from models.nemotron_h.args import ATTENTION, LETTERS, MAMBA, MLP, MOE, NemotronHArgs
+from models.common.mamba2 import reorder_packed
+from models.nemotron_h.args import ATTENTION, LETTERS, MAMBA, MLP, MOE, HybridArgs, NemotronHArgs
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
 MODEL_TYPES = ("nemotron_h",)
@@ -77,12 +81,27 @@ def rename_from_hf(hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def _reorder(state_dict: dict[str, torch.Tensor], args: HybridArgs, to_hf: bool) -> dict[str, torch.Tensor]:
+    return reorder_packed(state_dict, args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups,
+                          to_hf=to_hf)
+
+
+def to_hf_state(state_dict: dict[str, torch.Tensor], args: HybridArgs, prefix: str) -> dict[str, torch.Tensor]:
+    """titanlike state dict (full tensors, any subset of keys) -> transformers' names and row order."""
+    return rename_to_hf(_reorder(state_dict, args, to_hf=True), prefix)
+
+
+def from_hf_state(hf_state_dict: dict[str, torch.Tensor], args: HybridArgs) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> titanlike's names and row order."""
+    return _reorder(rename_from_hf(hf_state_dict), args, to_hf=False)
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], args: NemotronHArgs) -> dict[str, torch.Tensor]:
-    return rename_to_hf(state_dict, "model.")
+    return to_hf_state(state_dict, args, "model.")
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: NemotronHArgs) -> dict[str, torch.Tensor]:
-    return rename_from_hf(hf_state_dict)
+    return from_hf_state(hf_state_dict, args)
 
 
 def _pattern(config: dict) -> str:

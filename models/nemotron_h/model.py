@@ -4,7 +4,8 @@ blocks, each with ONE mixer, as in HF NemotronH / Mamba2 and Megatron's hybrid m
     tok_embeddings, layers.<i>.{norm, mixer}, norm, output
 
     x = x + mixer(norm(x))        mixer by the layer's pattern letter (args.pattern()):
-      "M" Mamba-2 (models/common/mamba2.py; FQNs in_proj, conv1d, dt_bias, A_log, D, norm, out_proj: transformers')
+      "M" Mamba-2 (models/common/mamba2.py; FQNs in_proj, conv1d, dt_bias, A_log, D, norm, out_proj: transformers';
+          in_proj's rows and conv1d's channels group-major, so tensor parallel shards whole groups)
       "*" attention without positional encoding (NemotronH's has no RoPE): wq, wk, wv, wo, grouped KV heads
       "-" squared-ReLU MLP: w1 (HF up_proj), w2 (down_proj)
 

@@ -3,16 +3,21 @@ reference (gloo, fp32): loss, grad norm (clipped by titanlike.optim.clip_grad_no
 AdamW steps within 1e-5.
 
 Run by test_dist_tp.py with 2 processes (TP 2 variants; the tiny model has n_kv_heads == 2 == tp: GQA at the
-limit; `--compile` adds per-block compile), 4 processes (FSDP 2 x TP 2 with and without SP, replicate 2 x TP 2,
-a grad norm over mixed meshes) and 8 processes (HSDP 2 x 2 x TP 2). `--device=cuda` (test_dist_tp_gpu.py) runs
-TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one "CHECK <name> ok ..." line per
-check and "ALL CHECKS PASSED".
+limit; `--compile` adds per-block compile; the hybrid Mamba-2 families too: nemotron_h's debug model, every layer
+kind, with and without sequence parallel, on packed documents, its gradients compared parameter by parameter and its
+TP 2 DCP checkpoint loaded in one process; and mamba2's), 4 processes (FSDP 2 x TP 2 with and without SP,
+replicate 2 x TP 2, a grad norm over mixed meshes) and 8 processes (HSDP 2 x 2 x TP 2). `--device=cuda`
+(test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one
+"CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+import models
 import models.common.attention
-from par_helpers import exit_without_teardown, global_batch, meta_model, reference_model
+from par_helpers import SEQ, VOCAB, exit_without_teardown, global_batch, meta_model, reference_model
 from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
@@ -104,16 +110,50 @@ class AsyncTPSpy:
         self._pg.micro_pipeline_tp_pass = orig_pass
 
 
-def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol) -> float:
-    """STEPS AdamW steps of `model` and the 1-process `ref` on the same global batches; the worst loss difference."""
+def hybrid_args(family: str):
+    """The family's debug model at this file's vocabulary and sequence, with chunks of 8: the scan crosses chunks."""
+    spec = models.get_spec(family)
+    return spec, dataclasses.replace(spec.flavors["debugmodel"], vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
+
+
+def family_models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the seeded full model, the same model on meta) for "llama3" (par_helpers) or a hybrid family."""
+    if family == "llama3":
+        return reference_model(seed=0).to(DEVICE), meta_model()
+    spec, args = hybrid_args(family)
+    torch.manual_seed(0)
+    ref = spec.model_cls(args)
+    ref.init_weights()
+    with torch.device("meta"):
+        return ref.to(DEVICE), spec.model_cls(args)
+
+
+def doc_ids(step: int, rows: int) -> torch.Tensor:
+    """[rows, SEQ] packed-document ids (a document starts at ~1 token in 4), the same on every rank."""
+    starts = torch.rand(rows, SEQ, generator=torch.Generator().manual_seed(2000 + step)) < 0.25
+    starts[:, 0] = False
+    return starts.long().cumsum(1).to(DEVICE)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol, docs=False, attention=True,
+                 compare_grads=False):
+    """STEPS AdamW steps of `model` and the 1-process `ref` on the same global batches; the worst loss difference
+    and the worst gradient difference of the first step (every parameter, before clipping)."""
     dp_rank, dp = dims.dp_rank(), dims.dp_degree
     dp_cp = dims.get_mesh("dp_cp")
-    worst_loss = 0.0
+    worst_loss = worst_grad = grad_scale = 0.0
     for step in range(STEPS):
         inputs, labels = (t.to(DEVICE) for t in global_batch(step, dp * LOCAL_BATCH))
+        kw = {"doc_ids": doc_ids(step, dp * LOCAL_BATCH)} if docs else {}
         n_tokens = labels.numel()
-        ref_loss = ce_sum(ref(inputs), labels) / n_tokens
+        ref_loss = ce_sum(ref(inputs, **kw), labels) / n_tokens
         ref_loss.backward()
+        first = step == 0 and compare_grads
+        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()} if first else {}
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -121,14 +161,20 @@ def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol) -> floa
         rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)
         with loss_parallel() if lp else contextlib.nullcontext():
             with SdpaSpy() as spy:
-                logits = model(inputs[rows])
+                logits = model(inputs[rows], **{k: v[rows] for k, v in kw.items()})
             assert isinstance(logits, DTensor) == lp, f"{name}: logits {type(logits)} (loss parallel {lp})"
             loss = ce_sum(logits, labels[rows])
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             # As the trainer: FSDP averages grads over dp, so scale by dp to get the global-token-mean gradient.
             (loss * dp / n_tokens).backward()
         if not compile:  # (compiled blocks trace SDPA: the spy sees fake tensors)
-            assert spy.types == {"Tensor"}, f"{name}: SDPA saw {spy.types}; TP must hand it plain tensors"
+            want = {"Tensor"} if attention else set()
+            assert spy.types == want, f"{name}: SDPA saw {spy.types}; TP must hand it plain tensors"
+        for n, p in model.named_parameters():  # TP only: the gradients are the global ones
+            if n in ref_grads:
+                d = (_full(p.grad) - ref_grads[n]).abs().max().item()
+                assert d <= tol, f"{name}: the gradient of {n} differs from the reference by {d}"
+                worst_grad, grad_scale = max(worst_grad, d), max(grad_scale, ref_grads[n].abs().max().item())
         norm = clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -142,11 +188,12 @@ def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol) -> floa
         assert abs(norm.item() - ref_norm.item()) <= tol, f"{name} step {step}: grad norm {norm} vs {ref_norm}"
         worst_loss = max(worst_loss, diff)
 
-    return worst_loss
+    return worst_loss, (worst_grad, grad_scale)
 
 
 def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none",
-               compile: bool = False, async_tp: bool = False, tol: float = TOL) -> None:
+               compile: bool = False, async_tp: bool = False, tol: float = TOL, family: str = "llama3",
+               docs: bool = False, reload: bool = False) -> None:
     dims = ParallelDims(**dims_kw, world_size=world)
     dims.build_mesh(DEVICE)
     cfg = JobConfig()
@@ -155,8 +202,8 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     cfg.activation_checkpoint.mode = ac
     cfg.compile.enable, cfg.compile.components = compile, ["model"]
 
-    ref = reference_model(seed=0).to(DEVICE)
-    model = get_plan("llama3", "default")(meta_model(), dims, PlanSections.of(cfg))
+    ref, meta = family_models(family)
+    model = get_plan(family, "default")(meta, dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
     model.init_weights(buffer_device=DEVICE)
@@ -174,7 +221,8 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     torch._inductor.config._micro_pipeline_tp |= force_pass
     try:
         with atp:
-            worst_loss = _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol)
+            worst_loss, worst_grad = _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol, docs=docs,
+                                                  attention=family != "mamba2", compare_grads=family != "llama3")
     finally:
         if force_pass:
             torch._inductor.config._micro_pipeline_tp = False
@@ -183,6 +231,9 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     if async_tp:
         assert atp.fused > 0, f"{name}: async TP is on but no compiled graph holds a fused all-gather/matmul op"
     detail = f" async_tp_patterns={atp.patterns} fused={atp.fused}" if compile else ""
+    if family != "llama3":
+        check_hybrid_layout(name, model)
+        detail += f" grad_diff={worst_grad[0]:.1e} (largest gradient {worst_grad[1]:.1e})"
 
     ref_params = dict(ref.named_parameters())
     worst_param = 0.0
@@ -191,7 +242,50 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
         d = (full - ref_params[n].detach()).abs().max().item()
         assert d <= tol, f"{name}: parameter {n} differs from the reference by {d}"
         worst_param = max(worst_param, d)
+    if reload:
+        detail += reload_in_one_process(name, model, family, docs)
     report(name, f"loss_diff={worst_loss:.1e} param_diff={worst_param:.1e} meshes={sorted(map(str, meshes))}{detail}")
+
+
+def check_hybrid_layout(name: str, model: torch.nn.Module) -> None:
+    """The Mamba mixers hold half of their groups (in_proj rows, conv channels, per-head scalars, norm weight)."""
+    for key, block in model.layers.items():
+        if block.kind != "M":
+            continue
+        m = block.mixer
+        for param in (m.in_proj.weight, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D, m.norm.weight):
+            assert isinstance(param, DTensor) and param.placements == (Shard(0),), (name, key, param)
+            assert param.to_local().shape[0] * 2 == param.shape[0], (name, key, param.shape)
+        assert m.out_proj.weight.placements == (Shard(1),), (name, key)
+
+
+def reload_in_one_process(name: str, model: torch.nn.Module, family: str, docs: bool) -> str:
+    """Save `model` (TP-sharded) with DCP; rank 0 loads it into a plain one-process model (no process group): every
+    parameter equals the sharded one's whole tensor bitwise, and the loss on a new batch equals the TP model's."""
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp(prefix="tp_reload_") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(model.state_dict(), checkpoint_id=path[0])
+    inputs, labels = (t.to(DEVICE) for t in global_batch(STEPS, LOCAL_BATCH))
+    kw = {"doc_ids": doc_ids(STEPS, LOCAL_BATCH)} if docs else {}
+    with torch.no_grad(), loss_parallel():
+        loss = _full(ce_sum(model(inputs, **kw), labels)).item()
+    fulls = {n: _full(p.detach()) for n, p in model.named_parameters()}  # collectives: on every rank
+    if rank != 0:
+        return ""
+    _, plain = family_models(family)
+    plain.to_empty(device=DEVICE)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path[0], no_dist=True)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p, fulls[n]), f"{name}: {n} reloaded in one process differs from the TP 2 model's"
+    with torch.no_grad():
+        one = ce_sum(plain(inputs, **kw), labels).item()
+    diff = abs(one - loss) / labels.numel()
+    assert diff <= TOL, f"{name}: the reloaded one-process loss {one} differs from the TP 2 model's {loss}"
+    shutil.rmtree(path[0])
+    return f" reload_1proc_loss_diff={diff:.1e}"
 
 
 def mixed_mesh_grad_norm() -> None:
@@ -237,6 +331,9 @@ def main() -> None:
         train_case("tp2_sp", {"tp": 2}, sp=True, lp=False)
         train_case("tp2_lp", {"tp": 2}, sp=False, lp=True)
         train_case("tp2_sp_lp_sac", {"tp": 2}, sp=True, lp=True, ac="selective")
+        train_case("nemotron_h_tp2", {"tp": 2}, sp=False, lp=False, family="nemotron_h")
+        train_case("nemotron_h_tp2_sp_lp_docs", {"tp": 2}, family="nemotron_h", docs=True, reload=True)
+        train_case("mamba2_tp2_sp", {"tp": 2}, sp=True, lp=False, family="mamba2", docs=True)
         if "--compile" in sys.argv:  # cold inductor compile: ~50 s on 2 cores
             train_case("tp2_sp_lp_compile", {"tp": 2}, compile=True)
     if world == 4 and DEVICE == "cpu":

@@ -13,7 +13,7 @@ from models.common.attention import GatedAttention
 from models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.common.gated_deltanet import GatedDeltaNet
 from models.common.hf_utils import half_to_interleaved
-from models.common.mamba2 import Mamba2Mixer
+from models.common.mamba2 import Mamba2Mixer, reorder_packed
 from models.common.rope import precompute_rope_cache
 from models.common.short_conv import causal_conv1d
 from models.common.ssd import ssd_chunk_scan, ssd_recurrent
@@ -138,9 +138,32 @@ def test_causal_conv1d_documents_and_state():
     close(torch.cat([head, tail], dim=1), dense)
 
 
+
+def test_mamba2_half_of_the_groups_is_a_mixer():
+    """What tensor parallel relies on (parallelize/nemotron_h.py): a contiguous half of the group-major in_proj rows,
+    of conv1d's channels, of the per-head scalars and of the norm weight, with the matching half of out_proj's
+    columns, is a mixer of half the groups; the two halves' outputs add up to the whole mixer's (documents included)."""
+    m = mamba2()
+    x = torch.randn(2, 24, DIM)
+    with torch.no_grad():
+        parts = []
+        for k in range(2):
+            half = Mamba2Mixer(DIM, n_heads=2, head_dim=8, state_size=6, n_groups=1, chunk_size=8)
+            half.load_state_dict({n: t.chunk(2, dim=1 if n == "out_proj.weight" else 0)[k]
+                                  for n, t in m.state_dict().items()})
+            parts.append(half(x, doc_ids=DOCS))
+        close(parts[0] + parts[1], m(x, doc_ids=DOCS))
+
+
 # ---- modules == transformers -----------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
+
+
+def hf_state(m: Mamba2Mixer) -> dict[str, torch.Tensor]:
+    """Our mixer's state dict in transformers' row order (in_proj and conv1d are group-major here, part-major there;
+    the names are the same)."""
+    return reorder_packed(m.state_dict(), m.n_heads, m.head_dim, m.state_size, m.n_groups, to_hf=True)
 
 
 def test_mamba2_matches_nemotron_h():
@@ -151,7 +174,7 @@ def test_mamba2_matches_nemotron_h():
                           layer_norm_epsilon=1e-5)
     hf = NemotronHMamba2Mixer(cfg, layer_idx=0).eval()
     ours = mamba2(dt_limit=(0.3, float("inf")), norm_eps=1e-5, conv_bias=True, bias=False)
-    hf.load_state_dict(ours.state_dict())  # the same names: an adapter renames only the prefix
+    hf.load_state_dict(hf_state(ours))  # the same names; an adapter renames the prefix and reorders in_proj, conv1d
     x = torch.randn(2, 21, DIM)
     with torch.no_grad():
         close(ours(x), hf(x))
@@ -168,7 +191,7 @@ def test_mamba2_matches_transformers_mamba2():
     with torch.no_grad():
         ours.in_proj.bias.normal_()
         ours.out_proj.bias.normal_()
-    hf.load_state_dict(ours.state_dict())
+    hf.load_state_dict(hf_state(ours))
     x = torch.randn(2, 19, DIM // 2)
     with torch.no_grad():
         close(ours(x), hf(x))

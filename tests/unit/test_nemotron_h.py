@@ -127,8 +127,26 @@ def test_pattern_checks_name_the_key_and_the_fix():
     assert "'E' (MoE)" in NEMOTRON_H.check(moe, _Par(), "debugmodel")[0]
     par = _Par()
     par.tp, par.cp = 2, 2
-    problems = MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")
-    assert any(p.startswith("parallelism.tp=2") for p in problems) and any("parallelism.cp=2" in p for p in problems)
+    assert [p.split(":")[0] for p in MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")] == [
+        "parallelism.cp=2"]  # TP 2 splits its 2 groups; CP has no plan
+
+
+def test_tensor_parallel_checks_one_line_each():
+    """tp must divide the Mamba heads and groups, the attention heads and KV heads and the MLP's hidden size."""
+    par = _Par()
+    par.tp = 4  # debugmodel: 8 Mamba heads in 2 groups, 4 heads over 2 KV heads, MLP hidden 256
+    (groups,) = MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")
+    assert groups.startswith("model.flavor 'debugmodel' has n_groups=2 which parallelism.tp=4 does not divide") \
+        and groups.endswith("use tp in {1,2}")
+    assert NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel") == [
+        groups, "model.flavor 'debugmodel' has n_kv_heads=2 which parallelism.tp=4 does not divide; use tp in {1,2}"]
+    par.tp = 3
+    problems = NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel")
+    assert [p.split(" which")[0] for p in problems] == [
+        "model.flavor 'debugmodel' has mamba_n_heads=8", "model.flavor 'debugmodel' has n_groups=2",
+        "model.flavor 'debugmodel' has n_kv_heads=2", "model.flavor 'debugmodel' has the FFN hidden size 256,"]
+    par.tp = 2
+    assert NEMOTRON_H.check(NEMOTRON_H.flavors["debugmodel"], par, "debugmodel") == []
 
 
 def test_published_shapes():
@@ -208,3 +226,29 @@ def test_greedy_generation_equals_transformers(spec):
     assert got == want
     assert max(len(set(r)) for r in got) > 2, got
     assert all(b.cache is None for b in ours.layers.values())  # detached again
+
+
+def test_tp_plan_names_each_layer_by_its_kind():
+    """parallelize/nemotron_h.py: one key per layer and module by the layer's kind ("M*M-M" here), sequence parallel
+    norms (replicated without it), and a pipeline stage gets keys for the layers it holds only."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from parallelize.nemotron_h import hybrid_tp_plan
+    from parallelize.tp import ReplicateParallel, ShardParameters, Styles, describe_plan
+
+    with torch.device("meta"):
+        model = NEMOTRON_H.model_cls(tiny(NEMOTRON_H))
+    plan = hybrid_tp_plan(model, sequence_parallel=True, loss_parallel=True)
+    mamba = {k[len("layers.0."):]: v for k, v in plan.items() if k.startswith("layers.0.")}
+    assert list(mamba) == ["norm", "mixer", "mixer.in_proj", "mixer.conv1d", "mixer.norm", "mixer.out_proj"]
+    assert isinstance(mamba["mixer"], Styles) and isinstance(mamba["mixer.in_proj"], ColwiseParallel)
+    assert mamba["mixer"].styles[1].names == ("dt_bias", "A_log", "D")
+    assert isinstance(mamba["mixer.conv1d"], ShardParameters) and mamba["mixer.out_proj"].output_layouts == (Shard(1),)
+    assert isinstance(plan["layers.1.mixer.wq"], ColwiseParallel) and "layers.1.mixer.in_proj" not in plan
+    assert isinstance(plan["layers.3.mixer.w2"], RowwiseParallel) and isinstance(plan["norm"], SequenceParallel)
+    assert "dt_bias" in describe_plan(plan)
+    plain = hybrid_tp_plan(model, sequence_parallel=False, loss_parallel=False)
+    assert isinstance(plain["layers.2.norm"], ReplicateParallel) and plain["output"].output_layouts == (Replicate(),)
+    del model.layers["0"], model.layers["1"]  # a later pipeline stage
+    assert {k.split(".")[1] for k in hybrid_tp_plan(model) if k.startswith("layers.")} == {"2", "3", "4"}
