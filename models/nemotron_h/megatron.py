@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from models.common import megatron_utils
+from models.common.mamba2 import reorder_packed
 from models.common.megatron_utils import (EMBEDDING, LAYER_PREFIX, OUTPUT, arg, fuse_qkv, is_hybrid, layer_items,
                                           split_qkv)
 from models.nemotron_h.args import ATTENTION, LETTERS, MAMBA, MLP, MOE, HybridArgs, NemotronHArgs
@@ -254,12 +255,20 @@ def from_megatron(msd: dict[str, torch.Tensor], args: HybridArgs, margs: dict | 
                            f"{LETTERS[kind]} layer ({kind!r} in the pattern) of titanlike {family}")
     if "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"].clone()
-    return out
+    return _reorder(out, args, to_parts=False)
+
+
+def _reorder(state_dict: dict[str, torch.Tensor], args: HybridArgs, to_parts: bool) -> dict[str, torch.Tensor]:
+    # Megatron's in_proj/conv1d parts are part-major ([z; x; B; C; dt], transformers' order); ours are group-major
+    # (models/common/mamba2.py: a contiguous TP shard is whole groups).
+    return reorder_packed(state_dict, args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups,
+                          to_hf=to_parts)
 
 
 def to_megatron(state_dict: dict[str, torch.Tensor], args: HybridArgs) -> dict[str, torch.Tensor]:
     """titanlike FQNs -> canonical Megatron dict (the Mamba projections in torch_dist's parts)."""
     pattern, sizes = args.pattern(), _sizes(args)
+    state_dict = _reorder(state_dict, args, to_parts=True)
     top = {"tok_embeddings.weight": EMBEDDING, "norm.weight": FINAL_NORM, "output.weight": OUTPUT}
     out: dict[str, torch.Tensor] = {}
     qkv: dict[int, dict[str, torch.Tensor]] = {}

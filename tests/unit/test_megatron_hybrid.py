@@ -173,6 +173,15 @@ def test_round_trip_and_megatron_shapes(pattern) -> None:
     assert {k: tuple(v.shape) for k, v in msd.items()} == expected_shapes(args, pattern)
     back = adapter.from_megatron(msd, args, adapter.megatron_args(args))
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    # Megatron's parts concatenate to transformers' packed rows ([z; x; B; C; dt], conv [x; B; C]), whatever order
+    # titanlike keeps them in (the HF export is checked against transformers' logits in the model contract test).
+    hf = get_spec(name).hf.to_hf(sd, args)
+    for i in (i for i, kind in enumerate(pattern) if kind == "M"):
+        for ours, parts in (("in_proj.weight", ("z", "x", "B", "C", "dt")), ("conv1d.weight", "xBC"),
+                            ("conv1d.bias", "xBC")):
+            fused = torch.cat([msd[f"decoder.layers.{i}.mixer.{ours}.{p}"] for p in parts])
+            hf_key = next(k for k in hf if k.endswith(f"layers.{i}.mixer.{ours}"))
+            assert torch.equal(fused, hf[hf_key]), (i, ours)
     margs = {"num_attention_heads": 4, **adapter.megatron_args(args), "padded_vocab_size": 256}
     assert adapter.claims(margs)
     again = adapter.args_from_megatron(margs)  # the chunk is a kernel choice Megatron does not save: 128 there
