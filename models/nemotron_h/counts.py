@@ -7,8 +7,9 @@ work that has no weight:
     x S per token;
   - Mamba-2 ("M"), models/common/ssd.py's chunked scan with chunk L (the sequence padded to a multiple of L), per
     token and forward: C.B^T scores 2 L N G, scores x (dt x) 2 L H P, each chunk's state 2 H P N, the carried state's
-    reading 2 H P N; x3 for training. The short conv is a weight (its 6 per weight per token is its real work); the
-    gates, norms and the state's decay are elementwise and not counted.
+    reading 2 H P N; x3 for training (but for a single chunk, where no state reaches another chunk and the
+    backward of those two state einsums is never run). The short conv is a weight (its 6 per weight per token is its
+    real work); the gates, norms and the state's decay are elementwise and not counted.
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def mixing_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
         h, p, n, g, L = args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups, args.chunk_size
         per_token = 2 * L * n * g + 2 * L * h * p + 4 * h * p * n
         padded = math.ceil(seq_len / L) * L  # the scan computes the padding of the last chunk too
-        return 3 * per_token * padded / seq_len
+        # One chunk: no state crosses a chunk boundary, so autograd skips the state einsums' backward (6 H P N).
+        skipped = 6 * h * p * n if padded == L else 0
+        return (3 * per_token - skipped) * padded / seq_len
     return 0
 
 

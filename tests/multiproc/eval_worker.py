@@ -1,5 +1,5 @@
-"""[eval] in the training loop on N gloo processes (tests/unit/test_eval.py launches it): one run with eval, one
-without; rank 0 prints one JSON line with both runs' losses and the eval results.
+"""[eval] in the training loop on N gloo processes (tests/multiproc/test_dist_eval.py launches it): one run with eval,
+one without; rank 0 prints one JSON line with both runs' losses and the eval results.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/multiproc/eval_worker.py DUMP_DIR INCLUDE_PATH
 """
@@ -14,7 +14,8 @@ from titanlike.train.trainer import Trainer
 
 
 def eval_config(dump: str, include_path: str, world: int, enable: bool):
-    """The tiny run tests/unit/test_eval.py also runs on one process: the same global batch of 4 on any world size."""
+    """The tiny run tests/multiproc/test_dist_eval.py also runs on one process: the same global batch of 4 on any world
+    size."""
     return config_from_dict({
         "job": {"dump_folder": dump, "run_name": f"eval{int(enable)}_w{world}"},
         "model": {"flavor": "debugmodel", "n_layers": 2},

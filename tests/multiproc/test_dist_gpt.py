@@ -4,7 +4,6 @@ trainer under CP 2, TP 2 and tied PP 2 (1F1B, Interleaved1F1B, ZBVZeroBubble; it
 logging one process's losses."""
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,58 +29,52 @@ def _losses(out: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"step +(\d+) +loss +([0-9.]+)", out)}
 
 
+def _train_one(tmp_path: Path, name: str, args: list[str]) -> str:
+    one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *args,
+                          f"--job.dump_folder={tmp_path / name}"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    return one.stdout + one.stderr
+
+
 @pytest.mark.dist
 def test_gpt_trainer_layouts_follow_one_process(tmp_path):
-    """scripts/train.py on configs/gpt2_debug.toml (fp32 CPU): context parallel 2 (position ids of the load-balanced
-    chunks) and TP 2 (the re-tied vocabulary-sharded embedding/output) of the tied flavor, and PP 2 of the tied one
-    (4 layers; pos_embeddings on the first stage, the last stage's own copy of the embedding, gradients summed with
-    the first stage's: parallelize/tied.py) under 1F1B, Interleaved1F1B (4 stages, the copy on the other rank) and
-    ZBVZeroBubble (first and last stage on rank 0: summed locally), log one process's losses (4 decimals) from the
-    same seed: the seeded initial weights and every step. The tied 1F1B run's
-    checkpoint holds the one-process keys with the two copies equal, and loads into one process (pp=1, strict) with
-    the one-process run's final weights."""
-    common = ["--config", "configs/gpt2_debug.toml", "--training.device=cpu", "--training.steps=6",
-              "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2"]
+    """scripts/train.py on configs/gpt2_debug.toml (fp32 CPU), the tied flavor at 4 layers: context parallel 2
+    (position ids of the load-balanced chunks), TP 2 (the re-tied vocabulary-sharded embedding/output) and PP 2
+    (pos_embeddings on the first stage, the last stage's own copy of the embedding, gradients summed with the first
+    stage's: parallelize/tied.py) under 1F1B, Interleaved1F1B (4 stages, the copy on the other rank) and
+    ZBVZeroBubble (first and last stage on rank 0: summed locally) log one process's losses (4 decimals) from the
+    same seed: the seeded initial weights and every step. The tied 1F1B run's step-6 checkpoint holds the
+    one-process keys with the two copies equal, and loads into one process (pp=1, strict) with the one-process
+    run's weights of that step. And the one-process step-6 checkpoint (the tie's optimizer state saved once, under
+    the embedding's name) resumes in full under PP 2: the last stage's copy takes the embedding's moments, and
+    steps 7-8 follow the uninterrupted one-process run. One reference run serves every layout."""
+    base = ["--config", "configs/gpt2_debug.toml", "--training.device=cpu", "--training.steps=8",
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2",
+            "--model.flavor=debugmodel", "--model.n_layers=4"]
     # Tied PP: the last stage's copy decays by its source's (embedding) rule, as in one process.
-    tied_pp = ["--model.flavor=debugmodel", "--model.n_layers=4", "--checkpoint.enable=true",
-               "--checkpoint.interval=6"]
-    cases = {"debugmodel": (["--model.flavor=debugmodel"], [("cp2", ["--parallelism.cp=2"]),
-                                                           ("tp2", ["--parallelism.tp=2"])]),
-             "tied_pp": (tied_pp, [("tied_pp2", ["--parallelism.pp=2"]),
-                                   ("tied_pp2_interleaved", ["--parallelism.pp=2",
-                                                             "--parallelism.pp_schedule=Interleaved1F1B"]),
-                                   ("tied_pp2_zbv", ["--parallelism.pp=2",
-                                                     "--parallelism.pp_schedule=ZBVZeroBubble"])])}
-    for ref, (flags, layouts) in cases.items():
-        base = [*common, *flags]
-        one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *base,
-                              f"--job.dump_folder={tmp_path / ref}"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
-        assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-        want = _losses(one.stdout + one.stderr)
-        assert sorted(want) == list(range(1, 7)), want
-        for name, layout_flags in layouts:
-            run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
-                               args=[*base, *layout_flags, "--parallelism.dp_shard=1",
-                                     f"--job.dump_folder={tmp_path / name}"])
-            got = _losses(run.stdout + run.stderr)
-            assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
-    _check_tied_checkpoint(tmp_path / "tied_pp2", tmp_path / "tied_pp")
-    # The one-process checkpoint (the tie's optimizer state saved once, under the embedding's name) resumes in full
-    # under PP 2: the last stage's copy takes the embedding's moments, and steps 7-8 follow one process's resume.
-    for name in ("resume_one", "resume_pp2"):
-        shutil.copytree(tmp_path / "tied_pp", tmp_path / name)
-    more = [*common, *tied_pp, "--training.steps=8"]
-    one = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/train.py"), *more,
-                          f"--job.dump_folder={tmp_path / 'resume_one'}"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
+    saving = ["--checkpoint.enable=true", "--checkpoint.interval=6"]
+    want = _losses(_train_one(tmp_path, "one", [*base, *saving]))
+    assert sorted(want) == list(range(1, 9)), want
+    layouts = [("cp2", ["--parallelism.cp=2"]), ("tp2", ["--parallelism.tp=2"]),
+               ("tied_pp2", ["--parallelism.pp=2", *saving]),
+               ("tied_pp2_interleaved", ["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B"]),
+               ("tied_pp2_zbv", ["--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble"])]
+    for name, layout_flags in layouts:
+        run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
+                           args=[*base, *layout_flags, "--parallelism.dp_shard=1",
+                                 f"--job.dump_folder={tmp_path / name}"])
+        got = _losses(run.stdout + run.stderr)
+        assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (name, got, want)
+    _check_tied_checkpoint(tmp_path / "tied_pp2", tmp_path / "one")
+    step6 = next((tmp_path / "one").glob("*/checkpoint/step-6"))
     run = run_torchrun(REPO_ROOT / "scripts/train.py", 2, timeout=180,
-                       args=[*more, "--parallelism.pp=2", "--parallelism.dp_shard=1",
+                       args=[*base, "--parallelism.pp=2", "--parallelism.dp_shard=1",
+                             f"--checkpoint.initial_load_path={step6}", "--checkpoint.initial_load_model_only=false",
                              f"--job.dump_folder={tmp_path / 'resume_pp2'}"])
-    want, got = _losses(one.stdout + one.stderr), _losses(run.stdout + run.stderr)
-    assert sorted(want) == [7, 8] and "loaded full training state" in run.stdout + run.stderr, (one.stdout[-2000:],
-                                                                                                 run.stdout[-2000:])
-    assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 2e-4 for s in want), (got, want)
+    got = _losses(run.stdout + run.stderr)
+    assert sorted(got) == [7, 8] and "loaded full training state" in run.stdout + run.stderr, run.stdout[-2000:]
+    assert all(abs(got[s] - want[s]) <= 2e-4 for s in got), (got, want)
 
 
 def _check_tied_checkpoint(pp_dir: Path, one_dir: Path) -> None:
@@ -92,7 +85,7 @@ def _check_tied_checkpoint(pp_dir: Path, one_dir: Path) -> None:
     from titanlike.checkpoint.loading import load_model_weights
     from titanlike.checkpoint.states import full_model_state, model_from_meta
 
-    pp_step, one_step = (next(d.glob("*/checkpoint/step-6")) for d in (pp_dir, one_dir))
+    pp_step, one_step = (next(d.glob("*/checkpoint/step-6")) for d in (pp_dir, one_dir))  # of 8 steps
     saved, ref = full_model_state(str(pp_step)), full_model_state(str(one_step))
     assert saved.keys() == ref.keys() and "output.weight" in saved, sorted(set(saved) ^ set(ref))
     assert torch.equal(saved["tok_embeddings.weight"], saved["output.weight"]), "the two copies drifted apart"

@@ -1,5 +1,8 @@
-"""DeepSeek-V3 family (models/deepseek_v3, parallelize/deepseek_v3.py): HF parity and round trip, counts, checks, and
-the debug config training end to end. CPU, fp32, tiny shapes."""
+"""DeepSeek-V3 family (models/deepseek_v3, parallelize/deepseek_v3.py): HF parity of MLA variants (q LoRA or not, YaRN
+or plain RoPE), YaRN against transformers, the hub config, refusals, hand counts and published sizes, checks, and the
+debug config training end to end. CPU, fp32, tiny shapes. What every family gets (counts against the built model,
+FLOPs, export into transformers, plans on fake ranks): tests/unit/test_model_contract.py; the plans on 2 gloo
+processes: tests/multiproc/test_dist_deepseek_v3.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,19 +12,14 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from models.common.moe import MoEArgs
 from models.deepseek_v3 import SPEC, ModelArgs, Transformer
 from models.deepseek_v3.flavors import deepseek_v3_flavors
-from models.deepseek_v3.hf import args_from_hf_config, from_hf, hf_config, to_hf
+from models.deepseek_v3.hf import args_from_hf_config, from_hf, hf_config
 from models.deepseek_v3.mla import softmax_scale_factor, yarn_inv_freq
 
 torch.set_num_threads(1)
@@ -151,32 +149,6 @@ def test_yarn_matches_transformers_and_changes_logits():
     assert not torch.allclose(scaled(tokens), plain(tokens))
 
 
-def test_hf_round_trip_through_transformers(tmp_path):
-    """to_hf writes the hub layout (one tensor per expert); transformers loads it (converting to its packed
-    experts) with the exported config.json and computes the same logits; from_hf reads both layouts back."""
-    transformers = pytest.importorskip("transformers")
-    safetensors = pytest.importorskip("safetensors.torch")
-    hf, config = _hf_model(24, YARN)
-    args = args_from_hf_config(config.to_dict())
-    model = Transformer(args).eval()
-    model.load_state_dict(from_hf(hf.state_dict(), args), strict=True)
-    sd = model.state_dict()
-    exported = to_hf(sd, args)
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
-    assert "model.layers.2.mlp.gate.e_score_correction_bias" in exported
-    back = from_hf(exported, args)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
-
-    safetensors.save_file({k: v.contiguous() for k, v in exported.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(args, torch.float32)))
-    assert args_from_hf_config(json.loads((tmp_path / "config.json").read_text())) == args
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    loaded.config._attn_implementation = "eager"
-    tokens = torch.randint(0, 128, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
-
-
 def test_args_from_deepseek_v3_hub_config():
     """DeepSeek-V3's own config.json (transformers 4 layout, with its FP8 and MTP fields) reads as the 671B flavor."""
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
@@ -248,19 +220,6 @@ def test_published_sizes():
         assert (c.active - emb) / 1e9 == pytest.approx(active, rel=0.03), flavor
 
 
-def test_flops_match_flop_counter():
-    """flops_per_token against torch's FLOP counter over forward + backward (the eager expert loop runs exactly the
-    routed tokens; SDPA is counted without a causal discount, as the formula). The only extra in the counter is
-    the MoE's weighted sum over the k choices (a bmm), hence the small tolerance."""
-    args = tiny_args(max_seq_len=16)
-    model = build(args)
-    tokens = torch.randint(0, args.vocab_size, (2, 16))
-    with FlopCounterMode(display=False) as counter:
-        model(tokens).sum().backward()
-    expected = SPEC.flops_per_token(args, 16) * tokens.numel()
-    assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
-
-
 def test_pp_costs_dense_and_moe_differ():
     args = deepseek_v3_flavors["671B"]
     costs = SPEC.pp_costs(args, 4096)
@@ -305,117 +264,3 @@ def test_debug_config_trains(tmp_path):
     losses = [h["loss"] for h in history]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.5, losses
-
-
-# ------------------------------------------------------------------------------------------------ parallel plans
-# The test launches this file under torchrun (2 gloo processes); each case builds the model through the family's
-# default plan and compares loss and every gradient, and the parameters after two AdamW steps, with a 1-process
-# reference (fp32, 1e-5).
-
-PLAN_CASES = {  # name: (ParallelDims degrees, sequence parallel, loss parallel, q_lora_rank, per-block compile)
-    "tp2_sp": ({"tp": 2}, True, False, 24, False),
-    "tp2_lp_plain_q": ({"tp": 2}, False, True, 0, False),
-    "fsdp2": ({"dp_shard": 2}, True, False, 24, False),
-}
-EP_CASES = {"ep2": ({"dp_shard": 2, "ep": 2}, True, False, 24, False)}  # 4 of the 8 experts per rank
-# A cold inductor compile of both block kinds costs minutes on 2 cores: on request only (passed when written).
-COMPILE_CASES = {"tp2_sp_compile": ({"tp": 2}, True, True, 24, True)}
-RUN_COMPILE = os.environ.get("TITANLIKE_TEST_TP_COMPILE") == "1"
-
-
-@pytest.mark.dist
-def test_parallel_plans_match_one_process():
-    from tests.launch import run_torchrun
-
-    out = run_torchrun(Path(__file__), 2, args=["plans"], timeout=900 if RUN_COMPILE else 300).stdout
-    for name in {**PLAN_CASES, **(COMPILE_CASES if RUN_COMPILE else {})}:
-        assert f"CHECK {name} ok" in out, out
-
-
-@pytest.mark.dist
-def test_expert_parallel_plan_matches_one_process():
-    from tests.launch import run_torchrun
-
-    out = run_torchrun(Path(__file__), 2, args=["ep"], timeout=300).stdout
-    assert "CHECK ep2 ok" in out, out
-
-
-def _plan_case(name: str, dims_kw: dict, sp: bool, lp: bool, q_lora_rank: int, compile: bool, rank: int,
-               world: int) -> str:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from parallelize import PlanSections, get_plan
-    from titanlike.config.sections import JobConfig
-    from titanlike.distributed.parallel_dims import ParallelDims
-
-    args = tiny_args(q_lora_rank=q_lora_rank, max_seq_len=16, rope_factor=4.0, rope_original_max_position=8,
-                     rope_mscale=1.0, rope_mscale_all_dim=1.0)
-    args.moe.seq_aux_loss_coeff = 0.01  # its gradient enters the router's: replicated routing must keep it exact
-    dims = ParallelDims(**dims_kw, world_size=world)
-    dims.build_mesh("cpu")
-    cfg = JobConfig()
-    cfg.parallelism.enable_sequence_parallel, cfg.parallelism.enable_loss_parallel = sp, lp
-    cfg.compile.enable, cfg.compile.components = compile, ["model"]
-    ref = build(args, seed=0)
-    with torch.no_grad():
-        for block in ref.layers.values():
-            if block.moe_enabled:
-                block.moe.expert_bias.copy_(0.05 * torch.randn(8, generator=torch.Generator().manual_seed(1)))
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = get_plan("deepseek_v3", "default")(model, dims, PlanSections.of(cfg))
-    model.to_empty(device="cpu")
-    model.init_weights()
-    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in (ref, model)]
-    dp, dp_rank = dims.dp_degree, dims.dp_rank()
-    for step in range(2):
-        g = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, args.vocab_size, (2, 17), generator=g)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        ref_loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
-        ref_loss.backward()
-        rows = slice(dp_rank * 2 // dp, (dp_rank + 1) * 2 // dp)
-        with loss_parallel() if lp else torch.enable_grad():
-            logits = model(inputs[rows])
-            assert isinstance(logits, DTensor) == lp, name
-            loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), reduction="sum")
-            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            (loss * dp / labels.numel()).backward()  # as the trainer: FSDP averages over dp
-        total = loss.detach().clone()
-        if dims.get_mesh("dp_cp") is not None:
-            torch.distributed.all_reduce(total, group=dims.get_mesh("dp_cp").get_group())
-        assert abs(total.item() / labels.numel() - ref_loss.item()) <= 1e-5, (name, step, total, ref_loss)
-        ref_params = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            torch.testing.assert_close(grad, ref_params[n].grad, atol=1e-5, rtol=1e-4, msg=f"{name} grad {n}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        torch.testing.assert_close(full.detach(), ref_params[n].detach(), atol=1e-5, rtol=0, msg=f"{name} param {n}")
-    return f"CHECK {name} ok loss={ref_loss.item():.4f}"
-
-
-def _plans_worker(cases: dict) -> None:
-    from titanlike.distributed.init import destroy_distributed, init_distributed
-
-    rank, world, _ = init_distributed("cpu", timeout_s=120)
-    torch.set_num_threads(1)
-    for name, case in cases.items():
-        line = _plan_case(name, *case, rank=rank, world=world)
-        if rank == 0:
-            print(line, flush=True)
-    torch.distributed.barrier()
-    destroy_distributed()
-    sys.stdout.flush()
-    os._exit(0)  # skip the interpreter teardown (gloo's background thread occasionally aborts it on torch 2.13)
-
-
-if __name__ == "__main__":
-    _plans_worker(EP_CASES if sys.argv[1:] == ["ep"] else {**PLAN_CASES, **(COMPILE_CASES if RUN_COMPILE else {})})

@@ -1,6 +1,7 @@
 """Evaluation (titanlike/eval, scripts/evaluate.py, [eval] in the loop): the lm-evaluation-harness adapter against
 log-likelihoods computed by hand from the model's logits, a checkpoint's perplexity against the trainer's validation
-loss, the in-loop evaluation on 2 gloo processes against 1, and the bad-input lines. Local tasks only: nothing is
+loss, and the bad-input lines (the in-loop evaluation on 2 gloo processes against 1:
+tests/multiproc/test_dist_eval.py). Local tasks only: nothing is
 downloaded (HF_DATASETS_OFFLINE=1)."""
 import dataclasses
 import importlib.util
@@ -20,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 import models  # noqa: E402
-from tests.launch import REPO_ROOT, run_torchrun  # noqa: E402
+from tests.launch import REPO_ROOT  # noqa: E402
 from titanlike.config import ConfigError, config_from_dict, load_config  # noqa: E402
 from titanlike.config.sections import Data  # noqa: E402
 from titanlike.data.tokenizers import build_tokenizer  # noqa: E402
@@ -174,31 +175,6 @@ def test_checkpoint_perplexity_equals_the_trainers_validation_loss(tmp_path, inc
                         "--include-path", include_path, "--limit", "3", "--output", str(out)]) == 0
     metrics = json.loads(out.read_text())["metrics"]
     assert 0.0 <= metrics["titanlike_tiny_choice/acc"] <= 1.0
-
-
-def test_in_loop_eval_on_two_processes_equals_one_and_leaves_training_alone(tmp_path, include_path):
-    """Each DP rank scores its share of the requests: 2 gloo processes give the 1-process results; and a run with
-    [eval] every step has bitwise the losses of the same run without it (RNG, data position, weights untouched)."""
-    spec = importlib.util.spec_from_file_location("eval_worker", REPO_ROOT / "tests" / "multiproc" / "eval_worker.py")
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    one_with, one_evals = worker.run(worker.eval_config(str(tmp_path / "one"), include_path, 1, True))
-    one_without, _ = worker.run(worker.eval_config(str(tmp_path / "one"), include_path, 1, False))
-    assert one_with == one_without  # bitwise: exact float equality
-    assert len(one_evals) == 2 and "titanlike_tiny_choice/acc" in one_evals[0]
-    assert one_evals[0]["titanlike_tiny_rolling/word_perplexity"] > 1
-
-    proc = run_torchrun(REPO_ROOT / "tests" / "multiproc" / "eval_worker.py", 2, [tmp_path / "two", include_path],
-                        timeout=240, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
-    two = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert two["with"] == two["without"]
-    assert [e.pop("shard_degree") for e in two["evals"]] == [2, 2]  # each rank scored half of the requests
-    [e.pop("shard_degree") for e in one_evals]
-    assert two["with"] == pytest.approx(one_with, rel=1e-5)  # FSDP over 2 ranks vs 1: the same global batches
-    for a, b in zip(two["evals"], one_evals):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-4), key
 
 
 @pytest.fixture(autouse=True)

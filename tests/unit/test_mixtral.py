@@ -1,5 +1,6 @@
-"""Mixtral: HF parity and round trip, published shapes, counts, checks, plans, compile. CPU, float32, tiny shapes;
-transformers builds the reference from its config class (no downloads)."""
+"""Mixtral: published shapes, hand counts, checks, plans, compile. CPU, float32, tiny shapes. HF parity and round
+trip (the export into transformers, from_hf of its own and of the published per-expert names), counts against the
+built model and FLOPs: tests/unit/test_model_contract.py, as for every family."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,25 +14,9 @@ import torch
 
 import models
 from models.mixtral import SPEC, MixtralArgs, Transformer
-from models.mixtral.hf import args_from_hf_config, from_hf, hf_config, to_hf
+from models.mixtral.hf import args_from_hf_config, hf_config
 
-transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
-            max_position_embeddings=64, rms_norm_eps=1e-5)
-
-
-def hf_model(seed: int = 0, **kw):
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**TINY, **kw}))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # everything random (norm gains too); router logits spread, far from top-k ties
-        for name, p in model.named_parameters():
-            scale = 0.5 if "gate.weight" in name else 0.08
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else scale * torch.randn(p.shape,
-                                                                                                      generator=g))
-    return model.eval()
 
 
 def build(args: MixtralArgs, state_dict: dict | None = None) -> Transformer:
@@ -45,50 +30,8 @@ def build(args: MixtralArgs, state_dict: dict | None = None) -> Transformer:
     return model.eval()
 
 
-def assert_logits_match(hf, ours) -> None:
-    tokens = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= 1e-4, diff
-
-
 def test_registry():
     assert models.get_spec("mixtral") is SPEC and set(SPEC.flavors) == {"debugmodel", "8x7B", "8x22B"}
-
-
-def test_logits_match_hf_and_round_trip(tmp_path):
-    from safetensors.torch import load_file
-
-    hf = hf_model()
-    hf.save_pretrained(tmp_path)
-    disk = load_file(os.path.join(tmp_path, "model.safetensors"))  # published names: block_sparse_moe.experts.<e>.w1
-    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in disk
-    args = args_from_hf_config(hf.config.to_dict())
-    assert (args.moe.num_experts, args.moe.top_k, args.moe.hidden_dim, args.moe.route_norm) == (8, 2, 48, True)
-    sd = from_hf(disk, args)
-    ours = build(args, sd)
-    assert_logits_match(hf, ours)
-    back = to_hf(ours.state_dict(), args)
-    assert back.keys() == disk.keys()
-    for k in disk:
-        assert torch.equal(back[k], disk[k]), k
-    # A transformers 5.x model's own state_dict (mlp.gate, fused gate_up_proj / down_proj) imports alike.
-    fused = from_hf(hf.state_dict(), args)
-    assert fused.keys() == sd.keys() and all(torch.equal(fused[k], sd[k]) for k in sd)
-
-
-def test_export_loads_in_transformers(tmp_path):
-    from safetensors.torch import save_file
-
-    hf = hf_model(seed=1)
-    args = args_from_hf_config(hf.config.to_dict())
-    ours = build(args, from_hf(hf.state_dict(), args))
-    save_file({k: v.contiguous() for k, v in to_hf(ours.state_dict(), args).items()},
-              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(args, torch.float32)))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert type(loaded).__name__ == "MixtralForCausalLM"
-    assert_logits_match(loaded, ours)
 
 
 def test_published_configs_find_their_flavor():
@@ -121,8 +64,6 @@ def test_param_counts(flavor):
     counts = SPEC.param_counts(a)
     assert counts.total == 2 * a.vocab_size * a.dim + a.dim + a.n_layers * (base + a.moe.num_experts * expert)
     assert counts.active == 2 * a.vocab_size * a.dim + a.dim + a.n_layers * (base + a.moe.top_k * expert)
-    if flavor == "debugmodel":
-        assert counts.total == sum(p.numel() for p in build(dataclasses.replace(a, max_seq_len=16)).parameters())
     if flavor == "8x7B":  # the published 46.7B total, 12.9B active
         assert (round(counts.total / 1e9, 1), round(counts.active / 1e9, 1)) == (46.7, 12.9)
 

@@ -175,3 +175,38 @@ def test_a_signal_before_the_first_checkpoint_says_nothing_can_be_resumed(tmp_pa
     (step / "COMMITTED").write_text(json.dumps({"step": 5, "files": {}}))
     train._interrupted(Interrupted("SIGTERM", "checkpoint load"), None, cfg)
     assert "rerun the same command to resume from it" in capsys.readouterr().err
+
+
+def _preempt_cmd(tmp_path, steps):
+    return [sys.executable, "-u", str(REPO_ROOT / "scripts/train.py"), "--config", "configs/debug_model.toml",
+            "--data.dataset=mock", "--model.vocab_size=128", "--training.seq_len=32", "--training.device=cpu",
+            f"--training.steps={steps}", "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false", "--checkpoint.enable", "--checkpoint.interval=1000",
+            f"--job.dump_folder={tmp_path}", "--job.run_name=pre"]
+
+
+def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
+    """SIGTERM mid-run: the trainer saves at the next step boundary and exits 0; the same command resumes there
+    (a signal on one rank of two: tests/multiproc/test_dist_preemption.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(_preempt_cmd(tmp_path, 10_000), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # wait until training is really under way, then preempt
+        lines.append(line)
+        if " step      3 " in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + p.stdout.read()
+    assert p.wait(timeout=120) == 0, out
+    assert "preemption: SIGTERM" in out and "preempted at step" in out, out
+    saved = int(out.split("preempted at step ")[1].split(":")[0])
+    assert saved >= 3 and (tmp_path / "pre" / "checkpoint" / f"step-{saved}").is_dir(), out
+
+    again = subprocess.run(_preempt_cmd(tmp_path, saved + 2), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"loaded full training state of step {saved}" in again.stdout, again.stdout
+    assert f" step {saved + 2:>6} " in again.stdout and f" step {saved:>6} " not in again.stdout
+
+
