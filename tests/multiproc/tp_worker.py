@@ -7,9 +7,9 @@ limit; `--compile` adds per-block compile; the hybrid families too: nemotron_h's
 with and without sequence parallel, on packed documents, its gradients compared parameter by parameter and its TP 2
 DCP checkpoint loaded in one process; mamba2's; and qwen3_next's the same way, every block kind: Gated DeltaNet,
 gated attention, MoE with its gated shared expert, dense FFN), 4 processes (FSDP 2 x TP 2 with and without SP,
-replicate 2 x TP 2, a grad norm over mixed meshes) and 8 processes (HSDP 2 x 2 x TP 2). `--device=cuda`
-(test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one
-"CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
+replicate 2 x TP 2, a grad norm over mixed meshes, qwen3_next's FSDP 2 x TP 2) and 8 processes (HSDP 2 x 2 x
+TP 2). `--device=cuda` (test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0
+prints one "CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
@@ -111,15 +111,17 @@ class AsyncTPSpy:
         self._pg.micro_pipeline_tp_pass = orig_pass
 
 
-def hybrid_args(family: str):
+def hybrid_args(family: str, dp: int = 1):
     """The family's debug model at this file's vocabulary and sequence, with chunks of 8: the scan crosses chunks.
     qwen3_next: cut to every block kind (DeltaNet + dense FFN, attention + MoE, DeltaNet + MoE), 2 key heads of 2
-    value heads each (one key head per rank), 4 attention / 2 KV heads, the MoE's gated shared expert."""
+    value heads each (one key head per rank), 4 attention / 2 KV heads, the MoE's gated shared expert; with data
+    parallel no balance loss (a statistic of each rank's own batch, so its gradient is not the global batch's)."""
     spec = models.get_spec(family)
     base = spec.flavors["debugmodel"]
     if family != "qwen3_next":
         return spec, dataclasses.replace(base, vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
-    moe = dataclasses.replace(base.moe, num_experts=4, hidden_dim=32)
+    moe = dataclasses.replace(base.moe, num_experts=4, hidden_dim=32,
+                              aux_loss_coeff=base.moe.aux_loss_coeff if dp == 1 else 0.0)
     return spec, dataclasses.replace(
         base, dim=64, n_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
         mlp_only_layers=(0,), n_heads=4, n_kv_heads=2, head_dim=16, linear_n_k_heads=2, linear_n_v_heads=4,
@@ -127,11 +129,11 @@ def hybrid_args(family: str):
         vocab_size=VOCAB, max_seq_len=SEQ)
 
 
-def family_models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def family_models(family: str, dp: int = 1) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the seeded full model, the same model on meta) for "llama3" (par_helpers) or a hybrid family."""
     if family == "llama3":
         return reference_model(seed=0).to(DEVICE), meta_model()
-    spec, args = hybrid_args(family)
+    spec, args = hybrid_args(family, dp)
     torch.manual_seed(0)
     ref = spec.model_cls(args)
     ref.init_weights()
@@ -213,7 +215,7 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     cfg.activation_checkpoint.mode = ac
     cfg.compile.enable, cfg.compile.components = compile, ["model"]
 
-    ref, meta = family_models(family)
+    ref, meta = family_models(family, dims.dp_degree)
     model = get_plan(family, "default")(meta, dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
@@ -266,9 +268,9 @@ def check_hybrid_layout(name: str, model: torch.nn.Module) -> None:
         if hasattr(block, "linear_attn"):
             m = block.linear_attn
             for param in (m.in_proj_qkvz.weight, m.in_proj_ba.weight, m.conv1d.weight, m.dt_bias, m.A_log):
-                assert isinstance(param, DTensor) and param.placements == (Shard(0),), (name, key, param)
-                assert param.to_local().shape[0] * 2 == param.shape[0], (name, key, param.shape)
-            assert m.norm.weight.placements == (Replicate(),) and m.out_proj.weight.placements == (Shard(1),)
+                assert isinstance(param, DTensor) and param.placements[-1] == Shard(0), (name, key, param)  # TP's
+                assert len(param.placements) > 1 or param.to_local().shape[0] * 2 == param.shape[0], (name, key)
+            assert m.norm.weight.placements[-1] == Replicate() and m.out_proj.weight.placements[-1] == Shard(1)
         if getattr(block, "kind", None) != "M":
             continue
         m = block.mixer
@@ -361,6 +363,7 @@ def main() -> None:
     if world == 4 and DEVICE == "cpu":
         train_case("fsdp2_tp2_sp_lp", {"dp_shard": 2, "tp": 2})
         train_case("fsdp2_tp2_no_sp", {"dp_shard": 2, "tp": 2}, sp=False, lp=True)
+        train_case("qwen3_next_fsdp2_tp2_sp_lp_docs", {"dp_shard": 2, "tp": 2}, family="qwen3_next", docs=True)
         mixed_mesh_grad_norm()
         train_case("replicate2_tp2_sp_lp", {"dp_replicate": 2, "tp": 2}, ac="full")
     if world == 8 and DEVICE == "cpu":
