@@ -65,7 +65,7 @@ class GatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             h = h * F.silu(gate.float())
         h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
-        out = local(self.weight) * h.to(dtype)  # the channels held here (models/common/local.py)
+        out = local(self.weight, beside=h) * h.to(dtype)  # the channels held here (models/common/local.py)
         if self.norm_before_gate:
             out = (out * F.silu(gate.float())).to(dtype)
         return out

@@ -3,6 +3,7 @@ expert, zero-centred norms; the model, flavors, counts, config checks, HF adapte
 ModelSpec."""
 from __future__ import annotations
 
+from models.common.checks import attention_head_checks, ffn_checks
 from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
 from models.qwen3_next import hf
@@ -14,14 +15,31 @@ from models.qwen3_next.model import Block, SharedExpertMoE, Transformer
 from models.spec import ModelSpec
 
 
-def check(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
-    """What the parallel degrees of `par` require: no TP yet (the DeltaNet projections interleave each key head's
-    q, k, v, z, which a TP plan must split by key head: not written), no CP (the DeltaNet state crosses the whole
-    sequence), experts divisible by EP; a dense flavor refuses EP."""
+def tp_problems(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
+    """Tensor parallel shards by whole heads and hidden units (parallelize/qwen3_next.py): the DeltaNet's key heads
+    (its value heads follow them), the attention heads and KV heads, the shared expert's and the dense FFN's hidden
+    units; one line for each size tp does not divide, only for the layer kinds the model has."""
+    kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     problems = []
-    if par.tp > 1:
-        problems.append(f"parallelism.tp={par.tp}: qwen3_next has no tensor-parallel plan yet (its Gated DeltaNet "
-                        f"layers are not TP-sharded); set parallelism.tp=1 and shard with FSDP/EP")
+    if any(not full for full, _ in kinds) and args.linear_n_k_heads % par.tp:
+        fix = ",".join(str(d) for d in range(1, args.linear_n_k_heads + 1) if args.linear_n_k_heads % d == 0)
+        problems.append(f"model.flavor {flavor!r} has linear_n_k_heads={args.linear_n_k_heads} (Gated DeltaNet key "
+                        f"heads) which parallelism.tp={par.tp} does not divide; use tp in {{{fix}}}")
+    if any(full for full, _ in kinds):
+        problems += attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor)
+    if any(moe for _, moe in kinds) and args.shared_hidden_dim % par.tp:
+        problems.append(f"model.flavor {flavor!r} has shared_hidden_dim={args.shared_hidden_dim} (the shared "
+                        f"expert's hidden size) which parallelism.tp={par.tp} does not divide; use a tp dividing it")
+    if any(not moe for _, moe in kinds):
+        problems += ffn_checks(args.hidden_dim, par, flavor)
+    return problems
+
+
+def check(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
+    """What the parallel degrees of `par` require: TP by whole heads and hidden units (tp_problems), no CP (the
+    DeltaNet state crosses the whole sequence), experts divisible by EP; a dense flavor refuses EP. The routed
+    experts are not TP-sharded (parallelize/qwen3.py says why)."""
+    problems = tp_problems(args, par, flavor) if par.tp > 1 else []
     if par.cp > 1:
         problems.append(f"parallelism.cp={par.cp}: qwen3_next's Gated DeltaNet layers carry a state across the "
                         f"whole sequence, which context parallel would cut; set parallelism.cp=1")

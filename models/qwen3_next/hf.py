@@ -10,6 +10,9 @@ RoPE layout: titanlike rotates interleaved channel pairs, HF the two halves of t
 rotates only the first rotary_dim = head_dim * partial_rotary_factor channels of each head, so only those rows of
 wq's query half (HF q_proj holds, per head, the query's head_dim rows then the gate's), of wk and of the q/k norm
 weights are permuted (the norm scales channels before the rotation).
+
+DeltaNet conv1d: ours is key-head-major (per key head its q, k, v channels: what tensor parallelism shards), HF's
+[all q | all k | all v]; the channels are permuted both ways (models/common/gated_deltanet.py conv_hf_order).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 from models.common.hf_utils import (MLP_EXPERTS, add_zero_expert_biases, half_to_interleaved, hf_layer_items, hf_rope,
                                     interleaved_to_half, read_mlp_experts, refuse_trained_expert_bias, stack_experts,
                                     titanlike_layer_items, unstack_experts, untie_output)
+from models.common.gated_deltanet import conv_hf_order
 from models.common.moe import MoEArgs
 from models.qwen3_next.args import Qwen3NextArgs
 
@@ -48,9 +52,14 @@ _LAYER_MAP = {  # titanlike per-layer suffix -> HF per-layer suffix (routed expe
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
 
 
-def _rope_rows(suffix: str, value: torch.Tensor, args: Qwen3NextArgs, to_hf: bool) -> torch.Tensor:
-    """The rotated rows of wq's query half, wk and the q/k norms in the other layout; other tensors unchanged."""
+def _reorder_rows(suffix: str, value: torch.Tensor, args: Qwen3NextArgs, to_hf: bool) -> torch.Tensor:
+    """The rotated rows of wq's query half, wk and the q/k norms in the other layout, the DeltaNet's conv channels in
+    the other order; other tensors unchanged."""
     hd, rd = args.head_dim, args.rotary_dim
+    if suffix == "linear_attn.conv1d.weight":
+        order = conv_hf_order(args.linear_n_k_heads, args.linear_head_k_dim, args.linear_n_v_heads,
+                              args.linear_head_v_dim)
+        return value.index_select(0, (torch.argsort(order) if to_hf else order).to(value.device))
     if suffix == "attention.wq.weight":
         shape, parts = (args.n_heads, 2, hd), (0,)  # per head: query rows, then gate rows
     elif suffix == "attention.wk.weight":
@@ -77,7 +86,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str,
         elif suffix in MLP_EXPERTS:
             out.update(unstack_experts(value, f"{prefix}mlp.experts.", f".{MLP_EXPERTS[suffix]}.weight"))
         elif suffix in _LAYER_MAP:
-            out[prefix + _LAYER_MAP[suffix]] = _rope_rows(suffix, value, args, to_hf=True)
+            out[prefix + _LAYER_MAP[suffix]] = _reorder_rows(suffix, value, args, to_hf=True)
         else:
             raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
     return out
@@ -97,7 +106,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict
         if suffix not in _LAYER_MAP_INV:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
         tl_suffix = _LAYER_MAP_INV[suffix]
-        out[prefix + tl_suffix] = _rope_rows(tl_suffix, value, args, to_hf=False)
+        out[prefix + tl_suffix] = _reorder_rows(tl_suffix, value, args, to_hf=False)
     num_experts = args.moe.num_experts if args.moe else 0
     out.update(stack_experts(experts, num_experts))
     add_zero_expert_biases(out, num_experts)

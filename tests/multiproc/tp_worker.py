@@ -3,12 +3,13 @@ reference (gloo, fp32): loss, grad norm (clipped by titanlike.optim.clip_grad_no
 AdamW steps within 1e-5.
 
 Run by test_dist_tp.py with 2 processes (TP 2 variants; the tiny model has n_kv_heads == 2 == tp: GQA at the
-limit; `--compile` adds per-block compile; the hybrid Mamba-2 families too: nemotron_h's debug model, every layer
-kind, with and without sequence parallel, on packed documents, its gradients compared parameter by parameter and its
-TP 2 DCP checkpoint loaded in one process; and mamba2's), 4 processes (FSDP 2 x TP 2 with and without SP,
-replicate 2 x TP 2, a grad norm over mixed meshes) and 8 processes (HSDP 2 x 2 x TP 2). `--device=cuda`
-(test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one
-"CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
+limit; `--compile` adds per-block compile; the hybrid families too: nemotron_h's debug model, every layer kind,
+with and without sequence parallel, on packed documents, its gradients compared parameter by parameter and its TP 2
+DCP checkpoint loaded in one process; mamba2's; and qwen3_next's the same way, every block kind: Gated DeltaNet,
+gated attention, MoE with its gated shared expert, dense FFN), 4 processes (FSDP 2 x TP 2 with and without SP,
+replicate 2 x TP 2, a grad norm over mixed meshes, qwen3_next's FSDP 2 x TP 2) and 8 processes (HSDP 2 x 2 x
+TP 2). `--device=cuda` (test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0
+prints one "CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
@@ -110,17 +111,29 @@ class AsyncTPSpy:
         self._pg.micro_pipeline_tp_pass = orig_pass
 
 
-def hybrid_args(family: str):
-    """The family's debug model at this file's vocabulary and sequence, with chunks of 8: the scan crosses chunks."""
+def hybrid_args(family: str, dp: int = 1):
+    """The family's debug model at this file's vocabulary and sequence, with chunks of 8: the scan crosses chunks.
+    qwen3_next: cut to every block kind (DeltaNet + dense FFN, attention + MoE, DeltaNet + MoE), 2 key heads of 2
+    value heads each (one key head per rank), 4 attention / 2 KV heads, the MoE's gated shared expert; with data
+    parallel no balance loss (a statistic of each rank's own batch, so its gradient is not the global batch's)."""
     spec = models.get_spec(family)
-    return spec, dataclasses.replace(spec.flavors["debugmodel"], vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
+    base = spec.flavors["debugmodel"]
+    if family != "qwen3_next":
+        return spec, dataclasses.replace(base, vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
+    moe = dataclasses.replace(base.moe, num_experts=4, hidden_dim=32,
+                              aux_loss_coeff=base.moe.aux_loss_coeff if dp == 1 else 0.0)
+    return spec, dataclasses.replace(
+        base, dim=64, n_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
+        mlp_only_layers=(0,), n_heads=4, n_kv_heads=2, head_dim=16, linear_n_k_heads=2, linear_n_v_heads=4,
+        linear_head_k_dim=16, linear_head_v_dim=8, linear_chunk_size=8, hidden_dim=64, shared_hidden_dim=32, moe=moe,
+        vocab_size=VOCAB, max_seq_len=SEQ)
 
 
-def family_models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def family_models(family: str, dp: int = 1) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the seeded full model, the same model on meta) for "llama3" (par_helpers) or a hybrid family."""
     if family == "llama3":
         return reference_model(seed=0).to(DEVICE), meta_model()
-    spec, args = hybrid_args(family)
+    spec, args = hybrid_args(family, dp)
     torch.manual_seed(0)
     ref = spec.model_cls(args)
     ref.init_weights()
@@ -202,7 +215,7 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     cfg.activation_checkpoint.mode = ac
     cfg.compile.enable, cfg.compile.components = compile, ["model"]
 
-    ref, meta = family_models(family)
+    ref, meta = family_models(family, dims.dp_degree)
     model = get_plan(family, "default")(meta, dims, PlanSections.of(cfg))
     model.to_empty(device=DEVICE)
     torch.manual_seed(123)  # deliberately different init: the state dict copy must overwrite all of it
@@ -248,9 +261,17 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
 
 
 def check_hybrid_layout(name: str, model: torch.nn.Module) -> None:
-    """The Mamba mixers hold half of their groups (in_proj rows, conv channels, per-head scalars, norm weight)."""
+    """The Mamba mixers hold half of their groups (in_proj rows, conv channels, per-head scalars, norm weight); the
+    DeltaNet mixers half of their key heads (projection rows, conv channels, per-head scalars; the norm weight, shared
+    by the heads, replicated)."""
     for key, block in model.layers.items():
-        if block.kind != "M":
+        if hasattr(block, "linear_attn"):
+            m = block.linear_attn
+            for param in (m.in_proj_qkvz.weight, m.in_proj_ba.weight, m.conv1d.weight, m.dt_bias, m.A_log):
+                assert isinstance(param, DTensor) and param.placements[-1] == Shard(0), (name, key, param)  # TP's
+                assert len(param.placements) > 1 or param.to_local().shape[0] * 2 == param.shape[0], (name, key)
+            assert m.norm.weight.placements[-1] == Replicate() and m.out_proj.weight.placements[-1] == Shard(1)
+        if getattr(block, "kind", None) != "M":
             continue
         m = block.mixer
         for param in (m.in_proj.weight, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D, m.norm.weight):
@@ -276,6 +297,7 @@ def reload_in_one_process(name: str, model: torch.nn.Module, family: str, docs: 
         return ""
     _, plain = family_models(family)
     plain.to_empty(device=DEVICE)
+    plain.init_weights(buffer_device=DEVICE)  # the buffers a checkpoint does not hold (the RoPE table); weights load
     state = plain.state_dict()
     dcp.load(state, checkpoint_id=path[0], no_dist=True)
     for n, p in plain.named_parameters():
@@ -334,11 +356,14 @@ def main() -> None:
         train_case("nemotron_h_tp2", {"tp": 2}, sp=False, lp=False, family="nemotron_h")
         train_case("nemotron_h_tp2_sp_lp_docs", {"tp": 2}, family="nemotron_h", docs=True, reload=True)
         train_case("mamba2_tp2_sp", {"tp": 2}, sp=True, lp=False, family="mamba2", docs=True)
+        train_case("qwen3_next_tp2", {"tp": 2}, sp=False, lp=False, family="qwen3_next")
+        train_case("qwen3_next_tp2_sp_lp_docs", {"tp": 2}, family="qwen3_next", docs=True, reload=True)
         if "--compile" in sys.argv:  # cold inductor compile: ~50 s on 2 cores
             train_case("tp2_sp_lp_compile", {"tp": 2}, compile=True)
     if world == 4 and DEVICE == "cpu":
         train_case("fsdp2_tp2_sp_lp", {"dp_shard": 2, "tp": 2})
         train_case("fsdp2_tp2_no_sp", {"dp_shard": 2, "tp": 2}, sp=False, lp=True)
+        train_case("qwen3_next_fsdp2_tp2_sp_lp_docs", {"dp_shard": 2, "tp": 2}, family="qwen3_next", docs=True)
         mixed_mesh_grad_norm()
         train_case("replicate2_tp2_sp_lp", {"dp_replicate": 2, "tp": 2}, ac="full")
     if world == 8 and DEVICE == "cpu":

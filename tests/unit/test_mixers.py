@@ -11,7 +11,7 @@ import torch
 
 from models.common.attention import GatedAttention
 from models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from models.common.gated_deltanet import GatedDeltaNet
+from models.common.gated_deltanet import GatedDeltaNet, conv_hf_order
 from models.common.hf_utils import half_to_interleaved
 from models.common.mamba2 import Mamba2Mixer, reorder_packed
 from models.common.rope import precompute_rope_cache
@@ -155,6 +155,23 @@ def test_mamba2_half_of_the_groups_is_a_mixer():
         close(parts[0] + parts[1], m(x, doc_ids=DOCS))
 
 
+
+def test_gated_deltanet_half_of_the_key_heads_is_a_mixer():
+    """What tensor parallel relies on (parallelize/qwen3_next.py): a contiguous half of in_proj_qkvz's, in_proj_ba's
+    and conv1d's rows (key-head-major), of dt_bias and A_log, with the matching half of out_proj's columns and the
+    whole norm weight (shared by the heads), is a mixer of half the key heads and their value heads; the two halves'
+    outputs add up to the whole mixer's (documents included). Fails with conv1d in transformers' [q | k | v] order."""
+    m = deltanet()
+    x = torch.randn(2, 24, DIM)
+    with torch.no_grad():
+        parts = []
+        for k in range(2):
+            half = GatedDeltaNet(DIM, n_k_heads=1, n_v_heads=2, head_k_dim=8, head_v_dim=6, chunk_size=8)
+            half.load_state_dict({n: t if n == "norm.weight" else t.chunk(2, dim=1 if n == "out_proj.weight" else 0)[k]
+                                  for n, t in m.state_dict().items()})
+            parts.append(half(x, doc_ids=DOCS))
+        close(parts[0] + parts[1], m(x, doc_ids=DOCS))
+
 # ---- modules == transformers -----------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
@@ -204,7 +221,9 @@ def test_gated_deltanet_matches_qwen3_next():
                           linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
     hf = Qwen3NextGatedDeltaNet(cfg, layer_idx=0).eval()
     ours = deltanet()
-    hf.load_state_dict(ours.state_dict())
+    state = ours.state_dict()  # conv1d's channels key-head-major here, [q | k | v] there (the HF adapter permutes)
+    order = conv_hf_order(ours.n_k_heads, ours.head_k_dim, ours.n_v_heads, ours.head_v_dim)
+    hf.load_state_dict(state | {"conv1d.weight": state["conv1d.weight"][torch.argsort(order)]})
     x = torch.randn(2, 21, DIM)  # HF's torch path chunks by 64: one padded chunk; ours: three chunks of 8
     with torch.no_grad():
         close(ours(x), hf(x))

@@ -194,15 +194,19 @@ def assert_logits_match(ours, theirs) -> torch.Tensor:
     with torch.no_grad():
         got, want = ours.eval()(tokens), theirs(tokens).logits
     assert want.abs().max() > 1.0  # non-trivial logits
-    assert (got - want).abs().max().item() <= 1e-4, (got - want).abs().max().item()
+    # fp32 through differently ordered kernels: 3e-5 of the largest logit, at least 1e-4 (qwen3_next's debug model:
+    # 2.1e-4 at logits of 9.9, where its own chunked and token-by-token delta rules differ by 1.6e-4)
+    tol = max(1e-4, 3e-5 * want.abs().max().item())
+    assert (got - want).abs().max().item() <= tol, ((got - want).abs().max().item(), tol)
     return got
 
 
 @pytest.mark.parametrize("name,flavor", WITH_HF)
 def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, flavor, tmp_path):
     """spec.hf both ways on random weights: to_hf + hf_config written as a folder load in transformers'
-    AutoModelForCausalLM, which has the same parameter count and computes our logits (1e-4); from_hf gives our state
-    dict back exactly, from to_hf's names and from transformers' own state dict. Then the checkpoint tools' path
+    AutoModelForCausalLM, which has the same parameter count and computes our logits (1e-4, or 3e-5 of the largest
+    logit); from_hf gives our state dict back exactly, from to_hf's names and from transformers' own state dict. Then
+    the checkpoint tools' path
     (titanlike/checkpoint/hf.py, scripts/convert_hf.py): a titanlike step exported by export_hf loads in transformers
     alike, and import_hf of that folder (args_from_hf_config of the written config.json) gives a step whose model
     computes the same logits bitwise, a tie kept."""

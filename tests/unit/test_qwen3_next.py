@@ -218,13 +218,19 @@ def test_packed_row_equals_documents_alone():
 
 
 def test_check_refuses_tp_and_cp_with_one_line():
+    """TP needs whole DeltaNet key heads, attention and KV heads, shared-expert and dense-FFN hidden units: one line
+    for each size tp does not divide."""
     from types import SimpleNamespace as NS
 
     args = SPEC.flavors["debugmodel"]
-    ok = NS(tp=1, cp=1, ep=2, pp=1)
-    assert SPEC.check(args, ok, "debugmodel") == []
-    (msg,) = SPEC.check(args, NS(tp=2, cp=1, ep=1, pp=1), "debugmodel")
-    assert "parallelism.tp=2" in msg and "parallelism.tp=1" in msg and "\n" not in msg
+    assert SPEC.check(args, NS(tp=1, cp=1, ep=2, pp=1), "debugmodel") == []
+    assert SPEC.check(args, NS(tp=2, cp=1, ep=2, pp=1), "debugmodel") == []
+    odd = dataclasses.replace(args, linear_n_k_heads=3, linear_n_v_heads=6, n_heads=6, n_kv_heads=3,
+                              shared_hidden_dim=255, hidden_dim=513, mlp_only_layers=(0,))
+    msgs = SPEC.check(odd, NS(tp=2, cp=1, ep=1, pp=1), "odd")
+    assert len(msgs) == 4 and all("parallelism.tp=2" in m and "\n" not in m for m in msgs), msgs
+    for m, size in zip(msgs, ("linear_n_k_heads=3", "n_kv_heads=3", "shared_hidden_dim=255", "hidden size 513")):
+        assert size in m, (size, m)
     (msg,) = SPEC.check(args, NS(tp=1, cp=2, ep=1, pp=1), "debugmodel")
     assert "parallelism.cp=1" in msg
     assert "parallelism.ep=3" in SPEC.check(args, NS(tp=1, cp=1, ep=3, pp=1), "debugmodel")[0]

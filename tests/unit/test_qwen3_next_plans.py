@@ -1,7 +1,8 @@
-"""Qwen3-Next plans: TP and CP refused at config validation with one line naming the key, EP accepted; blocks compile
-with fullgraph (the DeltaNet's chunk loop, the conv and the delta rule trace without a break), also under AC; the
-debug config trains on CPU with a falling loss. The FSDP 2 == one process check is in
-tests/multiproc/test_dist_plans.py's qwen3_next case."""
+"""Qwen3-Next plans: CP refused at config validation with one line naming the key, TP accepted where it divides the
+heads and refused in one line per size where not, EP accepted; blocks compile with fullgraph (the DeltaNet's chunk
+loop, the conv and the delta rule trace without a break), also under AC; the debug config trains on CPU with a
+falling loss. The FSDP 2 == one process check is in tests/multiproc/test_dist_plans.py's qwen3_next case, TP 2 ==
+one process in tests/multiproc/test_dist_tp.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,12 +21,19 @@ torch.set_num_threads(1)
 CONFIG = "configs/qwen3_next_debug.toml"
 
 
-@pytest.mark.parametrize("degree,key", [("tp", "parallelism.tp"), ("cp", "parallelism.cp")])
-def test_tp_and_cp_refused_in_one_line(degree, key):
+def test_cp_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
-        load_config(["--config", CONFIG, f"--parallelism.{degree}=2", "--training.device=cpu"], world_size=2)
+        load_config(["--config", CONFIG, "--parallelism.cp=2", "--training.device=cpu"], world_size=2)
     lines = [ln for ln in str(e.value).splitlines() if "qwen3_next" in ln]
-    assert lines and key in lines[0] and f"{key}=1" in lines[0], str(e.value)
+    assert lines and "parallelism.cp" in lines[0] and "parallelism.cp=1" in lines[0], str(e.value)
+
+
+def test_tp_accepted_where_it_divides_the_heads():
+    load_config(["--config", CONFIG, "--parallelism.tp=2", "--training.device=cpu"], world_size=2)
+    with pytest.raises(ConfigError) as e:  # the debug model's 2 DeltaNet key heads and 2 KV heads
+        load_config(["--config", CONFIG, "--parallelism.tp=4", "--training.device=cpu"], world_size=4)
+    lines = [ln for ln in str(e.value).splitlines() if "parallelism.tp=4" in ln]
+    assert any("linear_n_k_heads=2" in ln for ln in lines) and any("n_kv_heads=2" in ln for ln in lines), str(e.value)
 
 
 def test_ep_accepted_and_bad_ep_named():
@@ -35,6 +43,7 @@ def test_ep_accepted_and_bad_ep_named():
 
 
 def test_plans_refuse_tp_without_the_config():
+    """A hand-built ParallelDims meets the family's check in the plan too: one DeltaNet key head cannot split."""
     from parallelize import PlanSections
     from parallelize.qwen3_next import PLANS
     from titanlike.config import config_from_dict
@@ -42,9 +51,9 @@ def test_plans_refuse_tp_without_the_config():
 
     cfg = config_from_dict({"model": {"name": "qwen3_next", "flavor": "debugmodel"}})
     with torch.device("meta"):
-        model = SPEC.model_cls(SPEC.flavors["debugmodel"])
+        model = SPEC.model_cls(dataclasses.replace(SPEC.flavors["debugmodel"], linear_n_k_heads=1))
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
-    with pytest.raises(ValueError, match="parallelism.tp=2.*set parallelism.tp=1"):
+    with pytest.raises(ValueError, match="linear_n_k_heads=1 .*parallelism.tp=2 does not divide; use tp in {1}"):
         PLANS["default"](model, dims, PlanSections.of(cfg))
 
 
