@@ -17,6 +17,9 @@ the attention compute: that needs a log-sum-exp merge of partial results, which 
 Under torch.compile the gather and the kernel are part of each block's full graph (functional collectives; checked
 on gloo with torch 2.13, and under per-op selective checkpointing).
 
+Recurrent mixers (Mamba-2's conv + scan): an all-to-all turns the sequence shard into a head shard around them and
+back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole sequence of a part of the heads.
+
 MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
 chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
 sequences' (models/common/moe.py).
@@ -34,6 +37,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.common.masks import load_balanced_chunks
+from parallelize.cp_recurrent import ShardHeads
 
 
 # The differentiable all-gather (its backward a reduce-scatter): renamed in torch 2.13, the old name deprecated.
@@ -87,7 +91,9 @@ def shard_sequence(x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
 
 def apply_cp(model: nn.Module, dims) -> int:
     """Shard `model`'s sequence over dims' "cp" axis, in place (after TP/EP, before AC and compile, which trace the
-    attention kernels); returns how many attention modules take part."""
+    attention kernels); returns how many attention modules and recurrent mixers take part. Recurrent mixers (a
+    `sequence_fn` attribute: Mamba-2) run their conv + scan on whole sequences of a part of the heads
+    (parallelize/cp_recurrent.py)."""
     mesh = dims.get_mesh("cp")
     if mesh is None:
         raise RuntimeError("apply_cp: parallelism.cp > 1 needs ParallelDims.build_mesh() first")
@@ -100,11 +106,15 @@ def apply_cp(model: nn.Module, dims) -> int:
         if hasattr(module, "attention_fn"):
             module.attention_fn = GatherKV(module.attention_fn, mesh)
             n += 1
+        if hasattr(module, "sequence_fn"):
+            module.sequence_fn = ShardHeads(mesh)
+            n += 1
         if hasattr(module, "shard_mean"):  # MoE layers: their balance losses see whole sequences
             module.shard_mean = ShardMean(mesh)
     if n == 0:
         raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} has no attention module with an "
-                         f"attention_fn to run over the gathered sequence; set parallelism.cp=1")
+                         f"attention_fn nor recurrent mixer with a sequence_fn to run over the whole sequence; set "
+                         f"parallelism.cp=1")
     return n
 
 

@@ -1,5 +1,5 @@
-"""The mamba2 plans: parallelize/nemotron_h.py's recipe and TP dict (every block a Mamba-2 mixer; CP and EP
-refused)."""
+"""The mamba2 plans: parallelize/nemotron_h.py's recipe and TP dict (every block a Mamba-2 mixer; CP by all-to-all
+of the heads, parallelize/cp_recurrent.py; EP refused)."""
 from __future__ import annotations
 
 from models.mamba2 import SPEC

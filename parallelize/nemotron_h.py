@@ -1,7 +1,12 @@
 """The nemotron_h plans (parallelize/compose.py): TP -> AC -> compile -> FSDP per hybrid block, and PP by the spec's
 per-layer costs; parallelize/mamba2.py uses the same recipe. Refused, with the key to change (the family's check,
-models/nemotron_h/__init__.py): CP (the SSM state would pass between ranks along the sequence), EP (no experts), and
-a tp that does not divide the Mamba heads and groups, the attention heads and KV heads or the MLP's hidden size.
+models/nemotron_h/__init__.py): EP (no experts), a tp that does not divide the Mamba heads and groups, the attention
+heads and KV heads or the MLP's hidden size, and a cp that cannot cut a TP rank's Mamba heads into equal parts.
+
+Context parallel (the composer's CP step, parallelize/cp.py): the "*" layers gather K/V as the decoders do (the model's
+cp_shard builds their mask); each "M" mixer's conv + scan runs on the whole sequence of 1/cp of its heads, moved there
+and back by all-to-all (parallelize/cp_recurrent.py); the "-" layers, the norms and the Mamba projections are
+per-token. With TP the CP parts cut the groups a TP rank holds.
 
 Tensor parallel, per block kind (layouts as parallelize/tp.py describes them for Llama; seq = the residual stream,
 Shard(1) with sequence parallel, Replicate without):

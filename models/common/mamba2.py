@@ -97,6 +97,9 @@ class Mamba2Mixer(nn.Module):
         self.group_width = (self.inner + self.conv_dim + n_heads) // n_groups  # one group's in_proj rows
         self.scan_fn = ssd_chunk_scan
         self.step_fn = ssd_recurrent
+        # The hook around the conv + scan: None runs them here on this process's tokens; context parallel installs
+        # one (parallelize/cp_recurrent.py) that gives each rank the whole sequence of a part of the heads.
+        self.sequence_fn = None
         self.in_proj = nn.Linear(dim, self.inner + self.conv_dim + n_heads, bias=bias)
         # An nn.Conv1d for transformers' names and shapes ([C, 1, W]); causal_conv1d applies its weight.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
@@ -135,19 +138,87 @@ class Mamba2Mixer(nn.Module):
         r = self.n_heads // self.n_groups  # heads per group
         # [B, S, groups held here, one group's z | x B C | dt]: the group count comes from the local shape (-1).
         z, xbc, dt = self.in_proj(x).unflatten(-1, (-1, self.group_width)).split([r * p, r * p + 2 * n, r], dim=-1)
-        g = z.shape[2]
-        xbc, conv_state = causal_conv1d(xbc.flatten(2), local(self.conv1d.weight).squeeze(1), local(self.conv1d.bias),
-                                        "silu", initial_state=None if state is None else state.conv, seq_idx=doc_ids,
+        if self.sequence_fn is None:
+            y, conv_state, ssm_state = self._conv_scan(xbc, dt, doc_ids, self._part_params(0, 1), state,
+                                                       return_state, step)
+        elif state is not None or return_state:  # generation runs on one device (no plan there)
+            raise RuntimeError("Mamba2Mixer: a carried state (generation) cannot run through sequence_fn (context "
+                               "parallel); generate with the unparallelized model")
+        else:
+            y, conv_state, ssm_state = self.sequence_fn(self, xbc, dt, doc_ids), None, None
+        y = self.out_proj(self.norm(y.reshape(bsz, s, -1), z.reshape(bsz, s, -1)).to(x.dtype))
+        return (y, MixerState(conv_state, ssm_state)) if return_state else y
+
+    def _conv_scan(self, xbc, dt, doc_ids, params, state=None, return_state=False, step=False):
+        """The part that reads the sequence in order: xbc [B, S, g, r*P + 2N] (x | B | C of g groups of r heads),
+        dt [B, S, g, r], params = (conv weight, conv bias, A_log, D, dt_bias) of those channels and heads ->
+        (y [B, S, g*r*P], conv state, ssm state)."""
+        bsz, s, g, r = dt.shape
+        p, n = self.head_dim, self.state_size
+        conv_w, conv_b, A_log, D, dt_bias = params
+        xbc, conv_state = causal_conv1d(xbc.flatten(2), conv_w, conv_b, "silu",
+                                        initial_state=None if state is None else state.conv, seq_idx=doc_ids,
                                         output_final_state=return_state)
         xs, B, C = xbc.unflatten(-1, (g, -1)).split([r * p, n, n], dim=-1)
-        args = (xs.reshape(bsz, s, g * r, p), dt.reshape(bsz, s, g * r), -torch.exp(local(self.A_log).float()), B, C)
-        kwargs = dict(D=local(self.D), dt_bias=local(self.dt_bias), seq_idx=doc_ids, dt_softplus=True,
+        args = (xs.reshape(bsz, s, g * r, p), dt.reshape(bsz, s, g * r), -torch.exp(A_log.float()), B, C)
+        kwargs = dict(D=D, dt_bias=dt_bias, seq_idx=doc_ids, dt_softplus=True,
                       initial_states=None if state is None else state.recurrent, dt_limit=self.dt_limit,
                       return_final_states=return_state)
         out = self.step_fn(*args, **kwargs) if step else self.scan_fn(*args, chunk_size=self.chunk_size, **kwargs)
         y, ssm_state = out if return_state else (out, None)
-        y = self.out_proj(self.norm(y.reshape(bsz, s, -1), z.reshape(bsz, s, -1)).to(x.dtype))
-        return (y, MixerState(conv_state, ssm_state)) if return_state else y
+        return y.reshape(bsz, s, -1), conv_state, ssm_state
+
+    # Context parallel (parallelize/cp_recurrent.py) runs the conv + scan of the whole sequence on a part of the heads:
+    # `head_parts` cuts the local heads into `count` equal parts (whole groups when count divides the groups held
+    # here, else count / groups parts of each group's heads, each with a copy of the group's B and C), `mix_part`
+    # runs one part. No communication here: the hook moves the parts between ranks.
+    def _split(self, count: int) -> tuple[int, int]:
+        """(groups per part, heads per group in a part) for `count` parts of the groups held here."""
+        r = self.n_heads // self.n_groups
+        g = local(self.A_log).shape[0] // r
+        if g % count == 0:
+            return g // count, r
+        if count % g == 0 and r % (count // g) == 0:
+            return 1, r // (count // g)
+        raise ValueError(f"Mamba2Mixer: {count} parts of {g} groups x {r} heads are not whole groups or equal "
+                         f"shares of one group's heads; parallelism.cp must divide the groups per TP rank or be "
+                         f"a multiple of them that divides the heads")
+
+    def head_parts(self, xbc: torch.Tensor, dt: torch.Tensor, count: int) -> torch.Tensor:
+        """xbc [B, S, g, r*P + 2N], dt [B, S, g, r] -> [count, B, S, groups per part, x | B | C | dt of the part]."""
+        gs, rp = self._split(count)
+        r = dt.shape[3]
+        packed = torch.cat([xbc, dt], dim=-1)
+        if rp != r:  # each group's heads in r / rp parts, its B and C copied into each (summed in backward)
+            q, p = r // rp, self.head_dim
+            xs, bc = xbc.split([r * p, 2 * self.state_size], dim=-1)
+            packed = torch.cat([xs.unflatten(-1, (q, rp * p)), bc.unsqueeze(3).expand(-1, -1, -1, q, -1),
+                                dt.unflatten(-1, (q, rp))], dim=-1).flatten(2, 3)
+        return packed.unflatten(2, (count, -1)).movedim(2, 0)
+
+    def mix_part(self, packed: torch.Tensor, doc_ids: torch.Tensor | None, index: int, count: int) -> torch.Tensor:
+        """Part `index` of `count` (head_parts' layout) [B, S, gs, width] -> y [B, S, its heads * P]."""
+        gs, rp = self._split(count)
+        xbc, dt = packed.split([packed.shape[-1] - rp, rp], dim=-1)
+        return self._conv_scan(xbc, dt, doc_ids, self._part_params(index, count))[0]
+
+    def _part_params(self, index: int, count: int):
+        """(conv weight [C, W], conv bias, A_log, D, dt_bias) of part `index` of `count` of the heads held here."""
+        w, b = local(self.conv1d.weight).squeeze(1), local(self.conv1d.bias)
+        heads = (local(self.A_log), local(self.D), local(self.dt_bias))
+        if count == 1:
+            return (w, b, *heads)
+        gs, rp = self._split(count)
+        r, p, cw = self.n_heads // self.n_groups, self.head_dim, self.conv_dim // self.n_groups
+        if rp == r:  # whole groups: contiguous channels and heads
+            ch, hd = slice(index * gs * cw, (index + 1) * gs * cw), slice(index * gs * r, (index + 1) * gs * r)
+        else:  # part m of group k: its heads' x channels and the group's B and C channels
+            k, m = divmod(index, r // rp)
+            base = k * cw
+            ch = torch.cat([torch.arange(base + m * rp * p, base + (m + 1) * rp * p, device=w.device),
+                            torch.arange(base + r * p, base + cw, device=w.device)])
+            hd = slice(k * r + m * rp, k * r + (m + 1) * rp)
+        return (w[ch], None if b is None else b[ch], *(t[hd] for t in heads))
 
     def init_weights(self, init_std: float) -> None:
         """in_proj reads the residual stream (std 0.02), out_proj writes into it (the block's depth-scaled std); the

@@ -34,16 +34,31 @@ def mamba_tp_checks(args: HybridArgs, par, flavor: str) -> list[str]:
     return problems
 
 
+def _cp_fits(groups: int, heads_per_group: int, cp: int) -> bool:
+    # Mamba2Mixer.head_parts: whole groups per CP rank, or equal shares of one group's heads.
+    return groups % cp == 0 or (cp % groups == 0 and heads_per_group % (cp // groups) == 0)
+
+
+def mamba_cp_checks(args: HybridArgs, par, flavor: str) -> list[str]:
+    """Context parallel gives each rank the whole sequence of 1/cp of the Mamba-2 heads a TP rank holds
+    (parallelize/cp_recurrent.py): whole groups, or equal shares of a group's heads. One line."""
+    groups, r = max(args.n_groups // par.tp, 1), args.mamba_n_heads // args.n_groups
+    if _cp_fits(groups, r, par.cp):
+        return []
+    fits = "{" + ",".join(str(c) for c in range(1, groups * r + 1) if _cp_fits(groups, r, c)) + "}"
+    return [f"model.flavor {flavor!r}: parallelism.cp={par.cp} cannot split the {groups} Mamba-2 group(s) of "
+            f"{r} heads each TP rank holds (n_groups={args.n_groups} / tp={par.tp}) into equal parts of whole groups "
+            f"or of one group's heads; use cp in {fits}"]
+
+
 def hybrid_checks(args: HybridArgs, par, flavor: str, name: str) -> list[str]:
     """What every hybrid Mamba-2 family refuses: the pattern against the depth, a tp that splits a Mamba-2 group,
-    and context parallel, which no plan of theirs implements (it would pass the SSM state and conv window between
-    ranks)."""
+    and a cp that cannot split the Mamba-2 heads into equal parts."""
     problems = pattern_problems(args, flavor)
     if par.tp > 1 and MAMBA in args.pattern():
         problems += mamba_tp_checks(args, par, flavor)
-    if par.cp > 1:
-        problems.append(f"parallelism.cp={par.cp}: {name} has no context-parallel plan (the Mamba-2 state would pass "
-                        f"from rank to rank along the sequence); set parallelism.cp=1")
+    if par.cp > 1 and MAMBA in args.pattern():
+        problems += mamba_cp_checks(args, par, flavor)
     return problems + dense_checks(par, name)
 
 

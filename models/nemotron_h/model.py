@@ -10,8 +10,10 @@ blocks, each with ONE mixer, as in HF NemotronH / Mamba2 and Megatron's hybrid m
       "-" squared-ReLU MLP: w1 (HF up_proj), w2 (down_proj)
 
 Packed documents: doc_ids [B, S] restart the Mamba state and conv window at every document and confine attention to
-it (models/common/masks.py). `positions` is accepted (the trainer and generation pass it) and unused: nothing here is
-positional. Built on the meta device, parallelized from outside, materialised with to_empty + init_weights().
+it (models/common/masks.py). Context parallel (cp_shard, set by parallelize/cp.py): tokens are this rank's chunks,
+attention masks place them in the whole sequence, each Mamba mixer's sequence_fn scans whole sequences. `positions`
+is accepted (the trainer and generation pass it) and unused: nothing here is positional. Built on the meta device,
+parallelized from outside, materialised with to_empty + init_weights().
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from models.common.attention import causal_attention
 from models.common.mamba2 import Mamba2Mixer
-from models.common.masks import AttnMask, build_mask
+from models.common.masks import AttnMask, build_mask, load_balanced_chunks
 from models.common.norms import RMSNorm
 from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs
 
@@ -146,6 +148,9 @@ class HybridModel(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.has_attention = ATTENTION in pattern
         self.mask_kernel = "sdpa"  # the masked-attention kernel for packed documents (the trainer sets it)
+        # (rank, degree) when context parallel holds this rank's load-balanced chunks of every sequence (set by
+        # parallelize/cp.py, which also swaps the Mamba mixers' sequence_fn); None: the whole sequence.
+        self.cp_shard: tuple[int, int] | None = None
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -161,10 +166,15 @@ class HybridModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """doc_ids [B, S]: every token's document (non-decreasing along a row, models.common.masks.document_ids)."""
-        mask = None
-        if doc_ids is not None and self.has_attention:  # one mask for every attention layer
-            mask = build_mask(None, doc_ids, doc_ids.shape[1], self.mask_kernel, tokens.device)
+        """doc_ids [B, S_full]: every token's document in the whole sequence (non-decreasing along a row,
+        models.common.masks.document_ids). Under context parallel tokens are this rank's chunks (cp_shard)."""
+        mask, chunks, kv_len = None, None, tokens.shape[1]
+        if self.cp_shard is not None:
+            rank, degree = self.cp_shard
+            kv_len *= degree
+            chunks = load_balanced_chunks(kv_len, rank, degree)
+        if (doc_ids is not None or chunks is not None) and self.has_attention:  # one mask for every attention layer
+            mask = build_mask(chunks, doc_ids, kv_len, self.mask_kernel, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, mask, doc_ids)

@@ -12,7 +12,9 @@ context parallel must give exactly the loss of its data-parallel rank's whole se
 
 Families: llama3 (GQA), qwen3_moe (qwen3 debugmodel_moe: softmax top-2 of 8 experts, the Switch load-balancing loss),
 deepseek_v3 (debugmodel: MLA, a dense block then an MoE block, sigmoid group-limited routing, a shared expert, the
-sequence-wise balance loss, the expert-bias balancing). All at 2 blocks.
+sequence-wise balance loss, the expert-bias balancing), all at 2 blocks; nemotron_h (debugmodel "M*M-": Mamba-2 heads
+over the CP ranks by all-to-all, parallelize/cp_recurrent.py, beside the attention's K/V gather) and mamba2
+(debugmodel, 4 Mamba-2 layers), both with SSD chunks of 8 tokens.
 Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+sac][+compile]" (rep: dp_replicate; dp: dp_shard;
 docs: data.document_masking; pos: data.reset_position_ids; sac: per-op selective activation checkpointing; compile:
 per-block torch.compile with the aot_eager backend: dynamo's and AOTAutograd's graphs, without Inductor's slow CPU code
@@ -47,7 +49,8 @@ from titanlike.train.moe import MoEBookkeeping
 SEQ, VOCAB, ROWS, EOD = 32, 128, 4, 3
 TOL = 1e-5
 FAMILIES = {"llama3": ("llama3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe"),
-            "deepseek_v3": ("deepseek_v3", "debugmodel")}
+            "deepseek_v3": ("deepseek_v3", "debugmodel"), "nemotron_h": ("nemotron_h", "debugmodel"),
+            "mamba2": ("mamba2", "debugmodel")}
 
 
 def model_args(family: str):
@@ -56,6 +59,8 @@ def model_args(family: str):
     if family == "llama3":
         return spec.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
                              rope_theta=10000.0, max_seq_len=SEQ)
+    if family in ("nemotron_h", "mamba2"):  # chunks of 8: the scan carries its state across 4 chunks, the CP cut's
+        return dataclasses.replace(spec.flavor_args(flavor), vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
     args = dataclasses.replace(spec.flavor_args(flavor), vocab_size=VOCAB, max_seq_len=SEQ, n_layers=2)
     # The balance losses weighted ~100x the flavors' (and deepseek's z-loss on): a wrong expert load under CP then
     # moves the router's gradient by 1e-4 or more, where the flavors' weights leave it under the 1e-5 tolerance.

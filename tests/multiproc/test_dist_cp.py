@@ -4,7 +4,9 @@ the balancing update equal one process on the same batch (fp32, loss and gradien
 Four processes: Llama under CP 4, CP 2 x FSDP 2, CP 2 x TP 2, with packed documents (with CP and without: FSDP 4),
 positions restarting per document, per-op selective activation checkpointing with compiled blocks; Qwen3-MoE under
 CP 2 x FSDP 2 x EP 2 (the Switch load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 (also with per-op
-selective AC) and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance loss, the z-loss, the expert bias).
+selective AC) and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance loss, the z-loss, the expert bias);
+nemotron_h (Mamba-2, attention and MLP layers) under CP 4, CP 2 x FSDP 2 with packed documents and CP 2 x TP 2 with
+them, mamba2 under CP 2 x TP 2 (the Mamba-2 heads over CP by all-to-all: parallelize/cp_recurrent.py).
 Eight processes (with TITANLIKE_TEST_8PROC=1, as the 8-process TP test): the experts' FSDP mesh ("edp") over axes that
 are not neighbours in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
 """
@@ -33,6 +35,8 @@ def test_context_parallel_layouts_match_one_process():
              "llama3/cp2xtp2", "llama3/cp2xtp2+docs",
              "qwen3_moe/cp2xdp2xep2", "qwen3_moe/cp2xdp2xep2+docs",
              "deepseek_v3/cp4", "deepseek_v3/cp2xdp2", "deepseek_v3/cp2xdp2xep2+docs",
+             # Mamba-2 heads over CP by all-to-all (whole groups; shares of a group's heads under CP 4 and TP 2)
+             "nemotron_h/cp4", "nemotron_h/cp2xdp2+docs", "nemotron_h/cp2xtp2+docs", "mamba2/cp2xtp2",
              # Per-op selective AC (the long-context setting), eager and in compiled blocks on gloo (one compiled
              # case: the cold compile is most of this launch's time)
              "deepseek_v3/cp2xdp2+sac", "llama3/cp2xdp2+sac+compile"], timeout=300)

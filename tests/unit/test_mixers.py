@@ -172,6 +172,31 @@ def test_gated_deltanet_half_of_the_key_heads_is_a_mixer():
             parts.append(half(x, doc_ids=DOCS))
         close(parts[0] + parts[1], m(x, doc_ids=DOCS))
 
+
+@pytest.mark.parametrize("n_groups,count", [(2, 2), (1, 2), (2, 4)])
+def test_mamba2_head_parts_are_the_mixer(n_groups, count):
+    """What context parallel relies on (parallelize/cp_recurrent.py): head_parts' `count` parts (whole groups; or
+    shares of one group's heads, each with a copy of its B and C), each run by mix_part and put side by side, give
+    the mixer's output and every gradient (documents included). float64: the same sums in another order."""
+    m = mamba2(n_groups=n_groups).double()
+    x = torch.randn(2, 24, DIM, dtype=torch.float64, requires_grad=True)
+    (m(x, doc_ids=DOCS) * cot(x)).sum().backward()
+    ref = grads(m, x)
+
+    def run_parts(mixer, xbc, dt, doc_ids):
+        parts = mixer.head_parts(xbc, dt, count)
+        return torch.cat([mixer.mix_part(parts[i], doc_ids, i, count) for i in range(count)], dim=-1)
+
+    m.sequence_fn = run_parts
+    out = m(x, doc_ids=DOCS)
+    (out * cot(x)).sum().backward()
+    m.sequence_fn = None
+    close(out, m(x, doc_ids=DOCS).detach(), tol=1e-12)
+    for name, g in grads(m, x).items():
+        close(g, ref[name], tol=1e-12)
+    with pytest.raises(ValueError, match="parallelism.cp must divide"):
+        m.head_parts(torch.empty(0), torch.empty(0), 3)  # 3 parts of 4 heads: refused before reading them
+
 # ---- modules == transformers -----------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")

@@ -126,9 +126,12 @@ def test_pattern_checks_name_the_key_and_the_fix():
     moe = dataclasses.replace(NEMOTRON_H.flavors["debugmodel"], hybrid_override_pattern="M*ME")
     assert "'E' (MoE)" in NEMOTRON_H.check(moe, _Par(), "debugmodel")[0]
     par = _Par()
-    par.tp, par.cp = 2, 2
-    assert [p.split(":")[0] for p in MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")] == [
-        "parallelism.cp=2"]  # TP 2 splits its 2 groups; CP has no plan
+    par.tp, par.cp = 2, 2  # TP 2: one group of 4 heads per rank; CP 2: 2 heads of it per rank
+    assert MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel") == []
+    par.cp = 3
+    (problem,) = MAMBA2.check(MAMBA2.flavors["debugmodel"], par, "debugmodel")
+    assert problem.startswith("model.flavor 'debugmodel': parallelism.cp=3 cannot split the 1 Mamba-2 group(s)") \
+        and problem.endswith("use cp in {1,2,4}"), problem
 
 
 def test_tensor_parallel_checks_one_line_each():

@@ -1,0 +1,63 @@
+"""Context parallel for the linear-recurrent mixers (Mamba-2): heads over the "cp" ranks, the whole sequence on each.
+
+A recurrent mixer's causal conv and scan read the sequence in order, and the state at a token depends on every token
+before it, so a rank holding chunks (r, 2cp-1-r) of the sequence cannot run them alone. Two ways out: pass the chunk
+states from rank to rank along the sequence (a serial chain of cp steps), or, as Megatron-LM does
+(megatron/core/ssm/mamba_context_parallel.py), trade the sequence shard for a head shard around that part of the
+layer. This is the second:
+
+    in_proj (this rank's tokens, every local head)      [B, S/cp, g, x|B|C, dt]
+    all-to-all over "cp"                                [B, S, g/cp, ...]     part r of the heads, every token
+    natural token order (undo the load-balanced cut), causal conv + scan of the whole sequence (doc_ids: the whole
+    sequence's, which the batch hands every CP rank)
+    load-balanced order again, all-to-all back          [B, S/cp, heads * P]
+    gated norm, out_proj (this rank's tokens)
+
+The heads go in cp equal parts: whole groups when cp divides the groups this rank holds (after TP), else each group's
+heads in equal shares with a copy of the group's B and C (the conv of B and C is then computed on several ranks and
+their gradients summed by the all-to-all's backward, the copy's). The mixer says how to cut and runs a part
+(Mamba2Mixer.head_parts / mix_part): the layout is the model's knowledge, the communication is this file's. Each
+rank's scan reads the conv, dt_bias, A_log and D entries of its part only, so their gradients come from one rank
+each and the data-parallel reduction over dp_shard x cp sums them, as it sums the other parameters' per-token
+gradients. Both all-to-alls are the autograd-aware functional collective (its backward the reverse all-to-all).
+
+Per layer and rank this moves 2 x (cp-1)/cp of the in_proj output's x|B|C|dt and of y, against the attention's
+all-gather of K and V; the state never crosses ranks.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _natural_order(degree: int) -> list[int]:
+    """Rank-major chunks (rank r's chunks r and 2cp-1-r side by side) -> sequence order: the index of each."""
+    return [2 * j for j in range(degree)] + [2 * (2 * degree - 1 - j) + 1 for j in range(degree, 2 * degree)]
+
+
+def _all_to_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """[cp, ...]: slice i to rank i; returns [cp, ...] with slice i from rank i."""
+    return all_to_all_single_autograd(x.contiguous(), None, None, mesh)
+
+
+class ShardHeads:
+    """A recurrent mixer's `sequence_fn` under CP: (mixer, xbc, dt, doc_ids) -> y of this rank's tokens, every local
+    head, computed as one process computes it."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+
+    def __call__(self, mixer, xbc: torch.Tensor, dt: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        rank, degree = self.mesh.get_local_rank(), self.mesh.size()
+        got = _all_to_all(mixer.head_parts(xbc, dt, degree), self.mesh)  # [cp (sender), B, S/cp, part]
+        chunks = got.movedim(0, 1).flatten(1, 2).chunk(2 * degree, dim=1)  # rank-major chunks
+        seq = torch.cat([chunks[i] for i in _natural_order(degree)], dim=1)  # [B, S, part]
+        if doc_ids is not None and doc_ids.shape[1] != seq.shape[1]:
+            raise ValueError(f"context parallel: the recurrent mixer needs the whole sequence's doc_ids "
+                             f"({seq.shape[1]} tokens), got {doc_ids.shape[1]}; pass doc_ids uncut "
+                             f"(titanlike/train/batch.py does)")
+        y = mixer.mix_part(seq, doc_ids, rank, degree).chunk(2 * degree, dim=1)  # sequence-order chunks
+        back = torch.stack([torch.cat([y[i], y[2 * degree - 1 - i]], dim=1) for i in range(degree)])
+        out = _all_to_all(back, self.mesh)  # [cp (part), B, S/cp, part's heads * P]
+        return out.movedim(0, 2).flatten(2)  # parts in head order
