@@ -64,5 +64,6 @@ nemotron_h_flavors: dict[str, NemotronHArgs] = {
     "nano_9b_v2": _flavor(_PNANO9B, dim=4480, hidden_dim=15680, n_heads=40, mamba_n_heads=128, mamba_head_dim=80,
                           ssm_state_size=128),
     "nano3_30b_a3b": _flavor(_PNANO3, dim=2688, hidden_dim=1856, n_heads=32, n_kv_heads=2, mamba_n_heads=64,
-                             ssm_state_size=128, moe=_nemotron_moe(128, 6, 1856, 3712, route_scale=2.5)),
+                             ssm_state_size=128, max_seq_len=262144,
+                             moe=_nemotron_moe(128, 6, 1856, 3712, route_scale=2.5)),
 }
