@@ -90,11 +90,30 @@ def test_moe_logits_equal_transformers(moe_kw):
         for key in ("1", "4"):
             ours.layers[key].mixer.expert_bias.zero_()
         assert (ours(tokens) - want).abs().max() > 1e-3
-    # Export: our names back to the hub's per-expert layout, the selection bias with them.
-    exported = NEMOTRON_H.hf.to_hf(ours_from(theirs).state_dict(), args)
+    # Export: our names back to the hub's per-expert layout, the selection bias with them; the published checkpoints'
+    # "backbone." prefix reads back the same.
+    sd = ours_from(theirs).state_dict()
+    exported = NEMOTRON_H.hf.to_hf(sd, args)
     assert "model.layers.1.mixer.experts.7.up_proj.weight" in exported
     assert torch.equal(exported["model.layers.4.mixer.gate.e_score_correction_bias"],
                        theirs.model.layers[4].mixer.gate.e_score_correction_bias)
+    hub = {k.replace("model.", "backbone.", 1): v for k, v in exported.items()}
+    back = NEMOTRON_H.hf.from_hf(hub, args)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_nano3_flavor_through_the_hf_config():
+    """nano3_30b_a3b -> hf_config -> transformers' NemotronHConfig -> args_from_hf_config gives the flavor back
+    (the context aside: config.json's max_position_embeddings)."""
+    flavor = NEMOTRON_H.flavors["nano3_30b_a3b"]
+    cfg = NEMOTRON_H.hf.hf_config(flavor, torch.bfloat16)
+    assert (cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_shared_expert_intermediate_size"],
+            cfg["routed_scaling_factor"], cfg["moe_latent_size"]) == (128, 6, 3712, 2.5, None)
+    config = transformers.NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",
+                                                                                       "torch_dtype")})
+    assert config.hybrid_override_pattern == flavor.hybrid_override_pattern
+    args = NEMOTRON_H.hf.args_from_hf_config(config.to_dict())
+    assert args == flavor and NEMOTRON_H.find_flavor(args) == "nano3_30b_a3b"
 
 
 def test_relu2_grouped_mm_equals_the_expert_loop():
