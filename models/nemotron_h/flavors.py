@@ -42,6 +42,8 @@ def _flavor(pattern: str, **kw) -> NemotronHArgs:
     return NemotronHArgs(n_layers=len(pattern), hybrid_override_pattern=pattern, **kw)
 
 
+_nano3 = _flavor(_PNANO3, dim=2688, hidden_dim=1856, n_heads=32, n_kv_heads=2, mamba_n_heads=64, ssm_state_size=128,
+                 max_seq_len=262144, moe=_nemotron_moe(128, 6, 1856, 3712, route_scale=2.5))
 _8b = _flavor(_P8B, dim=4096, hidden_dim=21504, n_heads=32, mamba_n_heads=128, ssm_state_size=128)
 
 nemotron_h_flavors: dict[str, NemotronHArgs] = {
@@ -63,7 +65,7 @@ nemotron_h_flavors: dict[str, NemotronHArgs] = {
     "56B": _flavor(_P56B, dim=8192, hidden_dim=32768, n_heads=64, mamba_n_heads=256, ssm_state_size=256),
     "nano_9b_v2": _flavor(_PNANO9B, dim=4480, hidden_dim=15680, n_heads=40, mamba_n_heads=128, mamba_head_dim=80,
                           ssm_state_size=128),
-    "nano3_30b_a3b": _flavor(_PNANO3, dim=2688, hidden_dim=1856, n_heads=32, n_kv_heads=2, mamba_n_heads=64,
-                             ssm_state_size=128, max_seq_len=262144,
-                             moe=_nemotron_moe(128, 6, 1856, 3712, route_scale=2.5)),
+    "nano3_30b_a3b": _nano3,
+    # Its first six layers ("MEMEM*"): every kind of its layers at real size on one GPU.
+    "nano3_30b_a3b_6L": dataclasses.replace(_nano3, n_layers=6, hybrid_override_pattern=_PNANO3[:6]),
 }
