@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.ffn import FeedForward, ReLU2FeedForward
-from models.common.moe_args import MoEArgs, moe_problems
+from models.common.moe_args import EXPERT_ACTS, MoEArgs, moe_problems
 from models.common.router import (AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
 
@@ -128,6 +128,8 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, act: str = "swiglu"):
         super().__init__()
+        if act not in EXPERT_ACTS:  # moe_problems says it first, naming the key
+            raise ValueError(f"GroupedExperts: act={act!r} is unknown; use one of {list(EXPERT_ACTS)}")
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
