@@ -109,6 +109,8 @@ def rename_from_hf(hf_state_dict: dict[str, torch.Tensor], num_experts: int = 0)
         if key == "lm_head.weight":
             out["output.weight"] = value
             continue
+        if key.startswith("mtp."):  # multi-token-prediction layers: transformers skips them too (no MTP here)
+            continue
         m = _HF_KEY.match(key)
         rest = m.group(1) if m else None
         if rest in top_inv:
@@ -187,9 +189,6 @@ def _refuse(config: dict) -> None:
                          "activations' dtype")
     if config.get("sliding_window"):
         raise ValueError("HF config has a sliding_window; titanlike's nemotron_h attends over the whole sequence")
-    if config.get("num_nextn_predict_layers"):
-        raise ValueError("HF config has num_nextn_predict_layers > 0 (multi-token prediction); titanlike's nemotron_h "
-                         "has no MTP layers: set it to 0 (the main model imports alone)")
 
 
 def _moe_args(config: dict, pattern: str) -> MoEArgs | None:
