@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward and its Llama sizing rule."""
+"""Feed-forward MLPs: SwiGLU (and its Llama sizing rule) and squared ReLU."""
 
 from __future__ import annotations
 
@@ -32,3 +32,23 @@ class FeedForward(nn.Module):
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
         nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
         nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+
+
+class ReLU2FeedForward(nn.Module):
+    """Squared-ReLU MLP without a gate: w2(relu(w1 x)^2) (Megatron --squared-relu; NemotronH's MLP layers and its MoE's
+    experts; HF up_proj = w1, down_proj = w2)."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)).square())
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+        for lin in (self.w1, self.w2):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward: router, sort-based dispatch, grouped SwiGLU experts, shared experts, balancing.
+"""Mixture-of-experts feed-forward: router, sort-based dispatch, grouped experts (SwiGLU, or squared ReLU without a
+gate: MoEArgs.expert_act), shared experts, an optional latent projection around the routed experts, balancing.
 
 Public API (the model families, parallelize/ep.py and the trainer code against it): MoEArgs, moe_problems, MoE,
 GroupedExperts, update_expert_bias. The router and the balance losses live in models/common/router.py.
@@ -9,6 +10,8 @@ One forward, for x [B, S, dim] (T = B*S tokens, k = top_k, N = T*k assignments):
   3. GroupedExperts runs each expert on its contiguous rows: torch._grouped_mm on CUDA capability >= 9.0 in bf16,
      else a per-expert loop;
   4. the rows are put back in token order and summed with the routing weights; shared experts are added;
+     with latent_dim > 0 (NemotronH's moe_latent_size) the tokens are projected to latent_dim before step 2 and the
+     weighted sum back to dim after step 4 (router and shared experts read the full width);
   5. the auxiliary losses, when enabled, enter the gradient through AuxLossGrad (the output's value is unchanged).
 
 Capacity (capacity_factor > 0, Megatron's --moe-expert-capacity-factor): each expert keeps at most
@@ -30,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.ffn import FeedForward
-from models.common.moe_args import MoEArgs, moe_problems
+from models.common.ffn import FeedForward, ReLU2FeedForward
+from models.common.moe_args import EXPERT_ACTS, MoEArgs, moe_problems
 from models.common.router import (AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
 
@@ -60,15 +63,22 @@ def host_sizes(counts: torch.Tensor) -> list:
 
 def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert):
     """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm; offsets are the cumulative row counts
-    (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified."""
+    (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified.
+    w3 None: the squared-ReLU experts, w2(relu(w1 x)^2)."""
     offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
-        x, w3.transpose(-2, -1), offs=offs)
+    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    h = F.relu(h).square() if w3 is None else F.silu(h) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
+def _expert_mlp(x, w1, w2, w3):
+    """One expert on its rows: SwiGLU, or squared ReLU when w3 is None."""
+    h = F.linear(x, w1)
+    return F.linear(F.relu(h).square() if w3 is None else F.silu(h) * F.linear(x, w3), w2)
+
+
 def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
-    """The fallback: each expert's SwiGLU on its own rows (padding rows come back 0).
+    """The fallback: each expert's MLP on its own rows (padding rows come back 0); w3 None: squared ReLU.
 
     Eager: slices by the row counts, which are read on the host (.tolist(), a sync on CUDA). Under torch.compile
     (fullgraph, as parallelize/compile.py uses it) data-dependent slicing would break the graph, so there each expert
@@ -79,14 +89,14 @@ def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
         row_expert = torch.searchsorted(ends, torch.arange(n, device=x.device), right=True)  # E for padding rows
         out = x.new_zeros(n, w2.shape[1])
         for i in range(e):
-            y = F.linear(F.silu(F.linear(x, w1[i])) * F.linear(x, w3[i]), w2[i])
+            y = _expert_mlp(x, w1[i], w2[i], None if w3 is None else w3[i])
             out = out + torch.where((row_expert == i).unsqueeze(-1), y, 0)
         return out
     sizes = host_sizes(num_tokens_per_expert)
     outs, start = [], 0
     for i, size in enumerate(sizes):
         xi = x[start:start + size]
-        outs.append(F.linear(F.silu(F.linear(xi, w1[i])) * F.linear(xi, w3[i]), w2[i]))
+        outs.append(_expert_mlp(xi, w1[i], w2[i], None if w3 is None else w3[i]))
         start += size
     if start < n:
         outs.append(x.new_zeros(n - start, w2.shape[1]))
@@ -107,7 +117,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """num_experts SwiGLU experts stored as 3-D weights, run as grouped GEMMs on rows sorted by expert.
+    """num_experts experts stored as 3-D weights, run as grouped GEMMs on rows sorted by expert: SwiGLU
+    (act="swiglu") or squared ReLU without a gate (act="relu2": no w3, which is then None).
 
     w1, w3: [E, hidden, dim]; w2: [E, dim, hidden] (each expert's slice is an nn.Linear weight, so HF adapters can
     stack/unstack them). forward(x [N, dim], num_tokens_per_expert [E_local] int) -> [N, dim]: the first
@@ -115,20 +126,25 @@ class GroupedExperts(nn.Module):
     mode puts its dropped assignments there): callers discard their outputs and must not rely on their gradients.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, act: str = "swiglu"):
         super().__init__()
+        if act not in EXPERT_ACTS:  # moe_problems says it first, naming the key
+            raise ValueError(f"GroupedExperts: act={act!r} is unknown; use one of {list(EXPERT_ACTS)}")
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if act == "swiglu":
+            self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        else:
+            self.register_parameter("w3", None)
         # Multiplies the weights' gradient: expert parallelism sets it where no FSDP reduction divides the expert
         # gradients (parallelize/ep.py). An attribute, not a tensor hook, so it survives to_empty/materialisation.
         self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = (None if w is None else _local(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
-            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+            w1, w2, w3 = (None if w is None else _ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear. Without
         # it, fp32 weights meeting 16-bit tokens (experts that no mixed-precision wrapper casts, e.g. expert parallel
         # without replicas) compute in the tokens' dtype, as the wrapper would have.
@@ -138,19 +154,20 @@ class GroupedExperts(nn.Module):
             dtype = x.dtype
         else:
             dtype = w1.dtype
-        x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        x, w1, w2, w3 = (None if t is None else t.to(dtype) for t in (x, w1, w2, w3))
         if _use_grouped_mm(x, w1.shape[2], w1.shape[1]):
             if x.shape[0] == 0:
                 # Nothing routed here (possible under EP): the weight-gradient grouped GEMM would have a zero-length
                 # contraction, which it rejects; keep the weights in the graph (zero gradients) for the collectives.
-                return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+                return x.new_zeros(0, w2.shape[1]) + 0 * sum(w.sum() for w in (w1, w2, w3) if w is not None)
             return swiglu_grouped_mm(x.contiguous(), w1, w2, w3, num_tokens_per_expert)
         return swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert)
 
     def init_weights(self, init_std: float) -> None:
         # As models/common/ffn.py: w1/w3 read the residual stream; w2 writes into it and gets the depth-scaled std.
         for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
+            if w is not None:
+                nn.init.trunc_normal_(w, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
 
 
@@ -163,9 +180,14 @@ class MoE(nn.Module):
         self.num_experts = args.num_experts
         self.top_k = args.top_k
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(args.num_experts, dim, args.hidden_dim)
+        latent = args.latent_dim
+        # NemotronH's fc1_latent_proj / fc2_latent_proj: the routed experts' width is latent_dim.
+        self.latent_in = nn.Linear(dim, latent, bias=False) if latent > 0 else None
+        self.latent_out = nn.Linear(latent, dim, bias=False) if latent > 0 else None
+        self.experts = GroupedExperts(args.num_experts, latent or dim, args.hidden_dim, act=args.expert_act)
         shared_hidden = args.shared_hidden_dim or args.num_shared_experts * args.hidden_dim
-        self.shared_experts = FeedForward(dim, shared_hidden) if args.num_shared_experts > 0 else None
+        shared_cls = ReLU2FeedForward if args.expert_act == "relu2" else FeedForward
+        self.shared_experts = shared_cls(dim, shared_hidden) if args.num_shared_experts > 0 else None
         # Persistent: the bias is model state (it changes which experts serve a token), so checkpoints carry it.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
         # Assignments per expert since the last bias update (training-mode forwards only, so validation passes do not
@@ -203,7 +225,8 @@ class MoE(nn.Module):
         else:
             order = torch.argsort(flat_expert, stable=True)
             kept_counts, dropped = counts.to(torch.int64), torch.zeros((), dtype=torch.int64, device=x.device)
-        routed = xf.index_select(0, order // k)
+        xr = self.latent_in(xf) if self.latent_in is not None else xf
+        routed = xr.index_select(0, order // k)
         if keep is not None:
             routed = torch.where(keep.unsqueeze(-1), routed, 0)  # zero gradient for the dropped rows
         out = self.experts(routed, kept_counts)
@@ -213,6 +236,8 @@ class MoE(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         out = out.index_select(0, inverse).view(t, k, -1)
         y = torch.bmm(weights.to(out.dtype).unsqueeze(1), out).squeeze(1)
+        if self.latent_out is not None:
+            y = self.latent_out(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
         y = y.view(b, s, -1)
@@ -272,6 +297,9 @@ class MoE(nn.Module):
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
+        if self.latent_in is not None:  # reads the residual stream; latent_out writes into it (depth-scaled)
+            nn.init.trunc_normal_(self.latent_in.weight, mean=0.0, std=0.02, a=-3 * 0.02, b=3 * 0.02)
+            nn.init.trunc_normal_(self.latent_out.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()

@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")  # the router's score functions (models/common/router.py)
+# The experts' MLP: "swiglu" w2(silu(w1 x) * w3 x) (Llama, Qwen3, DeepSeek-V3); "relu2" w2(relu(w1 x)^2), no gate
+# and no w3 (NemotronH, Megatron --squared-relu). The shared experts follow the same choice.
+EXPERT_ACTS = ("swiglu", "relu2")
 
 
 @dataclass
 class MoEArgs:
     num_experts: int = 8
     top_k: int = 2
-    hidden_dim: int = 0            # each routed expert's SwiGLU hidden size
-    num_shared_experts: int = 0    # shared experts: one SwiGLU FeedForward of hidden shared_hidden_dim
+    hidden_dim: int = 0            # each routed expert's hidden size
+    num_shared_experts: int = 0    # shared experts: one FeedForward (expert_act's kind) of hidden shared_hidden_dim
     shared_hidden_dim: int = 0     # 0 = num_shared_experts * hidden_dim
     score_func: str = "softmax"    # "softmax" | "sigmoid"
     route_norm: bool = False       # renormalise the k selected weights to sum to 1
@@ -25,6 +28,11 @@ class MoEArgs:
     z_loss_coeff: float = 0.0      # router z-loss
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (expert bias, selection only)
     capacity_factor: float = 0.0   # 0 = dropless; > 0: per-expert capacity ceil(cf * tokens * top_k / E), rest dropped
+    expert_act: str = "swiglu"     # EXPERT_ACTS: "swiglu" (w1, w2, w3) | "relu2" (w1, w2)
+    # > 0: the routed experts work in a latent space of this width (NemotronH's moe_latent_size): latent_in projects
+    # the tokens down before dispatch, latent_out the weighted sum of the experts' outputs back up; router and shared
+    # experts read the full width.
+    latent_dim: int = 0
 
 
 def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
@@ -50,6 +58,10 @@ def moe_problems(args: MoEArgs, ep: int, prefix: str = "model") -> list[str]:
     elif top_k_ok and k > tg * (e // g):
         out.append(f"{p}.top_k={k} exceeds the {tg * (e // g)} experts that {p}.topk_groups={tg} groups of "
                    f"{e // g} hold; raise topk_groups or lower top_k")
+    if args.expert_act not in EXPERT_ACTS:
+        out.append(f"{p}.expert_act={args.expert_act!r} is unknown; use one of {list(EXPERT_ACTS)}")
+    if args.latent_dim < 0:
+        out.append(f"{p}.latent_dim={args.latent_dim} is negative; use 0 (no latent projection) or a width")
     if args.capacity_factor < 0:
         out.append(f"{p}.capacity_factor={args.capacity_factor} is negative; use 0 (dropless) or a positive factor")
     return out

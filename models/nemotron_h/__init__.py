@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.nemotron_h import hf, megatron
-from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs, NemotronHArgs, pattern_problems
+from models.common.moe_args import moe_problems
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP, MOE, HybridArgs, NemotronHArgs, pattern_problems
 from models.nemotron_h.cache import HybridCache
 from models.nemotron_h.counts import flops_per_token, param_counts, pp_costs, shape
 from models.nemotron_h.flavors import nemotron_h_flavors
@@ -51,19 +52,35 @@ def mamba_cp_checks(args: HybridArgs, par, flavor: str) -> list[str]:
             f"or of one group's heads; use cp in {fits}"]
 
 
-def hybrid_checks(args: HybridArgs, par, flavor: str, name: str) -> list[str]:
+def hybrid_checks(args: HybridArgs, par, flavor: str, name: str, experts: bool = False) -> list[str]:
     """What every hybrid Mamba-2 family refuses: the pattern against the depth, a tp that splits a Mamba-2 group,
-    and a cp that cannot split the Mamba-2 heads into equal parts."""
+    and a cp that cannot split the Mamba-2 heads into equal parts. experts: the model has routed experts (expert
+    parallel is then the caller's to check)."""
     problems = pattern_problems(args, flavor)
     if par.tp > 1 and MAMBA in args.pattern():
         problems += mamba_tp_checks(args, par, flavor)
     if par.cp > 1 and MAMBA in args.pattern():
         problems += mamba_cp_checks(args, par, flavor)
-    return problems + dense_checks(par, name)
+    return problems + ([] if experts else dense_checks(par, name))
+
+
+def moe_checks(args: NemotronHArgs, par, flavor: str) -> list[str]:
+    """The "E" layers: the MoE args and ep (models.common.moe_args.moe_problems); under TP the shared experts are split
+    by hidden units (the router and routed experts are replicated over TP: parallelize/nemotron_h.py)."""
+    m = args.moe
+    problems = moe_problems(m, par.ep, "model.args.moe")
+    shared = m.shared_hidden_dim or m.num_shared_experts * m.hidden_dim
+    if par.tp > 1 and m.num_shared_experts and shared % par.tp:
+        problems.append(f"model.flavor {flavor!r} has shared experts of hidden size {shared}, which parallelism.tp="
+                        f"{par.tp} does not divide; use a tp that divides it")
+    return problems
 
 
 def check(args: NemotronHArgs, par, flavor: str) -> list[str]:
-    problems = hybrid_checks(args, par, flavor, "nemotron_h")
+    has_moe = MOE in args.pattern() and args.moe is not None
+    problems = hybrid_checks(args, par, flavor, "nemotron_h", experts=has_moe)
+    if has_moe:  # else hybrid_checks refused ep > 1 (no experts)
+        problems += moe_checks(args, par, flavor)
     if par.tp > 1 and ATTENTION in args.pattern():
         problems += attention_head_checks(args.n_heads, args.n_kv_heads, par, flavor)
     if par.tp > 1 and MLP in args.pattern():

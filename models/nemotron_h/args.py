@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from models.common.moe_args import MoEArgs
+
 # Megatron's hybrid_override_pattern letters (megatron/core/ssm/mamba_hybrid_layer_allocation.py's symbols).
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 LETTERS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
@@ -54,8 +56,9 @@ class HybridArgs:
 class NemotronHArgs(HybridArgs):
     """NemotronH (HF NemotronHForCausalLM; Megatron's hybrid model): layer i is `hybrid_override_pattern[i]`, "M"
     Mamba-2, "*" attention (grouped KV heads, no positional encoding: NemotronH's attention has no RoPE), "-" a
-    squared-ReLU MLP, "E" a mixture of experts (refused: models/common/moe.py's experts are SwiGLU, NemotronH's are
-    squared-ReLU with a latent projection). NemotronH clamps dt from below at dt_min (its dt_limit is ignored)."""
+    squared-ReLU MLP, "E" a mixture of experts (models/common/moe.py's MoE by `moe`: NemotronH's is squared-ReLU
+    experts and shared expert, sigmoid routing with a selection bias, optionally a latent projection). NemotronH
+    clamps dt from below at dt_min (its dt_limit is ignored)."""
 
     dim: int = 4096
     n_layers: int = 52
@@ -72,9 +75,12 @@ class NemotronHArgs(HybridArgs):
     attention_bias: bool = False
     mlp_bias: bool = False
     repeat_kv_heads: bool = False  # a kernel choice (the trainer sets it), as in the other GQA families
+    moe: MoEArgs | None = None  # the "E" layers' MoE (None: a pattern without "E")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.moe, dict):  # a checkpoint's JSON brings the nested MoEArgs back as a dict
+            self.moe = MoEArgs(**self.moe)
         bad = sorted(set(self.hybrid_override_pattern) - set(LETTERS))
         if bad:
             raise ValueError(f"model.args.hybrid_override_pattern has unknown letters {bad}; use only "
@@ -97,8 +103,7 @@ def pattern_problems(args: HybridArgs, flavor: str) -> list[str]:
         return [f"model.flavor {flavor!r}: hybrid_override_pattern has {len(p)} layers but n_layers={args.n_layers}; "
                 f"set model.n_layers={len(p)} (0: the flavor's) or give model.args.hybrid_override_pattern "
                 f"{args.n_layers} letters"]
-    if MOE in p:
-        return [f"model.flavor {flavor!r}: hybrid_override_pattern has 'E' (MoE) layers, which titanlike's "
-                f"nemotron_h does not implement yet (NemotronH's experts are squared-ReLU with a latent projection; "
-                f"models/common/moe.py's are SwiGLU); use a pattern of 'M', '*' and '-' only"]
+    if MOE in p and getattr(args, "moe", None) is None:
+        return [f"model.flavor {flavor!r}: hybrid_override_pattern has 'E' (MoE) layers but model.args.moe is "
+                f"unset; give the flavor MoEArgs (models/common/moe_args.py) or drop the 'E' layers"]
     return []

@@ -3,6 +3,8 @@ alone (shared by nemotron_h and mamba2).
 
 FLOPs are what the training step computes: 6 per weight per token (forward 2, backward 4) plus the sequence-mixing
 work that has no weight:
+  - MoE ("E"): 6 per active weight: the router, the top_k routed experts a token goes through, the shared experts and
+    the latent projections (the k-way weighted sum and the routing itself are not counted);
   - attention ("*"): QK^T and PV over all S keys (no causal discount, as the other families): 12 x n_heads x head_dim
     x S per token;
   - Mamba-2 ("M"), models/common/ssd.py's chunked scan with chunk L (the sequence padded to a multiple of L), per
@@ -15,12 +17,24 @@ from __future__ import annotations
 
 import math
 
-from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP, MOE, HybridArgs
 from models.spec import ModelShape, ParamCounts, PipelineCosts
 
 
-def mixer_params(args: HybridArgs, kind: str) -> int:
-    """Parameters of one block of `kind` (its pre-norm included)."""
+def moe_params(args: HybridArgs) -> tuple[int, int]:
+    """(total, active) parameters of one "E" mixer (models/common/moe.py's MoE): the router, the routed experts (top_k
+    of them active), the shared experts and the latent projections; the expert bias is a buffer."""
+    m, d = args.moe, args.dim
+    mats = 2 if m.expert_act == "relu2" else 3
+    width = m.latent_dim or d
+    expert = mats * width * m.hidden_dim
+    shared = mats * d * (m.shared_hidden_dim or m.num_shared_experts * m.hidden_dim) if m.num_shared_experts else 0
+    dense = m.num_experts * d + shared + 2 * d * m.latent_dim
+    return dense + m.num_experts * expert, dense + m.top_k * expert
+
+
+def mixer_params(args: HybridArgs, kind: str, active: bool = False) -> int:
+    """Parameters of one block of `kind` (its pre-norm included); active: those a token uses (MoE: top_k experts)."""
     d = args.dim
     if kind == MAMBA:
         h, p, n, g = args.mamba_n_heads, args.mamba_head_dim, args.ssm_state_size, args.n_groups
@@ -33,16 +47,20 @@ def mixer_params(args: HybridArgs, kind: str) -> int:
         mixer = 2 * d * q + 2 * d * kv + (q + 2 * kv + d) * args.attention_bias
     elif kind == MLP:
         mixer = 2 * d * args.hidden_dim + (args.hidden_dim + d) * args.mlp_bias
+    elif kind == MOE:
+        mixer = moe_params(args)[1 if active else 0]
     else:
-        raise ValueError(f"hybrid_override_pattern letter {kind!r} is not implemented; use 'M', '*' or '-'")
+        raise ValueError(f"hybrid_override_pattern letter {kind!r} is not implemented; use 'M', '*', '-' or 'E'")
     return mixer + d
 
 
 def param_counts(args: HybridArgs) -> ParamCounts:
-    """Exact: embedding + each block + final norm + (untied) output. Dense: active = total."""
-    embedding = args.vocab_size * args.dim
-    total = embedding + sum(mixer_params(args, k) for k in args.pattern()) + args.dim + args.dim * args.vocab_size
-    return ParamCounts(total=total, active=total, embedding=embedding)
+    """Exact: embedding + each block + final norm + (untied) output. active: the MoE layers' top_k routed experts
+    only (everything else counts)."""
+    embedding, top = args.vocab_size * args.dim, args.dim + args.dim * args.vocab_size
+    total = embedding + sum(mixer_params(args, k) for k in args.pattern()) + top
+    active = embedding + sum(mixer_params(args, k, active=True) for k in args.pattern()) + top
+    return ParamCounts(total=total, active=active, embedding=embedding)
 
 
 def mixing_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
@@ -60,7 +78,7 @@ def mixing_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
 
 
 def layer_flops(args: HybridArgs, kind: str, seq_len: int) -> float:
-    return 6.0 * mixer_params(args, kind) + mixing_flops(args, kind, seq_len)
+    return 6.0 * mixer_params(args, kind, active=True) + mixing_flops(args, kind, seq_len)
 
 
 def flops_per_token(args: HybridArgs, seq_len: int) -> int:
@@ -71,12 +89,15 @@ def flops_per_token(args: HybridArgs, seq_len: int) -> int:
 
 
 def pp_costs(args: HybridArgs, seq_len: int) -> PipelineCosts:
-    """Each block's training FLOPs per token: Mamba, attention and MLP blocks differ a lot, so the split weighs them."""
+    """Each block's training FLOPs per token: Mamba, attention, MLP and MoE blocks differ a lot, so the split weighs
+    them."""
     return PipelineCosts(layers={str(i): layer_flops(args, k, seq_len) for i, k in enumerate(args.pattern())},
                          embedding=0.0, output=6.0 * args.dim * args.vocab_size)
 
 
 def shape(args: HybridArgs) -> ModelShape:
-    """kv_dim: keys plus values per token of an attention layer (0 without attention: nothing to gather)."""
+    """kv_dim: keys plus values per token of an attention layer (0 without attention: nothing to gather); moe_topk: the
+    routed experts per token of the "E" layers (0 without)."""
     kv = 2 * args.n_kv_heads * args.head_dim if ATTENTION in args.pattern() else 0
-    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv)
+    topk = args.moe.top_k if MOE in args.pattern() else 0
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv, moe_topk=topk)

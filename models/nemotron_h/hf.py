@@ -9,6 +9,12 @@ parallelism shards whole groups; models/common/mamba2.py) and part-major in tran
 (transformers 5.x) or "backbone." (the published Nemotron-H checkpoints, transformers' Mamba2); both are read,
 "model." is written.
 A checkpoint without lm_head (tied) gets a copy of the embedding: titanlike never ties.
+
+MoE ("E") layers: the mixer is models/common/moe.py's MoE; router.gate <-> gate, expert_bias <->
+gate.e_score_correction_bias (the selection bias), shared_experts.w1/w2 <-> shared_experts.up_proj/down_proj,
+latent_in/latent_out <-> fc1_latent_proj/fc2_latent_proj, and the routed experts stacked (experts.w1/w2 [E, ...]) here,
+one tensor per expert in the hub's checkpoints (experts.<e>.up_proj.weight: what to_hf writes, transformers 5.x fuses
+them on load) or fused in a 5.x model's own state dict (experts.up_proj / down_proj [E, ...]); from_hf reads both.
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import re
 
 import torch
 
+from models.common.hf_utils import stack_experts, unstack_experts
 from models.common.mamba2 import reorder_packed
+from models.common.moe_args import MoEArgs
 from models.nemotron_h.args import ATTENTION, LETTERS, MAMBA, MLP, MOE, HybridArgs, NemotronHArgs
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -29,6 +37,16 @@ _MIXER_INV = {v: k for k, v in _MIXER.items()}
 _MAMBA = {"in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj"}  # the same names on both sides
 _TL_LAYER = re.compile(r"^layers\.(\d+)\.(norm\.weight|mixer\.(\w+)(\..+)?)$")
 _HF_KEY = re.compile(r"^(?:model|backbone)\.(.+)$")
+# The MoE mixer's tensors: titanlike suffix (after layers.<i>.mixer.) -> HF suffix; the routed experts apart.
+_MOE = {"router.gate.weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias",
+        "latent_in.weight": "fc1_latent_proj.weight", "latent_out.weight": "fc2_latent_proj.weight",
+        "shared_experts.w1.weight": "shared_experts.up_proj.weight",
+        "shared_experts.w2.weight": "shared_experts.down_proj.weight"}
+_MOE_INV = {v: k for k, v in _MOE.items()}
+_EXPERTS = {"experts.w1": "up_proj", "experts.w2": "down_proj"}
+_EXPERTS_INV = {v: k for k, v in _EXPERTS.items()}
+_MIXER_KEY = re.compile(r"^layers\.(\d+)\.mixer\.(.+)$")
+_HF_EXPERT = re.compile(r"^experts\.(\d+)\.(up_proj|down_proj)\.weight$")
 # transformers' layers_block_type names (5.x, then the older ones) for the pattern letters
 _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                 "mlp": MLP, "moe": MOE}
@@ -50,6 +68,11 @@ def rename_to_hf(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
             out["lm_head.weight"] = value
         elif key in _TOP:
             out[prefix + _TOP[key]] = value
+        elif (m := _MIXER_KEY.match(key)) is not None and m.group(2) in _MOE:
+            out[f"{prefix}layers.{m.group(1)}.mixer.{_MOE[m.group(2)]}"] = value
+        elif m is not None and m.group(2) in _EXPERTS:
+            out.update(unstack_experts(value, f"{prefix}layers.{m.group(1)}.mixer.experts.",
+                                       f".{_EXPERTS[m.group(2)]}.weight"))
         elif (m := _TL_LAYER.match(key)) is not None:
             out[prefix + _rename_mixer(m, _MIXER)] = value
         else:
@@ -57,18 +80,43 @@ def rename_to_hf(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
     return out
 
 
-def rename_from_hf(hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF FQNs ("model." or "backbone." prefix) -> titanlike FQNs; lm_head from the embedding when tied."""
+def _read_moe(rest: str, value: torch.Tensor, out: dict[str, torch.Tensor],
+              per_expert: dict[str, dict[int, torch.Tensor]]) -> bool:
+    """One HF layer key (prefix removed) of an MoE mixer into `out` (or `per_expert`, the hub's one tensor per
+    expert, for stack_experts); False if it is none."""
+    m = _MIXER_KEY.match(rest)
+    if m is None:
+        return False
+    pre, sub = f"layers.{m.group(1)}.mixer.", m.group(2)
+    if sub in _MOE_INV:
+        out[pre + _MOE_INV[sub]] = value
+    elif sub in ("experts.up_proj", "experts.down_proj"):  # transformers 5.x's fused [E, out, in]
+        out[pre + _EXPERTS_INV[sub.split(".")[1]]] = value
+    elif (em := _HF_EXPERT.match(sub)) is not None:
+        per_expert.setdefault(pre + _EXPERTS_INV[em.group(2)], {})[int(em.group(1))] = value
+    else:
+        return False
+    return True
+
+
+def rename_from_hf(hf_state_dict: dict[str, torch.Tensor], num_experts: int = 0) -> dict[str, torch.Tensor]:
+    """HF FQNs ("model." or "backbone." prefix) -> titanlike FQNs; lm_head from the embedding when tied.
+    num_experts: the routed experts per MoE layer (config.json's; 0: no MoE layers, whose keys are then refused)."""
     top_inv = {v: k for k, v in _TOP.items()} | {"embedding.weight": "tok_embeddings.weight"}  # Mamba2's old name
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
     for key, value in hf_state_dict.items():
         if key == "lm_head.weight":
             out["output.weight"] = value
+            continue
+        if key.startswith("mtp."):  # multi-token-prediction layers: transformers skips them too (no MTP here)
             continue
         m = _HF_KEY.match(key)
         rest = m.group(1) if m else None
         if rest in top_inv:
             out[top_inv[rest]] = value
+        elif rest is not None and num_experts and _read_moe(rest, value, out, per_expert):
+            continue
         elif rest is not None and (lm := _TL_LAYER.match(rest)) is not None:
             try:
                 out[_rename_mixer(lm, _MIXER_INV)] = value
@@ -76,6 +124,7 @@ def rename_from_hf(hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
                 raise KeyError(f"from_hf: unexpected HF key {key!r}") from None
         else:
             raise KeyError(f"from_hf: unexpected HF key {key!r}")
+    out.update(stack_experts(per_expert, num_experts))
     if "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"].clone()
     return out
@@ -93,7 +142,19 @@ def to_hf_state(state_dict: dict[str, torch.Tensor], args: HybridArgs, prefix: s
 
 def from_hf_state(hf_state_dict: dict[str, torch.Tensor], args: HybridArgs) -> dict[str, torch.Tensor]:
     """transformers' state dict -> titanlike's names and row order."""
-    return _reorder(rename_from_hf(hf_state_dict), args, to_hf=False)
+    moe = getattr(args, "moe", None)
+    out = rename_from_hf(hf_state_dict, moe.num_experts if moe is not None and MOE in args.pattern() else 0)
+    pattern = args.pattern()
+    for key in out:
+        m = _MIXER_KEY.match(key)
+        if m is not None and (m.group(2) in _MOE or m.group(2) in _EXPERTS):
+            layer = int(m.group(1))
+            kind = pattern[layer] if layer < len(pattern) else None
+            if kind != MOE:
+                raise KeyError(f"from_hf: {key!r} is an MoE tensor but layer {layer} is "
+                               f"{LETTERS.get(kind, 'past the pattern')} ({kind!r}): the checkpoint and its "
+                               f"config.json do not match")
+    return _reorder(out, args, to_hf=False)
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: NemotronHArgs) -> dict[str, torch.Tensor]:
@@ -130,6 +191,27 @@ def _refuse(config: dict) -> None:
         raise ValueError("HF config has a sliding_window; titanlike's nemotron_h attends over the whole sequence")
 
 
+def _moe_args(config: dict, pattern: str) -> MoEArgs | None:
+    """The MoE layers' args (NemotronHMoE: squared-ReLU experts and one shared expert, sigmoid routing with
+    e_score_correction_bias); None without "E" layers."""
+    if MOE not in pattern:
+        return None
+    if config.get("mlp_bias"):
+        raise ValueError("HF config has mlp_bias=True with MoE layers; titanlike's MoE has no biases: import a "
+                         "checkpoint without them")
+    return MoEArgs(
+        num_experts=config.get("n_routed_experts", config.get("num_local_experts", 8)),
+        top_k=config.get("num_experts_per_tok", 2), hidden_dim=config.get("moe_intermediate_size", 7688),
+        num_shared_experts=1, shared_hidden_dim=config.get("moe_shared_expert_intermediate_size", 7688),
+        score_func="sigmoid", route_norm=bool(config.get("norm_topk_prob", True)),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)), n_groups=config.get("n_group") or 1,
+        topk_groups=config.get("topk_group") or 1, expert_act="relu2", latent_dim=config.get("moe_latent_size") or 0,
+        # Training-only, so config.json does not carry them: Megatron-Bridge's NemotronH recipe (the expert bias that
+        # e_score_correction_bias holds, at Megatron's default rate; the sequence-wise aux loss), for continued
+        # training of an imported model.
+        bias_update_rate=1e-3, seq_aux_loss_coeff=1e-4)
+
+
 def args_from_hf_config(config: dict) -> NemotronHArgs:
     """NemotronHArgs from a config.json dict (the published checkpoints' keys, or transformers 5.x's)."""
     _refuse(config)
@@ -147,7 +229,7 @@ def args_from_hf_config(config: dict) -> NemotronHArgs:
         conv_bias=bool(config.get("use_conv_bias", True)), n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads, head_dim=config.get("head_dim") or dim // n_heads,
         hidden_dim=config["intermediate_size"], attention_bias=bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)), moe=_moe_args(config, pattern),
     )
 
 
@@ -155,8 +237,6 @@ def hf_config(args: NemotronHArgs, dtype: torch.dtype, max_position_embeddings: 
     """A config.json dict transformers' NemotronHConfig reads (the legacy hybrid_override_pattern key, which 5.x turns
     into layers_block_type)."""
     pattern = args.pattern()
-    if MOE in pattern:
-        raise ValueError("hf_config: 'E' (MoE) layers are not implemented in titanlike's nemotron_h")
     return {
         "architectures": [ARCHITECTURES[0]], "model_type": MODEL_TYPES[0],
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
@@ -169,5 +249,27 @@ def hf_config(args: NemotronHArgs, dtype: torch.dtype, max_position_embeddings: 
         "use_conv_bias": args.conv_bias, "time_step_min": args.dt_min, "time_step_max": args.dt_max,
         "time_step_floor": args.dt_floor, "time_step_limit": [0.0, math.inf], "layer_norm_epsilon": args.norm_eps,
         "residual_in_fp32": False, "max_position_embeddings": max_position_embeddings or args.max_seq_len,
-        "torch_dtype": str(dtype).replace("torch.", ""),
+        "torch_dtype": str(dtype).replace("torch.", ""), "num_nextn_predict_layers": 0,
+        **(_moe_config(args) if MOE in pattern else {}),
     }
+
+
+def _moe_config(args: NemotronHArgs) -> dict:
+    """config.json's MoE keys; ValueError for an MoE NemotronHMoE cannot express (one line naming the key)."""
+    m = args.moe
+    want = {"score_func": "sigmoid", "expert_act": "relu2"}
+    for key, value in want.items():
+        if getattr(m, key) != value:
+            raise ValueError(f"hf_config: model.args.moe.{key}={getattr(m, key)!r}, but NemotronHMoE has {value!r} "
+                             f"only; this model cannot be exported as NemotronHForCausalLM")
+    if m.num_shared_experts < 1:
+        raise ValueError("hf_config: model.args.moe.num_shared_experts=0, but NemotronHMoE always has a shared "
+                         "expert; this model cannot be exported as NemotronHForCausalLM")
+    if args.mlp_bias:
+        raise ValueError("hf_config: model.args.mlp_bias=True would give NemotronHMoE's shared expert biases that "
+                         "titanlike's MoE has not; export with mlp_bias=False")
+    return {"n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim,
+            "n_shared_experts": m.num_shared_experts,
+            "moe_shared_expert_intermediate_size": m.shared_hidden_dim or m.num_shared_experts * m.hidden_dim,
+            "moe_latent_size": m.latent_dim or None, "routed_scaling_factor": m.route_scale,
+            "n_group": m.n_groups, "topk_group": m.topk_groups, "norm_topk_prob": m.route_norm}

@@ -129,7 +129,8 @@ def refusals(margs: dict, pattern: str, family: str) -> list[str]:
     """What a Megatron hybrid model has that titanlike's hybrid families do not: the flag and the fix, one line each."""
     bad = []
     if arg(margs, "num_experts") or MOE in pattern:
-        bad.append(f"--hybrid-override-pattern has 'E' (MoE) layers: titanlike {family} has no MoE layer yet; use a "
+        bad.append(f"--hybrid-override-pattern has 'E' (MoE) layers: titanlike's Megatron adapter for {family} does "
+                   f"not map MoE layers yet; import the Hugging Face checkpoint (scripts/convert_hf.py) or use a "
                    f"pattern of 'M', '*' and '-'")
     for flag in ("qk_layernorm", "multi_latent_attention", "apply_residual_connection_post_layernorm"):
         if arg(margs, flag):

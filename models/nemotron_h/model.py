@@ -8,6 +8,9 @@ blocks, each with ONE mixer, as in HF NemotronH / Mamba2 and Megatron's hybrid m
           in_proj's rows and conv1d's channels group-major, so tensor parallel shards whole groups)
       "*" attention without positional encoding (NemotronH's has no RoPE): wq, wk, wv, wo, grouped KV heads
       "-" squared-ReLU MLP: w1 (HF up_proj), w2 (down_proj)
+      "E" mixture of experts (models/common/moe.py's MoE by args.moe): router.gate (HF gate.weight), expert_bias (HF
+          gate.e_score_correction_bias), experts.w1/w2 (up/down, squared ReLU), shared_experts.w1/w2, and with a
+          latent width latent_in/latent_out (HF fc1_latent_proj / fc2_latent_proj)
 
 Packed documents: doc_ids [B, S] restart the Mamba state and conv window at every document and confine attention to
 it (models/common/masks.py). Context parallel (cp_shard, set by parallelize/cp.py): tokens are this rank's chunks,
@@ -20,14 +23,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import causal_attention
+from models.common.ffn import ReLU2FeedForward as ReLU2MLP  # NemotronH's "-" layers: w2(relu(w1 x)^2)
 from models.common.mamba2 import Mamba2Mixer
 from models.common.masks import AttnMask, build_mask, load_balanced_chunks
+from models.common.moe import MoE
 from models.common.norms import RMSNorm
-from models.nemotron_h.args import ATTENTION, MAMBA, MLP, HybridArgs
+from models.nemotron_h.args import ATTENTION, MAMBA, MLP, MOE, HybridArgs
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
@@ -65,25 +69,6 @@ class Attention(nn.Module):
                 nn.init.zeros_(lin.bias)
 
 
-class ReLU2MLP(nn.Module):
-    """w2(relu(w1 x)^2): NemotronH's "-" layers (Megatron --squared-relu), no gate."""
-
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.relu(self.w1(x)).square())
-
-    def init_weights(self, init_std: float) -> None:
-        _trunc_normal(self.w1.weight, 0.02)
-        _trunc_normal(self.w2.weight, init_std)
-        for lin in (self.w1, self.w2):
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
-
-
 def build_mixer(kind: str, args: HybridArgs) -> nn.Module:
     if kind == MAMBA:
         return Mamba2Mixer(args.dim, args.mamba_n_heads, args.mamba_head_dim, state_size=args.ssm_state_size,
@@ -96,8 +81,11 @@ def build_mixer(kind: str, args: HybridArgs) -> nn.Module:
                          repeat_kv_heads=args.repeat_kv_heads)
     if kind == MLP:
         return ReLU2MLP(args.dim, args.hidden_dim, bias=args.mlp_bias)
+    if kind == MOE and getattr(args, "moe", None) is not None:
+        return MoE(args.dim, args.moe)
     # The spec's check names the key and the fix first; this guards a hand-built model.
-    raise ValueError(f"hybrid_override_pattern letter {kind!r} is not implemented; use 'M', '*' or '-'")
+    raise ValueError(f"hybrid_override_pattern letter {kind!r} is not implemented here; use 'M', '*', '-' or 'E' "
+                     f"(with model.args.moe)")
 
 
 class HybridBlock(nn.Module):

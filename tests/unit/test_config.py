@@ -28,6 +28,7 @@ WORLD_SIZES = {
     "nemotron_h_debug.toml": [1, 2],
     "mamba2_debug.toml": [1, 2],
     "nemotron_h_8b.toml": [8],
+    "nemotron_h_nano3_30b_a3b.toml": [8],
     "qwen3_30b_a3b.toml": [8, 16],
     "qwen3_next_debug.toml": [1, 2],
     "qwen3_next_80b_a3b.toml": [16, 32],
