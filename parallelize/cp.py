@@ -17,8 +17,9 @@ the attention compute: that needs a log-sum-exp merge of partial results, which 
 Under torch.compile the gather and the kernel are part of each block's full graph (functional collectives; checked
 on gloo with torch 2.13, and under per-op selective checkpointing).
 
-Recurrent mixers (the conv + scan of Mamba-2 and of the Gated DeltaNet): an all-to-all turns the sequence shard into a head shard around them and
-back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole sequence of a part of the heads.
+Recurrent mixers (the conv + scan of Mamba-2 and of the Gated DeltaNet): an all-to-all turns the sequence shard into
+a head shard around them and back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole
+sequence of a part of the heads.
 
 MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
 chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
