@@ -17,8 +17,9 @@ the attention compute: that needs a log-sum-exp merge of partial results, which 
 Under torch.compile the gather and the kernel are part of each block's full graph (functional collectives; checked
 on gloo with torch 2.13, and under per-op selective checkpointing).
 
-Recurrent mixers (Mamba-2's conv + scan): an all-to-all turns the sequence shard into a head shard around them and
-back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole sequence of a part of the heads.
+Recurrent mixers (the conv + scan of Mamba-2 and of the Gated DeltaNet): an all-to-all turns the sequence shard into
+a head shard around them and back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole
+sequence of a part of the heads.
 
 MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
 chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
@@ -92,7 +93,7 @@ def shard_sequence(x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
 def apply_cp(model: nn.Module, dims) -> int:
     """Shard `model`'s sequence over dims' "cp" axis, in place (after TP/EP, before AC and compile, which trace the
     attention kernels); returns how many attention modules and recurrent mixers take part. Recurrent mixers (a
-    `sequence_fn` attribute: Mamba-2) run their conv + scan on whole sequences of a part of the heads
+    `sequence_fn` attribute: Mamba-2, Gated DeltaNet) run their conv + scan on whole sequences of a part of the heads
     (parallelize/cp_recurrent.py)."""
     mesh = dims.get_mesh("cp")
     if mesh is None:

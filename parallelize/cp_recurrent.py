@@ -1,4 +1,5 @@
-"""Context parallel for the linear-recurrent mixers (Mamba-2): heads over the "cp" ranks, the whole sequence on each.
+"""Context parallel for the linear-recurrent mixers (Mamba-2, Gated DeltaNet): heads over the "cp" ranks, the whole
+sequence on each.
 
 A recurrent mixer's causal conv and scan read the sequence in order, and the state at a token depends on every token
 before it, so a rank holding chunks (r, 2cp-1-r) of the sequence cannot run them alone. Two ways out: pass the chunk
@@ -6,23 +7,31 @@ states from rank to rank along the sequence (a serial chain of cp steps), or, as
 (megatron/core/ssm/mamba_context_parallel.py), trade the sequence shard for a head shard around that part of the
 layer. This is the second:
 
-    in_proj (this rank's tokens, every local head)      [B, S/cp, g, x|B|C, dt]
-    all-to-all over "cp"                                [B, S, g/cp, ...]     part r of the heads, every token
+    input projections (this rank's tokens, every local head)   [B, S/cp, heads, inputs]
+    all-to-all over "cp"                                        [B, S, heads/cp, ...]  part r of the heads, every token
     natural token order (undo the load-balanced cut), causal conv + scan of the whole sequence (doc_ids: the whole
     sequence's, which the batch hands every CP rank)
-    load-balanced order again, all-to-all back          [B, S/cp, heads * P]
-    gated norm, out_proj (this rank's tokens)
+    load-balanced order again, all-to-all back                  [B, S/cp, heads * P]
+    output norm, out_proj (this rank's tokens)
 
-The heads go in cp equal parts: whole groups when cp divides the groups this rank holds (after TP), else each group's
-heads in equal shares with a copy of the group's B and C (the conv of B and C is then computed on several ranks and
-their gradients summed by the all-to-all's backward, the copy's). The mixer says how to cut and runs a part
-(Mamba2Mixer.head_parts / mix_part): the layout is the model's knowledge, the communication is this file's. Each
-rank's scan reads the conv, dt_bias, A_log and D entries of its part only, so their gradients come from one rank
-each and the data-parallel reduction over dp_shard x cp sums them, as it sums the other parameters' per-token
-gradients. Both all-to-alls are the autograd-aware functional collective (its backward the reverse all-to-all).
+The mixer says how to cut and runs a part (`head_parts(x, gates, count)` -> [count, B, S, ...],
+`mix_part(part, doc_ids, index, count)` -> [B, S, the part's heads * P]): the layout is the model's knowledge, the
+communication is this file's. The mixer's `sequence_fn(mixer, x, gates, doc_ids)` hook is what this file replaces.
 
-Per layer and rank this moves 2 x (cp-1)/cp of the in_proj output's x|B|C|dt and of y, against the attention's
-all-gather of K and V; the state never crosses ranks.
+- Mamba-2 (models/common/mamba2.py; x = x|B|C per group, gates = dt): cp equal parts of the heads a TP rank holds,
+  whole groups when cp divides the groups, else each group's heads in equal shares with a copy of the group's B and C
+  (the conv of B and C is then computed on several ranks and their gradients summed by the all-to-all's backward,
+  the copy's).
+- Gated DeltaNet (models/common/gated_deltanet.py; x = q|k|v per key head, gates = b|a): cp equal parts of whole key
+  heads, each with its value heads (cp must divide the key heads a TP rank holds).
+
+Each rank's part reads the conv channels and per-head scalars (dt_bias, A_log, D) of its heads only, so their
+gradients come from one rank each and the data-parallel reduction over dp_shard x cp sums them, as it sums the other
+parameters' per-token gradients. Both all-to-alls are the autograd-aware functional collective (its backward the
+reverse all-to-all).
+
+Per layer and rank this moves 2 x (cp-1)/cp of the projections' conv and gate inputs and of the scan's output, against
+the attention's all-gather of K and V; the state never crosses ranks.
 """
 from __future__ import annotations
 
@@ -42,15 +51,15 @@ def _all_to_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class ShardHeads:
-    """A recurrent mixer's `sequence_fn` under CP: (mixer, xbc, dt, doc_ids) -> y of this rank's tokens, every local
-    head, computed as one process computes it."""
+    """A recurrent mixer's `sequence_fn` under CP: (mixer, x, gates, doc_ids) -> y of this rank's tokens, every local
+    head, computed as one process computes it (x, gates: the [B, S/cp, heads, ...] tensors its head_parts cuts)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
 
-    def __call__(self, mixer, xbc: torch.Tensor, dt: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, mixer, x: torch.Tensor, gates: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         rank, degree = self.mesh.get_local_rank(), self.mesh.size()
-        got = _all_to_all(mixer.head_parts(xbc, dt, degree), self.mesh)  # [cp (sender), B, S/cp, part]
+        got = _all_to_all(mixer.head_parts(x, gates, degree), self.mesh)  # [cp (sender), B, S/cp, part]
         chunks = got.movedim(0, 1).flatten(1, 2).chunk(2 * degree, dim=1)  # rank-major chunks
         seq = torch.cat([chunks[i] for i in _natural_order(degree)], dim=1)  # [B, S, part]
         if doc_ids is not None and doc_ids.shape[1] != seq.shape[1]:

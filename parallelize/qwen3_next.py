@@ -1,8 +1,11 @@
 """The Qwen3-Next plans: composed by parallelize/compose.py (TP -> EP -> CP -> AC -> compile -> FSDP) as the other MoE
 families', with expert parallelism for the routed experts (parallelize/ep.py); AC, compile and FSDP per block.
-Refused, with the key to change (the family's check, models/qwen3_next/__init__.py): CP (the DeltaNet state runs
-across the whole sequence), and a tp that does not divide the DeltaNet key heads, the attention heads and KV heads,
-the shared expert's or the dense FFN's hidden size.
+Context parallel (parallelize/cp.py): the gated attention gathers the whole sequence's K/V; each DeltaNet runs its
+conv + delta rule on the whole sequence of 1/cp of its key heads, trading the sequence shard for a head shard by
+all-to-all (parallelize/cp_recurrent.py). Refused, with the key to change (the family's check,
+models/qwen3_next/__init__.py): a cp that does not divide the DeltaNet key heads a TP rank holds, and a tp that does
+not divide the DeltaNet key heads, the attention heads and KV heads, the shared expert's or the dense FFN's hidden
+size.
 
 Tensor parallel, per block (layouts as parallelize/tp.py describes them for Llama; seq = the residual stream,
 Shard(1) with sequence parallel, Replicate without; heads = Shard(2) of [B, S, heads, head_dim]):

@@ -35,14 +35,26 @@ def tp_problems(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
     return problems
 
 
+def cp_problems(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
+    """Context parallel gives each rank the whole sequence of 1/cp of the DeltaNet key heads a TP rank holds
+    (parallelize/cp_recurrent.py), so cp must divide them; one line. The attention layers gather K/V (any cp)."""
+    if all(args.is_full_attention(i) for i in range(args.n_layers)):
+        return []
+    held = max(args.linear_n_k_heads // par.tp, 1)
+    if held % par.cp == 0:
+        return []
+    fits = ",".join(str(c) for c in range(1, held + 1) if held % c == 0)
+    return [f"model.flavor {flavor!r}: parallelism.cp={par.cp} does not divide the {held} Gated DeltaNet key head(s) "
+            f"each TP rank holds (linear_n_k_heads={args.linear_n_k_heads} / tp={par.tp}); use cp in {{{fits}}}"]
+
+
 def check(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
-    """What the parallel degrees of `par` require: TP by whole heads and hidden units (tp_problems), no CP (the
-    DeltaNet state crosses the whole sequence), experts divisible by EP; a dense flavor refuses EP. The routed
+    """What the parallel degrees of `par` require: TP by whole heads and hidden units (tp_problems), CP by whole
+    DeltaNet key heads per TP rank (cp_problems), experts divisible by EP; a dense flavor refuses EP. The routed
     experts are not TP-sharded (parallelize/qwen3.py says why)."""
     problems = tp_problems(args, par, flavor) if par.tp > 1 else []
     if par.cp > 1:
-        problems.append(f"parallelism.cp={par.cp}: qwen3_next's Gated DeltaNet layers carry a state across the "
-                        f"whole sequence, which context parallel would cut; set parallelism.cp=1")
+        problems += cp_problems(args, par, flavor)
     if args.moe is None:
         if par.ep > 1:
             problems.append(f"parallelism.ep={par.ep}: model.flavor {flavor!r} has no experts to shard; set "

@@ -14,6 +14,11 @@ shared expert whose output is scaled by sigmoid(shared_expert_gate(x)) per token
 
 Packed documents: `doc_ids` reach the attention through the skeleton's AttnMask and the DeltaNet layers as they are
 (their conv taps and recurrent state restart at every document start).
+
+Context parallel (cp_shard, set by parallelize/cp.py): tokens are this rank's load-balanced chunks; the skeleton's
+mask and RoPE rows place them in the whole sequence (the gated attention gathers the whole sequence's K/V), and each
+DeltaNet's sequence_fn runs its conv + delta rule on whole sequences of a part of its key heads
+(parallelize/cp_recurrent.py).
 """
 from __future__ import annotations
 
@@ -119,10 +124,8 @@ class Transformer(Decoder):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """As Decoder.forward: tokens [B, S] (hidden states on later pipeline stages) -> logits [B, S, V];
-        doc_ids [B, S] keep attention and the DeltaNet state within documents; positions [B, S] are RoPE's."""
-        if self.cp_shard is not None:  # the plan refuses CP; a hand-set shard would feed the DeltaNet chunks
-            raise ValueError("parallelism.cp > 1: qwen3_next's Gated DeltaNet layers need whole sequences; set "
-                             "parallelism.cp=1")
+        doc_ids [B, S_full] keep attention and the DeltaNet state within documents (the whole sequence's: under
+        context parallel tokens are this rank's chunks, cp_shard, and doc_ids stay uncut); positions are RoPE's."""
         rope, mask = self._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():

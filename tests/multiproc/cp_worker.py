@@ -14,7 +14,9 @@ Families: llama3 (GQA), qwen3_moe (qwen3 debugmodel_moe: softmax top-2 of 8 expe
 deepseek_v3 (debugmodel: MLA, a dense block then an MoE block, sigmoid group-limited routing, a shared expert, the
 sequence-wise balance loss, the expert-bias balancing), all at 2 blocks; nemotron_h (debugmodel "M*M-": Mamba-2 heads
 over the CP ranks by all-to-all, parallelize/cp_recurrent.py, beside the attention's K/V gather) and mamba2
-(debugmodel, 4 Mamba-2 layers), both with SSD chunks of 8 tokens.
+(debugmodel, 4 Mamba-2 layers), both with SSD chunks of 8 tokens; qwen3_next (a Gated DeltaNet layer of 4 key heads
+then a gated attention layer, MoE with the gated shared expert on both: the DeltaNet key heads over the CP ranks by
+all-to-all, delta-rule chunks of 8 tokens).
 Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+sac][+compile]" (rep: dp_replicate; dp: dp_shard;
 docs: data.document_masking; pos: data.reset_position_ids; sac: per-op selective activation checkpointing; compile:
 per-block torch.compile with the aot_eager backend: dynamo's and AOTAutograd's graphs, without Inductor's slow CPU code
@@ -50,7 +52,7 @@ SEQ, VOCAB, ROWS, EOD = 32, 128, 4, 3
 TOL = 1e-5
 FAMILIES = {"llama3": ("llama3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe"),
             "deepseek_v3": ("deepseek_v3", "debugmodel"), "nemotron_h": ("nemotron_h", "debugmodel"),
-            "mamba2": ("mamba2", "debugmodel")}
+            "mamba2": ("mamba2", "debugmodel"), "qwen3_next": ("qwen3_next", "debugmodel")}
 
 
 def model_args(family: str):
@@ -59,6 +61,13 @@ def model_args(family: str):
     if family == "llama3":
         return spec.args_cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
                              rope_theta=10000.0, max_seq_len=SEQ)
+    if family == "qwen3_next":  # a Gated DeltaNet layer then a gated attention layer, MoE on both; 4 key heads
+        # (2 per TP rank under TP 2, 1 per CP rank under CP 4); delta-rule chunks of 8 tokens
+        args = dataclasses.replace(spec.flavor_args(flavor), dim=64, n_layers=2, full_attention_interval=2,
+                                   n_heads=4, n_kv_heads=2, head_dim=16, linear_n_k_heads=4, linear_n_v_heads=8,
+                                   linear_head_k_dim=8, linear_head_v_dim=8, linear_chunk_size=8, hidden_dim=128,
+                                   shared_hidden_dim=32, vocab_size=VOCAB, max_seq_len=SEQ)
+        return dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=32, aux_loss_coeff=0.1))
     if family in ("nemotron_h", "mamba2"):  # chunks of 8: the scan carries its state across 4 chunks, the CP cut's
         return dataclasses.replace(spec.flavor_args(flavor), vocab_size=VOCAB, max_seq_len=SEQ, chunk_size=8)
     args = dataclasses.replace(spec.flavor_args(flavor), vocab_size=VOCAB, max_seq_len=SEQ, n_layers=2)

@@ -6,7 +6,9 @@ positions restarting per document, per-op selective activation checkpointing wit
 CP 2 x FSDP 2 x EP 2 (the Switch load-balancing loss); DeepSeek-V3 under CP 4, CP 2 x FSDP 2 (also with per-op
 selective AC) and CP 2 x FSDP 2 x EP 2 (MLA, the sequence-wise balance loss, the z-loss, the expert bias);
 nemotron_h (Mamba-2, attention and MLP layers) under CP 4, CP 2 x FSDP 2 with packed documents and CP 2 x TP 2 with
-them, mamba2 under CP 2 x TP 2 (the Mamba-2 heads over CP by all-to-all: parallelize/cp_recurrent.py).
+them, mamba2 under CP 2 x TP 2 (the Mamba-2 heads over CP by all-to-all: parallelize/cp_recurrent.py); qwen3_next
+(Gated DeltaNet, gated attention, MoE with the gated shared expert) under CP 2 x FSDP 2 and CP 2 x TP 2 with packed
+documents and under CP 4 (the DeltaNet key heads over CP by the same all-to-all).
 Eight processes (with TITANLIKE_TEST_8PROC=1, as the 8-process TP test): the experts' FSDP mesh ("edp") over axes that
 are not neighbours in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
 """
@@ -37,6 +39,8 @@ def test_context_parallel_layouts_match_one_process():
              "deepseek_v3/cp4", "deepseek_v3/cp2xdp2", "deepseek_v3/cp2xdp2xep2+docs",
              # Mamba-2 heads over CP by all-to-all (whole groups; shares of a group's heads under CP 4 and TP 2)
              "nemotron_h/cp4", "nemotron_h/cp2xdp2+docs", "nemotron_h/cp2xtp2+docs", "mamba2/cp2xtp2",
+             # Gated DeltaNet key heads over CP by all-to-all beside the gated attention's K/V gather
+             "qwen3_next/cp2xdp2+docs", "qwen3_next/cp2xtp2+docs", "qwen3_next/cp4",
              # Per-op selective AC (the long-context setting), eager and in compiled blocks on gloo (one compiled
              # case: the cold compile is most of this launch's time)
              "deepseek_v3/cp2xdp2+sac", "llama3/cp2xdp2+sac+compile"], timeout=300)

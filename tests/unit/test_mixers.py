@@ -197,6 +197,31 @@ def test_mamba2_head_parts_are_the_mixer(n_groups, count):
     with pytest.raises(ValueError, match="parallelism.cp must divide"):
         m.head_parts(torch.empty(0), torch.empty(0), 3)  # 3 parts of 4 heads: refused before reading them
 
+@pytest.mark.parametrize("n_k_heads,count", [(2, 2), (4, 2), (4, 4)])
+def test_gated_deltanet_head_parts_are_the_mixer(n_k_heads, count):
+    """What context parallel relies on (parallelize/cp_recurrent.py): head_parts' `count` parts of whole key heads
+    (each with its value heads), each run by mix_part and put side by side, give the mixer's output and every
+    gradient (documents included). float64: the same sums in another order."""
+    m = deltanet(n_k_heads=n_k_heads, n_v_heads=2 * n_k_heads).double()
+    x = torch.randn(2, 24, DIM, dtype=torch.float64, requires_grad=True)
+    (m(x, doc_ids=DOCS) * cot(x)).sum().backward()
+    ref = grads(m, x)
+
+    def run_parts(mixer, qkv, ba, doc_ids):
+        parts = mixer.head_parts(qkv, ba, count)
+        assert parts.shape[:4] == (count, 2, 24, n_k_heads // count)
+        return torch.cat([mixer.mix_part(parts[i], doc_ids, i, count) for i in range(count)], dim=-1)
+
+    m.sequence_fn = run_parts
+    out = m(x, doc_ids=DOCS)
+    (out * cot(x)).sum().backward()
+    m.sequence_fn = None
+    close(out, m(x, doc_ids=DOCS).detach(), tol=1e-12)
+    for name, g in grads(m, x).items():
+        close(g, ref[name], tol=1e-12)
+    with pytest.raises(ValueError, match="parallelism.cp must divide the key heads per TP rank"):
+        m.head_parts(torch.empty(0), torch.empty(0), 3)  # 3 parts of 2 or 4 key heads: refused before reading them
+
 # ---- modules == transformers -----------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")

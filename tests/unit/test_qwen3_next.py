@@ -219,7 +219,8 @@ def test_packed_row_equals_documents_alone():
 
 def test_check_refuses_tp_and_cp_with_one_line():
     """TP needs whole DeltaNet key heads, attention and KV heads, shared-expert and dense-FFN hidden units: one line
-    for each size tp does not divide."""
+    for each size tp does not divide. CP needs whole DeltaNet key heads per TP rank: one line naming the cp that
+    work."""
     from types import SimpleNamespace as NS
 
     args = SPEC.flavors["debugmodel"]
@@ -231,8 +232,16 @@ def test_check_refuses_tp_and_cp_with_one_line():
     assert len(msgs) == 4 and all("parallelism.tp=2" in m and "\n" not in m for m in msgs), msgs
     for m, size in zip(msgs, ("linear_n_k_heads=3", "n_kv_heads=3", "shared_hidden_dim=255", "hidden size 513")):
         assert size in m, (size, m)
-    (msg,) = SPEC.check(args, NS(tp=1, cp=2, ep=1, pp=1), "debugmodel")
-    assert "parallelism.cp=1" in msg
+    # CP: whole DeltaNet key heads per CP rank (debugmodel: 2 key heads)
+    assert SPEC.check(args, NS(tp=1, cp=2, ep=1, pp=1), "debugmodel") == []
+    (msg,) = SPEC.check(args, NS(tp=1, cp=4, ep=1, pp=1), "debugmodel")
+    assert "parallelism.cp=4" in msg and "use cp in {1,2}" in msg and "\n" not in msg, msg
+    (msg,) = SPEC.check(args, NS(tp=2, cp=2, ep=1, pp=1), "debugmodel")
+    assert "linear_n_k_heads=2 / tp=2" in msg and "use cp in {1}" in msg, msg
+    wide = dataclasses.replace(args, linear_n_k_heads=4, linear_n_v_heads=8)
+    assert SPEC.check(wide, NS(tp=2, cp=2, ep=1, pp=1), "wide") == []
+    attn_only = dataclasses.replace(args, full_attention_interval=1)
+    assert SPEC.check(attn_only, NS(tp=1, cp=4, ep=1, pp=1), "attn_only") == []
     assert "parallelism.ep=3" in SPEC.check(args, NS(tp=1, cp=1, ep=3, pp=1), "debugmodel")[0]
     with pytest.raises(ValueError, match="layer_types"):
         dataclasses.replace(args, layer_types=("full_attention",))

@@ -1,8 +1,9 @@
-"""Qwen3-Next plans: CP refused at config validation with one line naming the key, TP accepted where it divides the
-heads and refused in one line per size where not, EP accepted; blocks compile with fullgraph (the DeltaNet's chunk
-loop, the conv and the delta rule trace without a break), also under AC; the debug config trains on CPU with a
-falling loss. The FSDP 2 == one process check is in tests/multiproc/test_dist_plans.py's qwen3_next case, TP 2 ==
-one process in tests/multiproc/test_dist_tp.py's."""
+"""Qwen3-Next plans: CP accepted where it divides the DeltaNet key heads and refused at config validation with one
+line naming the key where not, TP accepted where it divides the heads and refused in one line per size where not, EP
+accepted; blocks compile with fullgraph (the DeltaNet's chunk loop, the conv and the delta rule trace without a
+break), also under AC; the debug config trains on CPU with a falling loss. The FSDP 2 == one process check is in
+tests/multiproc/test_dist_plans.py's qwen3_next case, TP 2 == one process in tests/multiproc/test_dist_tp.py's, CP
+== one process in tests/multiproc/test_dist_cp.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,12 @@ torch.set_num_threads(1)
 CONFIG = "configs/qwen3_next_debug.toml"
 
 
-def test_cp_refused_in_one_line():
-    with pytest.raises(ConfigError) as e:
-        load_config(["--config", CONFIG, "--parallelism.cp=2", "--training.device=cpu"], world_size=2)
-    lines = [ln for ln in str(e.value).splitlines() if "qwen3_next" in ln]
-    assert lines and "parallelism.cp" in lines[0] and "parallelism.cp=1" in lines[0], str(e.value)
+def test_cp_accepted_where_it_divides_the_key_heads():
+    load_config(["--config", CONFIG, "--parallelism.cp=2", "--training.device=cpu"], world_size=2)
+    with pytest.raises(ConfigError) as e:  # the debug model's 2 DeltaNet key heads
+        load_config(["--config", CONFIG, "--parallelism.cp=4", "--training.device=cpu"], world_size=4)
+    lines = [ln for ln in str(e.value).splitlines() if "parallelism.cp=4" in ln]
+    assert len(lines) == 1 and "key head" in lines[0] and "use cp in {1,2}" in lines[0], str(e.value)
 
 
 def test_tp_accepted_where_it_divides_the_heads():
