@@ -35,7 +35,7 @@ from torch import nn
 from models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.common.local import local
 from models.common.norms import GatedRMSNorm
-from models.common.short_conv import MixerState, causal_conv1d, init_mixer_scalars
+from models.common.short_conv import MixerState, RecurrentMixer, causal_conv1d, init_mixer_scalars
 
 
 def conv_hf_order(n_k_heads: int, head_k_dim: int, n_v_heads: int, head_v_dim: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def conv_hf_order(n_k_heads: int, head_k_dim: int, n_v_heads: int, head_v_dim: i
                       for start, width in ((0, head_k_dim), (key_dim, head_k_dim), (2 * key_dim, group_v))])
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Gated DeltaNet on [B, S, dim] hidden states, with n_k_heads query/key heads and n_v_heads value heads (value
     head h reads key head h // (n_v_heads / n_k_heads)).
 
@@ -80,21 +80,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, state: MixerState | None = None,
-                return_state: bool = False):
-        """x [B, S, dim] -> [B, S, dim]; doc_ids, state and return_state as in Mamba2Mixer.forward."""
-        return self._mix(x, doc_ids, state, return_state, step=False)
-
-    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
-        """One decode step: x [B, 1, dim] and the state after the previous tokens -> (out [B, 1, dim], new state)."""
-        return self._mix(x, None, state, True, step=True)
-
-    def init_state(self, batch: int, device: torch.device | str | None = None,
-                   dtype: torch.dtype = torch.float32) -> MixerState:
-        w = self.conv1d.kernel_size[0]
-        channels, heads = local(self.conv1d.weight).shape[0], local(self.A_log).shape[0]  # those held here
-        return MixerState(torch.zeros(batch, channels, w, device=device, dtype=dtype),
-                          torch.zeros(batch, heads, self.head_k_dim, self.head_v_dim, device=device))
+    @property
+    def state_dims(self) -> tuple[int, int]:
+        return self.head_k_dim, self.head_v_dim
 
     def _mix(self, x, doc_ids, state, return_state, step):
         bsz, s, _ = x.shape

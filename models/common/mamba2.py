@@ -35,7 +35,7 @@ from torch import nn
 
 from models.common.local import local
 from models.common.norms import GatedRMSNorm
-from models.common.short_conv import MixerState, causal_conv1d, init_mixer_scalars
+from models.common.short_conv import MixerState, RecurrentMixer, causal_conv1d, init_mixer_scalars
 from models.common.ssd import ssd_chunk_scan, ssd_recurrent
 
 _PACKED = re.compile(r"(?:^|\.)(in_proj|conv1d)\.(?:weight|bias)$")
@@ -71,7 +71,7 @@ def reorder_packed(state_dict: dict[str, torch.Tensor], n_heads: int, head_dim: 
     return out
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Mamba-2 mixer on [B, S, dim] hidden states.
 
     n_heads x head_dim is the inner width; B and C have `state_size` channels in each of `n_groups` groups (a head
@@ -112,25 +112,9 @@ class Mamba2Mixer(nn.Module):
                                  norm_before_gate=norm_before_gate)
         self.out_proj = nn.Linear(self.inner, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, state: MixerState | None = None,
-                return_state: bool = False):
-        """x [B, S, dim] -> [B, S, dim]. doc_ids [B, S]: per-token document index, non-decreasing along a row (the
-        state and the conv window restart at every document; also how left-padding is kept out of a prompt's state).
-        state: carried from an earlier call (continues the first token's document). return_state: also return the
-        MixerState after the last token, for generation (prefill)."""
-        return self._mix(x, doc_ids, state, return_state, step=False)
-
-    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
-        """One decode step: x [B, 1, dim] and the state after the previous tokens -> (out [B, 1, dim], new state)."""
-        return self._mix(x, None, state, True, step=True)
-
-    def init_state(self, batch: int, device: torch.device | str | None = None,
-                   dtype: torch.dtype = torch.float32) -> MixerState:
-        """The state before any token: zeros (the conv's in `dtype`, the recurrent state in float32)."""
-        w = self.conv1d.kernel_size[0]
-        channels, heads = local(self.conv1d.weight).shape[0], local(self.A_log).shape[0]  # those held here
-        return MixerState(torch.zeros(batch, channels, w, device=device, dtype=dtype),
-                          torch.zeros(batch, heads, self.head_dim, self.state_size, device=device))
+    @property
+    def state_dims(self) -> tuple[int, int]:
+        return self.head_dim, self.state_size
 
     def _mix(self, x, doc_ids, state, return_state, step):
         bsz, s, _ = x.shape

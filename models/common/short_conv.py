@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.local import local
+
 
 class MixerState(NamedTuple):
     """What a conv + recurrent mixer carries from one forward to the next (generation): the conv's last inputs
@@ -24,6 +26,35 @@ class MixerState(NamedTuple):
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+
+
+class RecurrentMixer(nn.Module):
+    """What the recurrent mixers (mamba2.py's Mamba2Mixer, gated_deltanet.py's GatedDeltaNet) share: the forward,
+    decode step and initial state around their `_mix(x, doc_ids, state, return_state, step)`. A subclass names its
+    recurrent state's two trailing sizes in `state_dims` (per head: [head size, state size])."""
+
+    state_dims: tuple[int, int]
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, state: MixerState | None = None,
+                return_state: bool = False):
+        """x [B, S, dim] -> [B, S, dim]. doc_ids [B, S]: per-token document index, non-decreasing along a row (the
+        state and the conv window restart at every document; also how left-padding is kept out of a prompt's state).
+        state: carried from an earlier call (continues the first token's document). return_state: also return the
+        MixerState after the last token, for generation (prefill)."""
+        return self._mix(x, doc_ids, state, return_state, step=False)
+
+    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
+        """One decode step: x [B, 1, dim] and the state after the previous tokens -> (out [B, 1, dim], new state)."""
+        return self._mix(x, None, state, True, step=True)
+
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> MixerState:
+        """The state before any token: zeros (the conv's in `dtype`, the recurrent state in float32), for the heads
+        and channels this rank holds."""
+        w = self.conv1d.kernel_size[0]
+        channels, heads = local(self.conv1d.weight).shape[0], local(self.A_log).shape[0]
+        return MixerState(torch.zeros(batch, channels, w, device=device, dtype=dtype),
+                          torch.zeros(batch, heads, *self.state_dims, device=device))
 
 
 def init_mixer_scalars(A_log: nn.Parameter, dt_bias: nn.Parameter, a_range: tuple[float, float],
