@@ -1,11 +1,14 @@
 """torchrun worker: pipeline-parallel training parity against a 1-process reference (gloo, fp32, tolerance 1e-5).
 
 2 processes: PP 2 with every schedule (single-stage, looped, zero-bubble, V-shaped), activation checkpointing,
-gradient accumulation, uneven splits and explicit split points. 4 processes: PP 2 x FSDP 2 (1F1B and
-Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through titanlike.train.pipeline.PipelineRunner
-(the trainer's own PP path: schedule, last-stage loss normalised by the global token count, grad-norm clipping
-over all stages) and compares the loss, the grad norm and, after the steps, every parameter and a validation
-forward (schedule.eval) with the reference. Rank 0 prints "CHECK <name> ok ..." per case and "ALL CHECKS PASSED".
+gradient accumulation, uneven splits and explicit split points; the hybrid families under PP 2 1F1B through their own
+plans and spec.pp_costs split: nemotron_h's debug model (pattern "M*M-": Mamba-2, attention, MLP) and qwen3_next's
+(Gated DeltaNet + full attention, MoE with the balance loss off, since under PP it is per micro-batch).
+4 processes: PP 2 x FSDP 2 (1F1B and Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through
+titanlike.train.pipeline.PipelineRunner (the trainer's own PP path: schedule, last-stage loss normalised by the global
+token count, grad-norm clipping over all stages) and compares the loss, the grad norm and, after the steps, every
+parameter and a validation forward (schedule.eval) with the reference. Rank 0 prints "CHECK <name> ok ..." per case
+and "ALL CHECKS PASSED".
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from models.batch import Batch
-from par_helpers import exit_without_teardown, SEQ, global_batch, tiny_args
+from par_helpers import exit_without_teardown, SEQ, VOCAB, global_batch, tiny_args
 from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
@@ -43,15 +46,23 @@ def report(name: str, detail: str = "") -> None:
         print(f"CHECK {name} ok {detail}", flush=True)
 
 
-def model_args(n_layers: int):
-    return dataclasses.replace(tiny_args(), n_layers=n_layers)
+def model_args(family: str, n_layers: int):
+    """The case's model args: the tiny Llama, or a hybrid family's debug model shrunk to the worker's vocab/seq."""
+    if family == "llama3":
+        return dataclasses.replace(tiny_args(), n_layers=n_layers)
+    args = dataclasses.replace(models.get_spec(family).flavors["debugmodel"], vocab_size=VOCAB, max_seq_len=SEQ)
+    if family == "nemotron_h":
+        return dataclasses.replace(args, chunk_size=8)
+    if family == "qwen3_next":  # the balance loss is per micro-batch under PP: off, so the reference can match
+        return dataclasses.replace(args, moe=dataclasses.replace(args.moe, aux_loss_coeff=0.0))
+    raise ValueError(family)
 
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
-def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule: str = "1F1B",
+def pp_case(name: str, family: str = "llama3", n_layers: int = 4, dims_kw: dict | None = None, schedule: str = "1F1B",
             expect_layout: list[list[str]] | None = None, accum: int = 1, ac: str = "none", **par) -> None:
     dims = ParallelDims(pp=2, **(dims_kw or {}), world_size=world)
     dims.build_mesh(DEVICE)
@@ -61,8 +72,8 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     cfg.parallelism.pp, cfg.parallelism.pp_schedule = 2, schedule
     for key, value in par.items():
         setattr(cfg.parallelism, key, value)
-    args = model_args(n_layers)
-    spec = models.get_spec("llama3")
+    args = model_args(family, n_layers)
+    spec = models.get_spec(family)
 
     torch.manual_seed(0)
     ref = spec.model_cls(args).to(DEVICE)
@@ -70,7 +81,7 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     with torch.device("meta"):
         meta = spec.model_cls(args)
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), device, get_plan("llama3", "default"),
+    runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), device, get_plan(family, "default"),
                             ce_sum)
     if expect_layout is not None:
         assert runner.pipeline.layout == expect_layout, f"{name}: layout {runner.pipeline.layout}"
@@ -98,7 +109,7 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     loss_mesh = dims.get_mesh("dp_cp")
     # As the trainer: TP's vocabulary-sharded logits need loss_parallel() around the schedule (loss + backward).
     loss_ctx = loss_parallel if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else contextlib.nullcontext
-    worst = 0.0
+    worst = worst_norm = 0.0
     for step in range(STEPS):
         inputs, labels = (t.to(DEVICE) for t in global_batch(step, dp * LOCAL_BATCH))
         ref_loss = ce_sum(ref(inputs), labels) / labels.numel()
@@ -123,6 +134,7 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
         assert abs(loss.item() - ref_loss.item()) <= TOL, f"{name} step {step}: loss {loss.item()} vs {ref_loss.item()}"
         assert abs(norm.item() - ref_norm.item()) <= TOL, f"{name} step {step}: grad norm {norm.item()} vs {ref_norm}"
         worst = max(worst, abs(loss.item() - ref_loss.item()))
+        worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()))
 
     ref_params = dict(ref.named_parameters())
     worst_p = 0.0
@@ -148,7 +160,8 @@ def pp_case(name: str, n_layers: int = 4, dims_kw: dict | None = None, schedule:
     val = val / labels[first].numel()
     assert abs(val.item() - ref_val.item()) <= TOL, f"{name}: validation loss {val.item()} vs {ref_val.item()}"
     dist.barrier()
-    report(name, f"loss_diff={worst:.1e} param_diff={worst_p:.1e} stages={len(runner.pipeline.layout)}")
+    report(name, f"loss_diff={worst:.1e} norm_diff={worst_norm:.1e} param_diff={worst_p:.1e} "
+                 f"stages={len(runner.pipeline.layout)}")
 
 
 def tp_available() -> bool:
@@ -185,6 +198,8 @@ def main() -> None:
         pp_case("InterleavedZeroBubble", schedule="InterleavedZeroBubble")
         pp_case("ZBVZeroBubble_ac_full", schedule="ZBVZeroBubble", ac="full")
         pp_case("DualPipeV", schedule="DualPipeV")
+        pp_case("nemotron_h_1F1B", family="nemotron_h", schedule="1F1B")
+        pp_case("qwen3_next_1F1B", family="qwen3_next", schedule="1F1B")
     if world == 4:
         pp_case("pp2_fsdp2_1F1B", dims_kw={"dp_shard": 2}, schedule="1F1B")
         pp_case("pp2_fsdp2_Interleaved1F1B", dims_kw={"dp_shard": 2}, schedule="Interleaved1F1B")

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: parity with a 1-process reference for every schedule (2 processes), PP x FSDP and PP x TP
-(4 processes), and `torchrun scripts/train.py --parallelism.pp 2` learning. The checks live in pp_worker.py.
+"""Pipeline parallelism: parity with a 1-process reference for every schedule and the hybrid families nemotron_h and
+qwen3_next (2 processes), PP x FSDP and PP x TP (4 processes), and `torchrun scripts/train.py --parallelism.pp 2`
+learning. The checks live in pp_worker.py.
 
 PP x FSDP x TP (8 processes, ~1 min on 2 cores) runs with TITANLIKE_TEST_PP_3D=1; on 2 GPUs the worker runs
 1F1B, Interleaved1F1B and ZBVZeroBubble over NCCL (gpu marker).
@@ -17,7 +18,7 @@ WORKER = Path(__file__).with_name("pp_worker.py")
 EXPECTED = {
     2: ["GPipe", "1F1B_sac_accum2", "1F1B_uneven_5_layers", "1F1B_split_points", "Interleaved1F1B",
         "Interleaved1F1B_split_points_uneven", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble_ac_full",
-        "DualPipeV"],
+        "DualPipeV", "nemotron_h_1F1B", "qwen3_next_1F1B"],
     4: ["pp2_fsdp2_1F1B", "pp2_fsdp2_Interleaved1F1B", "pp2_tp2_1F1B"],
     8: ["pp2_fsdp2_tp2_1F1B"],
 }
