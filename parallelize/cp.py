@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.common.grads import contiguous_grad
 from models.common.masks import load_balanced_chunks
 from parallelize.cp_recurrent import ShardHeads
 
@@ -48,7 +49,8 @@ _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_
 def _start_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     # Rank-major [B, S, ...]: rank r's chunks (r, 2cp-1-r) side by side. Asynchronous until first read; its backward
     # reduce-scatters the gradient back to the chunks' owners.
-    return _all_gather(x.contiguous(), gather_dim=1, group=mesh)
+    # contiguous_grad: the reduce-scatter refuses a non-contiguous gradient on torch 2.11 (DeepSeek-V3's MLA keys).
+    return contiguous_grad(_all_gather(x.contiguous(), gather_dim=1, group=mesh))
 
 
 def _in_sequence_order(gathered: torch.Tensor, degree: int) -> torch.Tensor:

@@ -24,25 +24,12 @@ from __future__ import annotations
 import torch
 
 from models.common.chunking import chunk_doc_masks, masked_exp, pad_time
+from models.common.grads import contiguous_grad
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (fla's and transformers' form of the q/k normalisation)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous. The gradients of these inputs come back transposed
-    ([B, H, T] -> [B, T, H]); under torch.compile (aot_autograd, torch 2.13) the callers' elementwise backward ops then
-    got a transposed layout at run time where the trace had a contiguous one, and a view traced on it failed."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
@@ -52,7 +39,7 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
     hv, hk = v.shape[2], k.shape[2]
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
-    q, k, v, g, beta = (_ContiguousGrad.apply(t).transpose(1, 2).to(cdt) for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (contiguous_grad(t).transpose(1, 2).to(cdt) for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
