@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from models.common.fa4 import fa4_forward_op
+from models.common.fla_kernels import fla_forward_ops
 AC_MODES = ("none", "full", "selective", "memory_budget")  # activation_checkpoint.mode: config validation reads this
 
 _aten = torch.ops.aten
@@ -46,6 +47,7 @@ def _op_save_list(matmuls: bool = True) -> set:
     if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
         ops.add(_aten._scaled_dot_product_cudnn_attention.default)
     ops.add(fa4_forward_op())  # model.attn_backend = "fa4": the same rule as SDPA's
+    ops.update(fla_forward_ops())  # the recurrent mixers' scans on fla's kernels (model.mixer_kernel)
     c10d = getattr(torch.ops, "_c10d_functional", None)
     if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
         # Under TP/sequence parallel, recomputing a reduce-scatter means communicating again.

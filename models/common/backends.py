@@ -75,3 +75,21 @@ def mask_kernel(name: str, masked: bool, device: torch.device) -> str:
         raise ValueError("model.mask_kernel='flex' needs a CUDA device (torch has no FlexAttention backward on the "
                          "CPU); use 'auto' or 'sdpa'")
     return name
+
+
+# model.mixer_kernel: the scans of the recurrent mixers (Mamba-2, Gated DeltaNet; models/common/fla_kernels.py).
+MIXER_KERNELS = ("auto", "torch", "fla")
+
+
+def wants_fla(name: str, device: torch.device) -> tuple[bool, str | None]:
+    """(whether the recurrent mixers run on flash-linear-attention's kernels, why not where "auto" could have):
+    always for "fla" (a ValueError naming the key and the fix where they cannot run), for "auto" on a CUDA GPU where
+    fla-core imports; PyTorch's chunked scans otherwise."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return False, None
+    from models.common.fla_kernels import fla_unavailable
+
+    reason = fla_unavailable(device)
+    if name == "fla" and reason is not None:
+        raise ValueError(f"model.mixer_kernel='fla': {reason}; or choose 'auto' / 'torch'")
+    return reason is None, reason

@@ -52,6 +52,7 @@ OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?
 PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
+PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
 
 def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
@@ -86,8 +87,9 @@ def _ac_option_flags(ac: str, option: str, prefix: str, sep: str, selective_key:
 
 
 def resolve_peer(peer: str) -> str:
-    """--peer's value as a launcher path: "auto" is this checkout's peer_torchtitan.sh; "" stays "" (no peer)."""
-    return PEER_LAUNCHER if peer == "auto" else peer
+    """--peer's value as a launcher path: "auto" is this checkout's peer_torchtitan.sh, "hf" its peer_hf.py (the
+    hybrids' peer: transformers with flash-linear-attention's kernels); "" stays "" (no peer)."""
+    return {"auto": PEER_LAUNCHER, "hf": PEER_HF}.get(peer, peer)
 
 
 def titanlike_cmd(case: dict, opts) -> list[str]:
@@ -119,10 +121,12 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it. (loss_chunk is titanlike's own
     memory lever: the peer runs the shape with its full logits. peer_ac gives the peer its own AC where the two fit
     best with different settings, e.g. at long context.)"""
-    if case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
+    hf = opts.peer == PEER_HF
+    if not hf and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
     ac, ac_option = peer_ac(case)
-    args = ["bash", opts.peer, case["flavor"], "--training.seq_len", str(case["seq"]),
+    args = [sys.executable, opts.peer, "--vocab", str(opts.vocab)] if hf else ["bash", opts.peer]
+    args += [case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
             "--metrics.log_freq", str(opts.log_freq),
             "--activation_checkpoint.mode", ac, *_ac_option_flags(ac, ac_option, "--activation_checkpoint.", " ",
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
-                   "scripts/bench/peer_torchtitan.sh, or a path; empty (default) = titanlike only")
+                   "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), or a path; empty (default) = titanlike only")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
     p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))

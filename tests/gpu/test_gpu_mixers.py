@@ -2,6 +2,8 @@
 compiled chunked forward and backward, packed documents and the returned state included, equal eager (the unit tests
 compile with aot_eager only: Inductor's CPU build of these graphs takes minutes). Marked `gpu`; run on the GPU
 machine: `python -m pytest -q tests/gpu/test_gpu_mixers.py -m gpu`."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -43,3 +45,64 @@ def test_inductor_equals_eager(name):
     # TF32 matmuls may differ between the eager and Inductor kernels: a relative 1e-3 of each tensor's largest entry.
     for a, b in [(out_c, out_e), (st_c, st_e), (xg_c, xg_e)] + [(g_c[k], g_e[k]) for k in g_e]:
         assert (a - b).abs().max() <= 1e-3 * max(1.0, b.abs().max().item())
+
+
+# flash-linear-attention's kernels (model.mixer_kernel = "fla"; models/common/fla_kernels.py) against the PyTorch
+# chunked scans: outputs and every gradient, with and without packed documents, eager and compiled whole.
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+                               reason="needs fla-core (pip install 'titanlike[fla]')")
+
+
+def _run(m, x, docs, cot, compiled=False):
+    fn = torch.compile(m, fullgraph=True) if compiled else m  # fullgraph: the custom ops keep one graph
+    out = fn(x, doc_ids=docs)
+    (out.float() * cot).sum().backward()
+    grads = {n: p.grad.float().clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    xg, x.grad = x.grad.float().clone(), None
+    return out.detach().float(), grads, xg
+
+
+def _worst(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("name", ["mamba2", "deltanet"])
+def test_fla_equals_torch(name, packed, dtype):
+    from models.common.fla_kernels import use_fla
+
+    m = build(name)
+    x = torch.randn(2, SEQ, DIM, device="cuda", requires_grad=True)
+    docs = (torch.cat([torch.zeros(2, 100), torch.ones(2, 3), torch.full((2, SEQ - 103), 2.0)], dim=1).long().cuda()
+            if packed else None)
+    cot = torch.randn(2, SEQ, DIM, device="cuda")
+    ref = _run(m, x, docs, cot)  # fp32 PyTorch: the reference
+    assert use_fla(m, strict=True)[0] == 1
+    m.to(dtype)
+    xd = x.detach().to(dtype).requires_grad_()
+    got = _run(m, xd, docs, cot)
+    # fp32 inputs run the kernels' dots in TF32; bf16 rounds every input and activation.
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    errs = {"out": _worst(got[0], ref[0]), "x.grad": _worst(got[2], ref[2])}
+    errs.update({k: _worst(got[1][k], ref[1][k]) for k in ref[1]})
+    bad = {k: v for k, v in errs.items() if v > tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+
+
+@needs_fla
+@pytest.mark.parametrize("name", ["mamba2", "deltanet"])
+def test_fla_compiled_whole_equals_eager(name):
+    from models.common.fla_kernels import use_fla
+
+    m = build(name).to(torch.bfloat16)
+    use_fla(m, strict=True)
+    x = torch.randn(2, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    docs = torch.cat([torch.zeros(2, 200), torch.ones(2, SEQ - 200)], dim=1).long().cuda()
+    cot = torch.randn(2, SEQ, DIM, device="cuda")
+    eager, compiled = _run(m, x, docs, cot), _run(m, x, docs, cot, compiled=True)
+    assert _worst(compiled[0], eager[0]) < 2e-2 and _worst(compiled[2], eager[2]) < 2e-2
+    for k in eager[1]:
+        assert _worst(compiled[1][k], eager[1][k]) < 3e-2, k

@@ -237,6 +237,18 @@ def test_context_parallel_rules():
         validate(with_changes(model={"mask_kernel": "flex"}, training={"device": "cpu"}), world_size=1)
 
 
+def test_mixer_kernel_rules(monkeypatch):
+    with pytest.raises(ConfigError, match=r"model.mixer_kernel=\"fla\" cannot train on training.device=\"cpu\""):
+        validate(with_changes(model={"mixer_kernel": "fla"}, training={"device": "cpu"}), world_size=1)
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # fla-core not installed
+    with pytest.raises(ConfigError, match=r"model.mixer_kernel=\"fla\" needs .*pip install 'titanlike\[fla\]'"):
+        validate(with_changes(model={"mixer_kernel": "fla"}, training={"device": "cuda"}), world_size=1)
+    with pytest.raises(ConfigError, match=r"model.mixer_kernel"):
+        validate(with_changes(model={"mixer_kernel": "mamba_ssm"}), world_size=1)
+
+
 @pytest.mark.parametrize("key, value", [
     ("dp_shard", 0), ("dp_shard", -2), ("tp", 0), ("pp", -1), ("cp", 0), ("dp_replicate", 0), ("ep", 0),
 ])

@@ -412,3 +412,18 @@ def test_meta_build_and_init_weights(name):
     assert ((A >= m.a_init_range[0] - 1e-4) & (A <= m.a_init_range[1] + 1e-4)).all()
     assert ((dt >= 1e-3 - 1e-6) & (dt <= 1e-1 + 1e-6)).all()
     assert torch.isfinite(m(torch.randn(2, 10, DIM))).all()
+
+
+def test_fla_kernel_selection_on_cpu():
+    """model.mixer_kernel on a machine without a GPU: auto and torch keep the PyTorch scans; fla is one clear error.
+    Documents become fla's varlen offsets over the rows laid end to end."""
+    from models.common.backends import wants_fla
+    from models.common.fla_kernels import cu_seqlens
+
+    cpu = torch.device("cpu")
+    assert wants_fla("auto", cpu) == (False, None) and wants_fla("torch", cpu) == (False, None)
+    with pytest.raises(ValueError, match=r"model.mixer_kernel='fla': fla's Triton kernels need a CUDA GPU"):
+        wants_fla("fla", cpu)
+    docs = torch.tensor([[0, 0, 1, 1, 1], [3, 3, 3, 4, 4]])
+    assert cu_seqlens(docs).tolist() == [0, 2, 5, 8, 10]
+    assert cu_seqlens(torch.zeros(3, 4, dtype=torch.long)).tolist() == [0, 4, 8, 12]

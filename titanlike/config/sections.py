@@ -40,6 +40,9 @@ class Model:
     # Masked attention (data.document_masking, parallelism.cp > 1): auto (FlexAttention on a GPU, else SDPA) | sdpa
     # (SDPA with a dense boolean mask: CPU and short sequences) | flex (GPU only)
     mask_kernel: str = "auto"
+    # The recurrent mixers' scans (Mamba-2, Gated DeltaNet): auto (flash-linear-attention's Triton kernels on a CUDA GPU
+    # where fla-core is installed, else PyTorch) | torch (the chunked PyTorch scans: CPU, reference) | fla (or error)
+    mixer_kernel: str = "auto"
 
 
 @dataclass

@@ -6,13 +6,14 @@ user fixes a config in one round trip. Types were already checked by the loader;
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 from typing import Any
 
 from float8 import RECIPES as FLOAT8_RECIPES
 from float8 import config_problems as float8_config_problems
-from models.common.backends import ATTN_BACKENDS, MASK_KERNEL_CHOICES
+from models.common.backends import ATTN_BACKENDS, MASK_KERNEL_CHOICES, MIXER_KERNELS
 from parallelize.ac import AC_MODES
 from parallelize.compile import BACKENDS as COMPILE_BACKENDS
 from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
@@ -28,6 +29,7 @@ from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pip
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_backend": ATTN_BACKENDS,
     "model.mask_kernel": MASK_KERNEL_CHOICES,
+    "model.mixer_kernel": MIXER_KERNELS,
     "training.device": ("auto", "cpu", "cuda"),
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
@@ -199,6 +201,12 @@ def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     if cfg.model.mask_kernel == "flex" and cfg.training.device == "cpu":
         errors.append("model.mask_kernel=\"flex\" cannot train on training.device=\"cpu\" (torch has no FlexAttention "
                       "backward on the CPU); use mask_kernel=\"auto\" or \"sdpa\"")
+    if cfg.model.mixer_kernel == "fla" and cfg.training.device == "cpu":
+        errors.append("model.mixer_kernel=\"fla\" cannot train on training.device=\"cpu\" (flash-linear-attention's "
+                      "kernels are Triton, GPU only); use mixer_kernel=\"auto\" or \"torch\"")
+    elif cfg.model.mixer_kernel == "fla" and importlib.util.find_spec("fla") is None:
+        errors.append("model.mixer_kernel=\"fla\" needs flash-linear-attention's kernels: pip install "
+                      "'titanlike[fla]' (fla-core), or use mixer_kernel=\"auto\"")
     ac = cfg.activation_checkpoint
     if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
         errors.append("activation_checkpoint.mode=\"memory_budget\" needs compile.enable=true with \"model\" in "

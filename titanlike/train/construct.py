@@ -2,7 +2,7 @@
 build through these functions, so the estimate traces what the run builds, in the same order:
 
     vocabulary -> the spec's args (flavor, model.args, run fields) -> config checks -> objective -> meta model ->
-    batch layout and mask kernel -> FA4 -> float8 swap -> chunked-loss head     (build_model)
+    batch layout and mask kernel -> FA4, fla -> float8 swap -> chunked-loss head     (build_model)
     -> the plan (whole model, or pipeline stages) ->
     materialise and initialise                                                   (materialise)
 
@@ -20,7 +20,7 @@ import torch
 import float8
 import models
 from models.batch import build_objective
-from models.common.backends import mask_kernel, repeats_kv_heads, wants_fa4
+from models.common.backends import mask_kernel, repeats_kv_heads, wants_fa4, wants_fla
 from titanlike.config.sections import Data, Float8, JobConfig, Model, Parallelism, Training
 from titanlike.config.validate import validate_model
 from titanlike.train.batch import BatchLayout
@@ -87,11 +87,29 @@ def build_model(sections: BuildSections, dims, device: torch.device, vocab: int,
         from models.common.fa4 import use_fa4
 
         logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
+    _mixer_kernels(model, m.mixer_kernel, device)
     # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
     f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled)
     loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=compile_loss_chunk,
                                     head_name=spec.output_modules[-1]) if t.loss_chunk_tokens > 0 else None)
     return ModelBuild(spec, model_args, model, objective, layout, f8, loss_head)
+
+
+def _mixer_kernels(model, name: str, device: torch.device) -> None:
+    """The recurrent mixers' scans (model.mixer_kernel): fla's kernels where wanted and possible, one log line either
+    way when the model has such mixers (before compile traces them)."""
+    from models.common.fla_kernels import FLA_SCANS, use_fla
+
+    if not any(getattr(mod, "scan_fn", None) in FLA_SCANS for mod in model.modules()):
+        return
+    fla, why_not = wants_fla(name, device)
+    if not fla:
+        if why_not is not None:  # "auto" on a GPU without fla-core: say so once, with the fix
+            logger.info(f"recurrent mixers: PyTorch chunked scans, not fla's kernels ({why_not})")
+        return
+    n, skipped = use_fla(model, strict=name == "fla")
+    logger.info(f"recurrent mixers: flash-linear-attention's kernels in {n} modules (model.mixer_kernel)"
+                + (f"; PyTorch in {len(skipped)}: {skipped[0]}" if skipped else ""))
 
 
 def materialise(parts: list, device: torch.device, seed: int, fake: bool = False) -> None:

@@ -1,0 +1,146 @@
+"""The peer for the families torchtitan does not train (the hybrids: nemotron_h, qwen3_next, mamba2): what a user runs
+today, transformers' own model class with its fast path, on the same shape, data size and steps as titanlike.
+
+    MODEL=nemotron_h python scripts/bench/peer_hf.py 8B_9L --training.seq_len 4096 --training.local_batch_size 1 \
+        --training.steps 16 --compile.enable --vocab 131072
+
+The model: `AutoModelForCausalLM.from_config` of the HF config titanlike's adapter writes for the flavor (the same
+shapes, so the same FLOPs per token), bf16 weights and AdamW (fused) on them, SDPA attention, grouped-GEMM experts
+(experts_implementation="grouped_mm"), random tokens, `torch.compile` of the model where --compile.enable (fla's
+kernels are graph breaks in it: they are torch.compiler.disable'd).
+The fast path: with fla-core installed, transformers' Qwen3-Next runs fla's `chunk_gated_delta_rule` by itself. Its
+Mamba-2 fast path (mamba-ssm, causal-conv1d) needs CUDA-built packages that the GPU machine cannot install, and
+transformers otherwise falls back to a PyTorch scan; so, as issue 35 prescribes, the peer's Mamba-2 mixers run
+flash-linear-attention's Triton kernels in the same shape: fla's `chunk_simple_gla` (the SSD) and its Triton
+`causal_conv1d`, patched into transformers' module in place of the mamba-ssm calls (`patch_fla`). Never a PyTorch
+fallback: the run stops if fla-core is missing.
+
+Prints torchtitan-style lines ("step: N loss: X memory: Y GiB tps: Z tflops: T mfu: M%") that
+scripts/bench/benchmark.py parses (--peer hf).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import models  # noqa: E402
+
+PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200, as titanlike's MFU
+
+
+def _fla_conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' causal_conv1d_fn contract ([B, D, T] in and out) on fla's Triton convolution."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation)
+    return y.transpose(1, 2)
+
+
+def _fla_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """transformers' mamba2_chunk_scan contract (mamba-ssm's mamba_chunk_scan_combined) on fla's chunk_simple_gla:
+    q = C, k = B, v = x * dt, g = A * dt, scale 1."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    h, g = hidden_states.shape[2], B.shape[2]
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    v = (hidden_states.float() * dt[..., None]).to(hidden_states.dtype)
+    k = B.repeat_interleave(h // g, dim=2).to(hidden_states.dtype)
+    q = C.repeat_interleave(h // g, dim=2).to(hidden_states.dtype)
+    y, final = chunk_simple_gla(q, k, v, g=A.float() * dt, scale=1.0, initial_state=initial_states,
+                                output_final_state=return_final_states)
+    if D is not None:
+        y = (y.float() + hidden_states.float() * D.float()[:, None]).to(hidden_states.dtype)
+    return (y, final) if return_final_states else y
+
+
+def patch_fla(model_type: str) -> list[str]:
+    """Point transformers' slow paths for this model type at fla's kernels; returns what was patched."""
+    import importlib
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    patched = []
+    for name, fn in (("causal_conv1d_fn", _fla_conv), ("mamba2_chunk_scan", _fla_ssd),
+                     ("chunk_gated_delta_rule", chunk_gated_delta_rule)):
+        if hasattr(mod, name):
+            setattr(mod, name, fn)
+            patched.append(name)
+    return patched
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("flavor")
+    p.add_argument("--model", default=os.environ.get("MODEL", "nemotron_h"))
+    p.add_argument("--training.seq_len", dest="seq", type=int, default=4096)
+    p.add_argument("--training.local_batch_size", dest="batch", type=int, default=1)
+    p.add_argument("--training.steps", dest="steps", type=int, default=16)
+    p.add_argument("--metrics.log_freq", dest="log_freq", type=int, default=1)
+    p.add_argument("--activation_checkpoint.mode", dest="ac", default="none")
+    p.add_argument("--compile.enable", dest="compile", action="store_true")
+    p.add_argument("--vocab", type=int, default=int(os.environ.get("VOCAB", "0")))
+    a, unknown = p.parse_known_args()
+    if unknown:
+        print(f"peer_hf: ignoring {unknown}", flush=True)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = models.get_spec(a.model)
+    flavor = spec.flavors[a.flavor]
+    args = dataclasses.replace(flavor, vocab_size=a.vocab or flavor.vocab_size, max_seq_len=a.seq)
+    cfg = dict(spec.hf.hf_config(args, torch.bfloat16, max_position_embeddings=a.seq))
+    cfg.pop("architectures", None)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "sdpa"
+    try:
+        config._experts_implementation = "grouped_mm"
+    except (AttributeError, ValueError) as e:
+        print(f"peer_hf: experts_implementation grouped_mm not set ({e})", flush=True)
+    print(f"peer_hf: fla patched into transformers: {patch_fla(config.model_type)}", flush=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.train()
+    if a.ac == "full":
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    fwd = torch.compile(model) if a.compile else model
+    fpt = spec.flops_per_token(args, a.seq)
+    tokens = a.batch * a.seq
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t_last, n_since = time.perf_counter(), 0
+    for step in range(1, a.steps + 1):
+        ids = torch.randint(0, args.vocab_size, (a.batch, a.seq), device="cuda", generator=gen)
+        loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        n_since += 1
+        if step % a.log_freq == 0 or step == a.steps:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            tps = tokens * n_since / (now - t_last)
+            t_last, n_since = now, 0
+            mem = torch.cuda.max_memory_reserved() / 2**30
+            value = loss.item()
+            print(f"step: {step} loss: {value if math.isfinite(value) else float('nan'):.4f} memory: {mem:.2f}GiB "
+                  f"tps: {tps:,.0f} tflops: {tps * fpt / 1e12:.2f} mfu: {100 * tps * fpt / PEAK:.2f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
