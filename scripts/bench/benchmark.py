@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
-                   "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), or a path; empty (default) = titanlike only")
+                   "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), or a path; "
+                   "empty (default) = titanlike only")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
     p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))
