@@ -15,6 +15,10 @@ flash-linear-attention's Triton kernels in the same shape: fla's `chunk_simple_g
 `causal_conv1d`, patched into transformers' module in place of the mamba-ssm calls (`patch_fla`). Never a PyTorch
 fallback: the run stops if fla-core is missing.
 
+fla-core 0.6 refuses its gated backward kernel on Hopper with the Triton that torch 2.11 pins (fla issue 640: Triton
+miscompiles it at key sizes 33 to 64); at the key sizes of these shapes (128) it is correct, and the peer lifts the
+refusal as titanlike does (models/common/fla_kernels.py, checked against PyTorch in tests/gpu/test_gpu_mixers.py).
+
 Prints torchtitan-style lines ("step: N loss: X memory: Y GiB tps: Z tflops: T mfu: M%") that
 scripts/bench/benchmark.py parses (--peer hf).
 """
@@ -73,6 +77,9 @@ def patch_fla(model_type: str) -> list[str]:
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # key sizes 128 here: the kernel is correct (module docstring)
     mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     patched = []
     for name, fn in (("causal_conv1d_fn", _fla_conv), ("mamba2_chunk_scan", _fla_ssd),
