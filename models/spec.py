@@ -29,6 +29,13 @@ class ModelShape:
     n_layers: int
     kv_dim: int  # keys plus values per token in one attention layer (what context parallel gathers)
     moe_topk: int = 0  # routed experts per token (0: dense)
+    # Context parallel, by layer kind: attention layers all-gather K/V (kv_dim each; the backward reduce-scatters their
+    # gradients); recurrent mixers (Mamba-2, Gated DeltaNet: parallelize/cp_recurrent.py) all-to-all the scan's inputs
+    # to a head shard and its output back (the backward the same two in reverse); other layers (MLP, MoE) move nothing.
+    kv_layers: int | None = None  # attention layers (None: all n_layers)
+    cp_a2a_layers: int = 0  # recurrent layers, which exchange heads by all-to-all under CP
+    cp_a2a_dim: int = 0  # per token and recurrent layer, the widths its two forward all-to-alls carry: the scan's
+    #                      inputs plus its output, all heads (a TP rank holds 1/tp of them)
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,15 @@ def pp_costs(args: HybridArgs, seq_len: int) -> PipelineCosts:
 
 
 def shape(args: HybridArgs) -> ModelShape:
-    """kv_dim: keys plus values per token of an attention layer (0 without attention: nothing to gather); moe_topk: the
-    routed experts per token of the "E" layers (0 without)."""
-    kv = 2 * args.n_kv_heads * args.head_dim if ATTENTION in args.pattern() else 0
-    topk = args.moe.top_k if MOE in args.pattern() else 0
-    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv, moe_topk=topk)
+    """kv_dim: keys plus values per token of an attention layer (0 without attention: nothing to gather), kv_layers
+    the attention layers; moe_topk: the routed experts per token of the "E" layers (0 without). Under context
+    parallel each Mamba-2 layer all-to-alls its scan's inputs x | B | C | dt (models/common/mamba2.py's head_parts:
+    inner + 2 G N + H per token) and its output y (inner) back (parallelize/cp_recurrent.py); the copies of a group's
+    B and C that parts of one group's heads each carry (cp above the groups a TP rank holds) are not counted."""
+    pattern = args.pattern()
+    kv = 2 * args.n_kv_heads * args.head_dim if ATTENTION in pattern else 0
+    topk = args.moe.top_k if MOE in pattern else 0
+    inner = args.mamba_n_heads * args.mamba_head_dim
+    a2a = (inner + 2 * args.n_groups * args.ssm_state_size + args.mamba_n_heads) + inner
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv, moe_topk=topk,
+                      kv_layers=pattern.count(ATTENTION), cp_a2a_layers=pattern.count(MAMBA), cp_a2a_dim=a2a)

@@ -80,7 +80,13 @@ def pp_costs(args: Qwen3NextArgs, seq_len: int) -> PipelineCosts:
 
 
 def shape(args: Qwen3NextArgs) -> ModelShape:
-    """kv_dim: the keys and values per token of one full-attention layer (the DeltaNet layers carry a fixed state,
-    nothing per token)."""
+    """kv_dim: the keys and values per token of one full-attention layer, kv_layers those layers (the DeltaNet layers
+    carry a fixed state, nothing per token to gather). Under context parallel each Gated DeltaNet layer all-to-alls
+    its rule's inputs q | k | v | b | a (models/common/gated_deltanet.py's head_parts: 2 key_dim + value_dim + 2 value
+    heads per token) and its output o (value_dim) back (parallelize/cp_recurrent.py)."""
+    attention = sum(args.is_full_attention(i) for i in range(args.n_layers))
+    key_dim, value_dim = args.linear_n_k_heads * args.linear_head_k_dim, args.linear_n_v_heads * args.linear_head_v_dim
+    a2a = (2 * key_dim + value_dim + 2 * args.linear_n_v_heads) + value_dim
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * args.head_dim,
-                      moe_topk=args.moe.top_k if args.moe else 0)
+                      moe_topk=args.moe.top_k if args.moe else 0, kv_layers=attention,
+                      cp_a2a_layers=args.n_layers - attention, cp_a2a_dim=a2a)

@@ -4,6 +4,7 @@ a TOML that loads back to the same config, and bad input (an unknown GPU kind, a
 clear line; the preflight (preflight.py, scripts/train.py --dry-run): the verdict against a memory budget, the
 cheapest fix when a config does not fit, and the script's exit statuses. No GPU: the estimate traces on fake
 tensors."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,66 @@ def test_cost_terms_move_the_right_way():
     assert pp["bubble"] > 0
     nodes = step_seconds(shape, Layout(**{**lay, "world": 16, "dp_shard": 16}), gpu)
     assert nodes["fsdp_exposed"] >= base["fsdp_exposed"]
+
+
+def test_cp_cost_by_layer_kind():
+    """Context parallel's term: attention layers all-gather the whole sequence's K/V (and reduce-scatter their
+    gradients), recurrent layers all-to-all their scan's inputs and output (forward 2, backward 2; a TP rank's
+    heads), MLP layers nothing. bf16, (cp-1)/cp of each leaves the rank; H100 NVLink 360 GB/s (cp x tp in a node)."""
+    gpu = gpu_kind("h100")
+    lay = Layout(world=16, dp_replicate=1, dp_shard=2, tp=2, pp=2, cp=2, ep=1, local_batch=2, grad_accum=1,
+                 seq_len=8192, ac="none", float8=False, reshard_after_forward=True, pp_microbatches=2)
+    micro, mb_tokens, ring, bw = 2, 2 / 2 * 8192 / 2, 1 / 2, 360e9
+    # A model without kv_layers (Llama 3 8B: 32 layers of 8 KV heads x 128): the old formula, to the last bit.
+    llama, _, _ = model_shape(_base("configs/llama3_8b.toml"))
+    assert (llama.kv_layers, llama.cp_a2a_layers, llama.kv_dim) == (None, 0, 2048)
+    old = micro * (32 / 2) * 2 * mb_tokens * 2 * 2048 * 2 * ring / bw
+    assert step_seconds(llama, lay, gpu)["cp"] == old
+    # Nemotron-H 8B: 24 Mamba-2 layers (x|B|C|dt = 8192 + 2 x 8 x 128 + 128 in, y = 8192 out), 4 attention, 24 MLP.
+    nem, _, _ = model_shape(_base("configs/nemotron_h_8b.toml"))
+    assert (nem.n_layers, nem.kv_layers, nem.cp_a2a_layers, nem.cp_a2a_dim, nem.kv_dim) == (52, 4, 24, 18560, 2048)
+    attention = micro * (4 / 2) * 2 * mb_tokens * 2 * 2048 * 2 * ring / bw
+    mamba = micro * (24 / 2) * 2 * mb_tokens * (18560 / 2) * 2 * ring / bw
+    assert step_seconds(nem, lay, gpu)["cp"] == pytest.approx(attention + mamba, rel=1e-12)
+    # Every layer Mamba-2: all-to-alls only; turning half of them into MLP layers halves the term.
+    all_mamba = dataclasses.replace(nem, kv_layers=0, cp_a2a_layers=52)
+    assert step_seconds(all_mamba, lay, gpu)["cp"] == pytest.approx(mamba * 52 / 24, rel=1e-12)
+    half_mlp = dataclasses.replace(nem, kv_layers=0, cp_a2a_layers=26)
+    assert step_seconds(half_mlp, lay, gpu)["cp"] == pytest.approx(mamba * 26 / 24, rel=1e-12)
+    assert step_seconds(all_mamba, dataclasses.replace(lay, cp=1, dp_shard=4, local_batch=1), gpu)["cp"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "mamba2", "qwen3_next"])
+def test_cp_widths_are_what_the_recurrent_mixers_exchange(name):
+    """ModelShape's cp_a2a_dim is the width of what parallelize/cp_recurrent.py sends (head_parts, all heads in
+    one part) plus what it sends back (mix_part's output), read off the debug model's mixers; cp_a2a_layers counts
+    those mixers, kv_layers the attention layers."""
+    import torch
+
+    import models
+
+    spec = models.get_spec(name)
+    args = spec.flavors["debugmodel"]
+    shape = spec.shape(args)
+    torch.manual_seed(0)
+    model = spec.model_cls(args)
+    mixers = [m for m in model.modules() if hasattr(m, "head_parts")]
+    attention = [m for m in model.modules() if hasattr(m, "wk") and hasattr(m, "wv")]
+    assert (shape.cp_a2a_layers, shape.kv_layers) == (len(mixers), len(attention))
+    widths = []
+
+    def record(mixer, x, gates, doc_ids):
+        parts = mixer.head_parts(x, gates, 1)  # [1, B, S, heads' groups, width]
+        y = mixer.mix_part(parts[0], doc_ids, 0, 1)
+        widths.append(parts.shape[-2] * parts.shape[-1] + y.shape[-1])
+        return y
+
+    mixer = mixers[0]
+    mixer.init_weights(0.02)
+    mixer.sequence_fn = record
+    with torch.no_grad():
+        mixer(torch.randn(1, 8, args.dim))
+    assert widths == [shape.cp_a2a_dim]
 
 
 def test_plan_keeps_the_fastest_that_fit_and_writes_a_loadable_toml(tmp_path):

@@ -40,6 +40,9 @@ class Shape:
     expert_active: int = 0  # parameters per token in routed experts (grouped GEMMs)
     moe_experts: int = 0  # routed experts per MoE layer
     expert_params: int = 0  # all routed experts' parameters (sharded over EP and FSDP, not over TP)
+    kv_layers: int | None = None  # layers that gather K/V under CP (None: all n_layers)
+    cp_a2a_layers: int = 0  # layers that all-to-all heads under CP instead (recurrent mixers)
+    cp_a2a_dim: int = 0  # per token, the widths such a layer's two forward all-to-alls carry (all heads)
 
 
 @dataclass
@@ -115,8 +118,14 @@ def step_seconds(shape: Shape, lay: Layout, gpu: GpuKind) -> dict[str, float]:
     if lay.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, as many backward
         tp = micro * layers_here * 8 * act / lay.cp * ring(lay.tp) / bw(lay.tp)
     cp = 0.0
-    if lay.cp > 1:  # K/V all-gather forward, reduce-scatter of their gradients backward, per block
-        cp = micro * layers_here * 2 * mb_tokens * lay.cp * shape.kv_dim * 2 * ring(lay.cp) / bw(lay.cp * lay.tp)
+    if lay.cp > 1:
+        # Attention layers: K/V all-gather forward, reduce-scatter of their gradients backward (whole sequence's K/V).
+        kv_here = (shape.n_layers if shape.kv_layers is None else shape.kv_layers) / lay.pp
+        cp = micro * kv_here * 2 * mb_tokens * lay.cp * shape.kv_dim * 2 * ring(lay.cp) / bw(lay.cp * lay.tp)
+        # Recurrent layers: all-to-all of the scan's inputs to a head shard and of its output back, forward, and the
+        # same two backward; each of this rank's tokens, its TP rank's heads; (cp-1)/cp of it leaves the rank.
+        a2a_here = shape.cp_a2a_layers / lay.pp
+        cp += micro * a2a_here * 2 * mb_tokens * shape.cp_a2a_dim / lay.tp * 2 * ring(lay.cp) / bw(lay.cp * lay.tp)
     ep = 0.0
     if lay.ep > 1 and shape.moe_topk:  # dispatch + combine all-to-alls, forward and backward
         ep = micro * layers_here * 4 * mb_tokens * shape.moe_topk * shape.dim * 2 * ring(lay.ep) / bw(lay.ep)

@@ -63,7 +63,8 @@ def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
     shape = Shape(params=counts.total, active=counts.active, dim=widths.dim, n_layers=widths.n_layers,
                   kv_dim=widths.kv_dim, moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
                   float8_active=float8_active, expert_active=expert_active, moe_experts=experts,
-                  expert_params=expert_params)
+                  expert_params=expert_params, kv_layers=widths.kv_layers, cp_a2a_layers=widths.cp_a2a_layers,
+                  cp_a2a_dim=widths.cp_a2a_dim)
     return shape, spec, args
 
 
