@@ -28,14 +28,12 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import models  # noqa: E402
+import models  # the repository on PYTHONPATH, as every bench script expects
 
 PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200, as titanlike's MFU
 
