@@ -26,14 +26,22 @@ class Batch:
     inputs: the forward's arguments by name. `inputs[primary]` is passed positionally (a pipeline's first stage reads
     it; later stages get the previous stage's hidden states in its place), every other entry by keyword, to every
     stage. labels: target class ids, IGNORE_INDEX where there is none; the loss is the summed cross-entropy of the
-    output's last dimension against them ([B, S] per token, [B] per sequence), divided by the global count of targets.
+    output's last dimension against them ([B, S] per token, [B] per sequence), divided by the global count of targets
+    (or another summed loss the objective names, titanlike/train/loss.py).
     sequence: the names (of inputs, and "labels") whose dim 1 is the sequence context parallel cuts; everything else
     (whole-sequence document ids, images, per-sequence labels) reaches every CP rank whole.
+    extras: per-row tensors (dim 0 = the rows) the loss reads beside the labels, by keyword (DPO's reference
+    log-probs); empty for a loss of (output, labels) alone.
+    row_targets: [B] how many terms of the summed loss each row holds, where that is not its count of labels !=
+    IGNORE_INDEX (DPO sums over pairs: 1 on each pair's chosen row, 0 on its rejected row); what the trainer adds up
+    over ranks and micro-batches to normalise the loss (target_count).
     """
     inputs: dict[str, torch.Tensor]
     labels: torch.Tensor
     primary: str = "tokens"
     sequence: tuple[str, ...] = ("tokens", "labels")
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    row_targets: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor]:
         return (self.inputs[self.primary],)
@@ -44,10 +52,19 @@ class Batch:
     def replace(self, **changes) -> Batch:
         return dataclasses.replace(self, **changes)
 
+    def target_count(self) -> torch.Tensor:
+        """The number of terms the loss sums over this batch (a device scalar: nothing waits for the device)."""
+        if self.row_targets is None:
+            return (self.labels != IGNORE_INDEX).sum()
+        return self.row_targets.sum()
+
     def split(self, n: int) -> list[Batch]:
-        """n batches along dim 0 (the pipeline's micro-batches), inputs and labels alike."""
+        """n batches along dim 0 (the pipeline's micro-batches): inputs, labels, extras and row targets alike."""
         parts = {k: v.tensor_split(n) for k, v in self.inputs.items()}
-        return [self.replace(inputs={k: p[i] for k, p in parts.items()}, labels=y)
+        extras = {k: v.tensor_split(n) for k, v in self.extras.items()}
+        rows = self.row_targets.tensor_split(n) if self.row_targets is not None else [None] * n
+        return [self.replace(inputs={k: p[i] for k, p in parts.items()}, labels=y,
+                             extras={k: p[i] for k, p in extras.items()}, row_targets=rows[i])
                 for i, y in enumerate(self.labels.tensor_split(n))]
 
 
@@ -63,7 +80,9 @@ class Objective(Protocol):
     """How a loader batch becomes a Batch, and which loss trains it. A family names a built-in one in its ModelSpec
     (`objective="masked_lm"`) or gives its own factory `args -> Objective`."""
 
-    loss: str  # "cross_entropy": summed over targets != IGNORE_INDEX (titanlike/train/loss.py), the only one so far
+    # "cross_entropy": summed over targets != IGNORE_INDEX (titanlike/train/loss.py); "dpo": summed over preference
+    # pairs (titanlike/train/dpo.py's objective, which wraps NextToken and brings its own loss function)
+    loss: str
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch: ...
 

@@ -273,6 +273,21 @@ class Eval:
 
 
 @dataclass
+class DPO:
+    """Preference tuning, read when data.dataset = "preference" (JSONL pairs of prompt, chosen, rejected): the
+    objective is then DPO against a reference model, the initial weights (titanlike/train/dpo.py;
+    docs/post_training.md)."""
+    beta: float = 0.1  # > 0: the rewards are beta * log(policy / reference) of a response; larger = closer to it
+    # sigmoid (DPO, summed log-probs) | ipo (IPO, per-token mean log-probs, as TRL) | length_normalized (DPO on
+    # per-token mean log-probs: TRL's sigmoid_norm, Tulu 3's dpo_norm)
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0  # in [0, 0.5): sigmoid losses assume this share of flipped labels (cDPO); not ipo
+    # precompute (one pass over the data with the initial weights before step 1, kept in checkpoints) | frozen_copy
+    # (a second model with the initial weights and the same plan, run without gradients every step)
+    reference: str = "precompute"
+
+
+@dataclass
 class Comm:
     """Collective timeouts, the flight recorder and the per-rank heartbeat (titanlike/resilience/comm_watch.py,
     docs/faults.md)."""
@@ -325,6 +340,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
+    dpo: DPO = field(default_factory=DPO)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     profiling: Profiling = field(default_factory=Profiling)

@@ -21,6 +21,7 @@ from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig, Parallelism, Training
 from titanlike.config.validate_data import check_data
+from titanlike.config.validate_dpo import check_dpo
 from titanlike.config.validate_eval import check_eval
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
 
@@ -331,6 +332,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     check_mixed_precision(cfg.training, cfg.fault_tolerance.enable, world_size, errors)
     check_loss_scaling(cfg, errors)
     check_data(cfg, errors)
+    check_dpo(cfg, errors)  # [dpo], and what preference data (DPO) does not run with yet
     if cfg.checkpoint.create_seed_checkpoint and world_size is not None and world_size > 1:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text")  # titanlike.data.dataset.DATASETS implements each
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "preference")  # titanlike.data.dataset.DATASETS implements each
 
 # Megatron's --tokenizer-type names (and short ones) -> the kind titanlike.data.tokenizers builds.
 TOKENIZER_TYPES = {
@@ -68,9 +68,11 @@ def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] 
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
-    if dataset in ("indexed", "text") and not paths:
-        what = ("Megatron .bin/.idx prefixes, optionally weighted: \"0.3 /data/a_text_document 0.7 /data/b\""
-                if dataset == "indexed" else "JSONL/Parquet/text files, globs or folders")
+    if dataset in ("indexed", "text", "preference") and not paths:
+        what = {"indexed": "Megatron .bin/.idx prefixes, optionally weighted: "
+                           "\"0.3 /data/a_text_document 0.7 /data/b\"",
+                "text": "JSONL/Parquet/text files, globs or folders",
+                "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs"}[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
     elif dataset in ("stdlib", "mock") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "

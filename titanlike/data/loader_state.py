@@ -37,6 +37,8 @@ def _sources(dataset) -> list[list]:
         return [["stdlib", Path(dataset.path).stem]]
     if isinstance(dataset, MockDataset):
         return [["mock", f"vocab {dataset.vocab_size}"]]
+    if hasattr(dataset, "sources"):  # a dataset that names its own (preference pairs: files by content)
+        return dataset.sources()
     files = getattr(dataset, "files", None)  # streaming text
     if files is not None:
         return [[f, f"{os.path.getsize(f)} bytes"] for f in files]

@@ -160,6 +160,8 @@ class MetricsLogger:
         if "loss_scale" in m:  # fp16: the scale, and the steps skipped for overflow since the last line
             parts.append(f"loss_scale {m['loss_scale']:.0f}" + (f" (skipped {m['skipped_iters']})"
                                                                  if m.get("skipped_iters") else ""))
+        if "dpo/reward_accuracy" in m:  # DPO: pairs whose chosen reward beats the rejected one, the mean margin
+            parts.append(f"acc {m['dpo/reward_accuracy']:.3f} margin {m['dpo/reward_margin']:.4f}")
         parts.append(f"tok/s {m['throughput/tokens_per_sec_per_device']:>9,.0f}")
         if "throughput/mfu_pct" in m:
             parts.append(f"mfu {m['throughput/mfu_pct']:5.1f}%")

@@ -12,7 +12,6 @@ import torch
 from titanlike.config.sections import Validation
 from titanlike.config.validate_eval import parse_perplexity_set
 from titanlike.data import build_validation_dataloader
-from titanlike.train.loss import IGNORE_INDEX
 
 logger = logging.getLogger("titanlike")
 
@@ -29,7 +28,7 @@ def mean_loss(trainer, loader, steps: int) -> float:
                 loss_sum += trainer.pp.eval_loss(batch)
             else:
                 loss_sum += trainer.forward_loss(batch)
-        tokens += (batch.labels != IGNORE_INDEX).sum()
+        tokens += batch.target_count()
     if trainer.pp is not None:
         trainer.pp.reduce_over_pp(loss_sum)
     return (trainer.sum_over_data(loss_sum) / trainer.sum_over_data(tokens)).item()

@@ -26,8 +26,9 @@ from titanlike.train.loss import loss_targets, objective_loss, plain_loss
 
 class StepCompute:
     """Forward, loss and backward of one micro-batch with the run's contexts. `precision`: the Updater's mode (who
-    casts the weights); `loss_fn(output, labels) -> summed loss`: default the objective's loss, compiled when
-    compile.components has "loss"; `loss_head`: the chunked-loss LM head (its forward returns the loss)."""
+    casts the weights); `loss_fn(output, labels, **batch.extras) -> summed loss`: default the objective's loss, compiled
+    when compile.components has "loss" (DPO passes its own, which also reads the reference log-probs the Batch carries
+    in extras); `loss_head`: the chunked-loss LM head (its forward returns the loss)."""
 
     @classmethod
     def of(cls, cfg, dims, device: torch.device, precision: str, objective, loss_head,
@@ -67,7 +68,7 @@ class StepCompute:
         if not last:
             return model(*args, **batch.kwargs())
         if self.loss_head is None:
-            return plain_loss(self.loss_fn(model(*args, **batch.kwargs()), batch.labels))
+            return plain_loss(self.loss_fn(model(*args, **batch.kwargs()), batch.labels, **batch.extras))
         with loss_targets(self.loss_head, batch.labels):
             return model(*args, **batch.kwargs())
 

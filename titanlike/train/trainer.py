@@ -31,8 +31,8 @@ from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.construct import BuildSections, build_model, materialise, run_vocab
+from titanlike.train.dpo import PreferenceTuning
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
-from titanlike.train.loss import IGNORE_INDEX
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 from titanlike.train.step import StepCompute
@@ -107,9 +107,14 @@ class Trainer:
         self.preempted = False
         self.interrupted = False  # set by scripts/train.py on Interrupted: the peers may not reach a barrier
         self.spikes = SpikeDetector(window=100, zscore=t.loss_spike_zscore) if t.loss_spike_zscore > 0 else None
+        # Preference pairs (data.dataset = "preference"): DPO's objective, loss and reference (titanlike/train/dpo.py)
+        self.dpo = PreferenceTuning(self, plan, plan_sections) if cfg.data.dataset == "preference" else None
+        if self.dpo is not None:
+            self.objective = self.dpo.objective
         # Forward, loss and backward with the run's contexts: the same code the memory estimate traces
         # (titanlike/train/step.py). The loss is compiled with compile.components "loss".
-        self.compute = StepCompute.of(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head)
+        self.compute = StepCompute.of(cfg, self.dims, self.device, self.precision, self.objective, self.loss_head,
+                                      loss_fn=self.dpo.loss if self.dpo is not None else None)
         self.attention_kernels = self.compute.attention_kernels
         self.amp = self.compute.amp()  # (validation and eval enter it too)
 
@@ -120,7 +125,8 @@ class Trainer:
         self.dp_degree = dp_degree
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
-        self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len
+        rows = 2 if self.dpo is not None else 1  # a preference sample is two sequences
+        self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len * rows
         # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
         self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
         loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
@@ -214,7 +220,7 @@ class Trainer:
     def train_step(self, batches: list[Batch], log: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, target count, grad norm):
         nothing here waits for the GPU. `log`: a log step (the MoE load statistics are read then)."""
-        local_tokens = sum((b.labels != IGNORE_INDEX).sum() for b in batches)
+        local_tokens = sum(b.target_count() for b in batches)  # tokens, or what the objective sums over (pairs)
         global_tokens = self.sum_over_data(local_tokens.float())
         scale = self.grad_divide_factor / global_tokens
         if self.update.loss_scale is not None:  # fp16: divided out again in the clip
@@ -257,6 +263,9 @@ class Trainer:
         self.hang.begin()  # every process group: comm.init_timeout_seconds until the first step is done
         self.signals.enter("checkpoint load")
         self.checkpointer.load()  # newest complete step (step, data position, RNG...) or nothing: step 0
+        if self.dpo is not None:
+            self.signals.enter("DPO reference pass")
+            self.dpo.start()  # the reference pass with the initial weights, unless the checkpoint brought it
         self.checkpointer.prestage()  # pinned staging buffers allocated while step 1 runs (checkpoint.prestage)
         if self.ft is not None:
             self.ft.resumed(self.step)
@@ -286,6 +295,7 @@ class Trainer:
                 loss = self.sum_over_data(loss_sum) / tokens  # the only host sync: on log steps
                 m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(),
                                                  "lr": self.update.step_lr, **self.moe_metrics,
+                                                 **(self.dpo.metrics() if self.dpo is not None else {}),
                                                  **self.update.log_counts()})  # fp16 scale, skipped steps
                 if self.guard is not None:
                     try:
@@ -360,11 +370,14 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The trainer's own counters, for checkpoints."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, **self.update.state_dict()}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **self.update.state_dict(),
+                **(self.dpo.state_dict() if self.dpo is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         self.update.load_state_dict(state)
+        if self.dpo is not None:
+            self.dpo.load_state_dict(state)
 
     def close(self) -> None:
         try:

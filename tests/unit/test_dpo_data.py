@@ -1,0 +1,177 @@
+"""Preference pairs (titanlike/data/preference.py), the reference table's keys, the LoRA hook and the [dpo] config
+rules."""
+import json
+
+import pytest
+import torch
+
+from models.batch import IGNORE_INDEX
+from titanlike.config.errors import ConfigError
+from titanlike.config import validate
+from titanlike.config.load import config_from_dict
+from titanlike.data import build_dataloader
+from titanlike.data.preference import PreferenceDataset
+from titanlike.data.tokenizers.null import NullTokenizer
+from titanlike.train.dpo_reference import ReferenceTable, adapters_disabled, has_adapters, row_keys
+
+X = IGNORE_INDEX
+TOK = NullTokenizer(100)  # text = token ids; EOS = 100
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_sample_is_the_pair_with_labels_on_the_response_only(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "5 6 7", "chosen": "8 9", "rejected": "10"}])
+    ds = PreferenceDataset([f], TOK, seq_len=8)
+    ids, labels = ds[0]
+    assert ids.shape == labels.shape == (2, 8)
+    # chosen: 5 6 7 | 8 9 EOS, then EOS padding; labels = the next token where it is a response token
+    assert ids[0].tolist() == [5, 6, 7, 8, 9, 100, 100, 100]
+    assert labels[0].tolist() == [X, X, 8, 9, 100, X, X, X]
+    assert ids[1].tolist() == [5, 6, 7, 10, 100, 100, 100, 100]
+    assert labels[1].tolist() == [X, X, 10, 100, X, X, X, X]
+    ds_bos = PreferenceDataset([f], TOK, seq_len=8, add_bos=True)  # BOS joins the prompt: no target on it either
+    assert ds_bos[0][0][0].tolist()[:4] == [100, 5, 6, 7] and ds_bos[0][1][0].tolist()[:4] == [X, X, X, 8]
+
+
+def test_truncation_and_dropped_pairs_are_counted(tmp_path, caplog):
+    f = _write(tmp_path / "p.jsonl", [
+        {"prompt": "1 2", "chosen": "3 4 5 6 7 8", "rejected": "9"},  # chosen cut to the window
+        {"prompt": "1 2 3 4 5 6", "chosen": "7", "rejected": "8"},  # the prompt fills the window: dropped
+        "",  # blank lines are skipped
+        {"prompt": "1", "chosen": "2", "rejected": "3"}])
+    with caplog.at_level("INFO", logger="titanlike"):
+        ds = PreferenceDataset([f], TOK, seq_len=5)
+    assert len(ds) == 2 and ds.truncated == 1 and ds.dropped == 1
+    ids, labels = ds[0]
+    assert ids[0].tolist() == [1, 2, 3, 4, 5] and labels[0].tolist() == [X, 3, 4, 5, 6]  # keep_start: end cut
+    assert "1 of 4 sequences cut" in caplog.text and "1 pair(s) dropped" in caplog.text
+    assert f"{f}:2" in caplog.text
+
+
+@pytest.mark.parametrize("rows,expect", [
+    ([{"prompt": "1", "chosen": "2 3", "rejected": "4"}, {"prompt": "1", "chosen": "5", "rejected": "5"}],
+     ":2): they carry no preference; remove them from the data"),
+    (["{not json"], ":1: not a JSON object"),
+    ([{"prompt": "1", "chosen": "2"}], "needs the fields \"prompt\", \"chosen\" and \"rejected\" (found ['chosen', "
+                                       "'prompt'])"),
+    ([{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+       "rejected": [{"role": "assistant", "content": "b"}]}], "chat-message pairs"),
+    ([{"prompt": "1", "chosen": 2, "rejected": "3"}], "must be strings"),
+])
+def test_bad_rows_fail_at_build_with_one_line(tmp_path, rows, expect):
+    f = _write(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError) as e:
+        PreferenceDataset([f], TOK, seq_len=8)
+    msg = str(e.value)
+    assert expect in msg and "\n" not in msg and msg.startswith("data.paths: "), msg
+
+
+def test_loader_stacks_pairs_and_keeps_the_data_identity(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [{"prompt": f"{i}", "chosen": f"{i + 1} {i + 2}", "rejected": f"{i + 3}"}
+                                      for i in range(10)])
+    cfg = config_from_dict({"data": {"dataset": "preference", "paths": [f]}})
+    loader = build_dataloader(cfg.data, TOK, dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=6, seed=0)
+    ids, labels = next(iter(loader))
+    assert ids.shape == labels.shape == (4, 2, 6)
+    state = loader.state_dict()
+    assert state["built_with"]["sources"] == [[f, loader.dataset.file_digests[0]]]
+    assert loader.batch_sampler.fingerprint == loader.dataset.fingerprint != ""
+    _write(tmp_path / "p.jsonl", [{"prompt": "1", "chosen": "2", "rejected": "3"}] * 10)  # other pairs: refused
+    other = build_dataloader(cfg.data, TOK, dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=6, seed=0)
+    with pytest.raises(ConfigError, match="other data settings"):
+        other.load_state_dict(state)
+
+
+def test_row_keys_and_table_lookup():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (64, 12), generator=g)
+    labels = ids.roll(-1, 1).masked_fill(torch.rand(64, 12, generator=g) < 0.3, X)
+    keys = row_keys(ids, labels)
+    assert keys.unique().numel() == 64
+    swapped = ids.clone()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # the same tokens in another order: another key
+    assert (row_keys(swapped, labels) != keys).sum() >= 60
+    masked = labels.clone()
+    masked[:, 0] = X  # the same tokens, another response mask: another key
+    changed = labels[:, 0] != X
+    assert (row_keys(ids, masked) != keys)[changed].all()
+    values = torch.randn(64)
+    table = ReferenceTable(keys, values)
+    perm = torch.randperm(64, generator=g)
+    torch.testing.assert_close(table.lookup(ids[perm], labels[perm]), values[perm], rtol=0, atol=0)
+    assert table.lookup(ids[:1] + 1, labels[:1]).isnan().all()  # never seen: NaN, not another row's value
+    again = ReferenceTable.from_state(table.state_dict(), torch.device("cpu"))
+    torch.testing.assert_close(again.lookup(ids, labels), values, rtol=0, atol=0)
+
+
+def test_adapters_disabled_gives_the_base_model():
+    class LoraLinear(torch.nn.Linear):  # the shape the LoRA branch gives adapted layers
+        def __init__(self):
+            super().__init__(4, 4)
+            self.lora_A, self.lora_B = torch.nn.Linear(4, 2, bias=False), torch.nn.Linear(2, 4, bias=False)
+
+        def forward(self, x):
+            return super().forward(x) + self.lora_B(self.lora_A(x)) * 2.0
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LoraLinear(), torch.nn.ReLU(), LoraLinear())
+    x = torch.randn(3, 4)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "lora" not in k})
+    assert has_adapters(model) and not has_adapters(plain)
+    with_adapters = model(x)
+    with adapters_disabled(model):
+        torch.testing.assert_close(model(x), plain(x))
+    torch.testing.assert_close(model(x), with_adapters)  # restored on exit
+    assert not torch.allclose(with_adapters, plain(x))
+
+
+def _rules(**sections):
+    base = {"data": {"dataset": "preference", "paths": ["p.jsonl"]}}
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    with pytest.raises(ConfigError) as e:
+        validate(config_from_dict(base))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("sections,expect", [
+    ({"parallelism": {"pp": 2}}, "does not run with parallelism.pp=2 yet"),
+    ({"parallelism": {"cp": 2}}, "does not run with parallelism.cp=2 yet"),
+    ({"training": {"loss_chunk_tokens": 1024}}, "set training.loss_chunk_tokens=0"),
+    ({"data": {"document_masking": True}}, "turn data.document_masking off"),
+    ({"validation": {"enable": True}}, "needs validation.paths"),
+    ({"dpo": {"loss_type": "simpo"}}, "dpo.loss_type='simpo' is not one of sigmoid, ipo, length_normalized"),
+    ({"dpo": {"reference": "none"}}, "dpo.reference='none' is not one of precompute, frozen_copy"),
+    ({"dpo": {"beta": 0.0}}, "dpo.beta=0.0 must be a finite number > 0"),
+    ({"dpo": {"label_smoothing": 0.5}}, "dpo.label_smoothing=0.5 must be in [0, 0.5)"),
+    ({"dpo": {"loss_type": "ipo", "label_smoothing": 0.1}}, "set it to 0 with dpo.loss_type=\"ipo\""),
+    ({"data": {"paths": []}}, "data.paths is empty but the dataset is 'preference'"),
+    ({"eval": {"enable": True, "perplexity_sets": ["mock"]}}, "empty eval.perplexity_sets (eval.tasks work)"),
+    ({"fault_tolerance": {"enable": True, "group_size": 1}}, "does not run with fault_tolerance.enable yet"),
+])
+def test_config_rules_name_the_key(sections, expect):
+    msg = _rules(**sections)
+    assert expect in msg, msg
+
+
+def test_pp_line_is_one_line():
+    msg = _rules(parallelism={"pp": 2})
+    assert "\n" not in msg and msg.startswith("data.dataset=\"preference\" (DPO) does not run with parallelism.pp=2")
+
+
+def test_batch_split_keeps_extras_and_row_targets():
+    """Batch.split (the pipeline's micro-batches) cuts extras and row targets with the rows; target_count sums them."""
+    from models.batch import Batch
+
+    b = Batch(inputs={"tokens": torch.arange(24).view(6, 4)}, labels=torch.zeros(6, 4, dtype=torch.long),
+              extras={"reference_logps": torch.arange(6.0)}, row_targets=torch.tensor([1, 0, 1, 0, 1, 0]))
+    parts = b.split(3)
+    assert [p.extras["reference_logps"].tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert [int(p.target_count()) for p in parts] == [1, 1, 1] and int(b.target_count()) == 3
+    plain = Batch(inputs={"tokens": torch.zeros(2, 3)}, labels=torch.tensor([[1, X, 2], [X, X, 3]]))
+    assert int(plain.target_count()) == 3 and plain.split(2)[0].extras == {}

@@ -1,0 +1,97 @@
+"""DPO's loss: per-sequence log-probs of the responses, then one loss term per (chosen, rejected) pair.
+
+Rows come in pairs, [c0, r0, c1, r1, ...] (titanlike/data/preference.py), with labels IGNORE_INDEX outside the
+responses. For a row, logp = sum over its response tokens of log_softmax(logits)[label]; `ref` is the same for the
+reference model. With Δ = (logp_c - ref_c) - (logp_r - ref_r), β = dpo.beta and ε = dpo.label_smoothing, a pair's
+loss is (TRL's names; TRL >= 1.0 DPOTrainer._compute_loss, older TRL DPOTrainer.dpo_loss):
+
+    sigmoid            -(1 - ε) log σ(β Δ) - ε log σ(-β Δ)                DPO (Rafailov et al. 2023); with ε > 0 the
+                                                                          conservative DPO of Mitchell 2023 (TRL < 1.0
+                                                                          "sigmoid" with label_smoothing)
+    ipo                (Δ̄ - 1 / (2β))²                                    IPO (Azar et al. 2023, eq. 17)
+    length_normalized  -(1 - ε) log σ(β Δ̄) - ε log σ(-β Δ̄)               TRL's "sigmoid_norm", Tulu 3's "dpo_norm"
+
+where Δ̄ is Δ with every log-prob divided by its row's response length (policy and reference alike, so
+Δ̄ = (logp_c - ref_c) / |y_c| - (logp_r - ref_r) / |y_r|): per-token mean log-probs. TRL computes its "ipo" that way
+too (the IPO authors' normalised form). This is not SimPO (Meng et al. 2024), which drops the reference and adds a
+margin.
+
+The summed loss over the micro-batch's pairs is returned; the trainer divides by the global count of pairs (the
+Batch's row_targets: 1 on each pair's chosen row). Rewards β·(logp - ref) (the loss's own, mean-based for the
+normalised types) feed the logged reward accuracy and margin, accumulated on the device between log steps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.batch import IGNORE_INDEX
+from titanlike.config.validate_dpo import DPO_LOSS_TYPES
+from titanlike.train.loss import plain_loss
+
+NORMALISED = ("ipo", "length_normalized")  # the loss types on per-token mean log-probs
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over each row's targets of log p(label) [R] in fp32, each row's target count [R]) of logits [R, S, V]
+    and labels [R, S]. Vocabulary-sharded logits (TP's loss parallel) work inside loss_parallel()."""
+    tok = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                          ignore_index=IGNORE_INDEX)
+    tok = plain_loss(tok)  # (a replicated DTensor under loss parallel)
+    return -tok.view(labels.shape).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+
+
+def pair_losses(delta: torch.Tensor, loss_type: str, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair loss of Δ (the difference of the chosen and rejected log-ratios; mean-based for NORMALISED)."""
+    if loss_type == "ipo":
+        return (delta - 1 / (2 * beta)) ** 2
+    if loss_type in ("sigmoid", "length_normalized"):
+        return (-(1 - label_smoothing) * F.logsigmoid(beta * delta)
+                - label_smoothing * F.logsigmoid(-beta * delta))
+    raise ValueError(f"dpo.loss_type={loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+
+
+def pair_deltas(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor,
+                normalised: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen log-ratio [P], rejected log-ratio [P]) of rows [c0, r0, c1, r1, ...]; per token when normalised."""
+    ratio = logps - ref_logps.to(logps.dtype)
+    if normalised:
+        ratio = ratio / lengths.clamp(min=1).to(ratio.dtype)
+    pairs = ratio.view(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+class DPOLoss:
+    """The trainer's loss_fn for DPO: (logits [2P, S, V], labels [2P, S], reference_logps [2P]) -> summed loss over
+    the P pairs. Keeps device sums for the log (only while gradients are on: validation does not mix in)."""
+
+    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0):
+        if loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"dpo.loss_type={loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.logps_fn = sequence_logps  # (compiled by the trainer with compile.components "loss")
+        self._stats: torch.Tensor | None = None  # pairs, correct, margin, chosen reward, rejected reward (sums)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, reference_logps: torch.Tensor) -> torch.Tensor:
+        logps, lengths = self.logps_fn(logits, labels)
+        chosen, rejected = pair_deltas(logps, reference_logps, lengths, self.loss_type in NORMALISED)
+        losses = pair_losses(chosen - rejected, self.loss_type, self.beta, self.label_smoothing)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                rc, rr = self.beta * chosen.detach(), self.beta * rejected.detach()
+                stats = torch.stack([torch.ones_like(rc).sum(), (rc > rr).float().sum(), (rc - rr).sum(), rc.sum(),
+                                     rr.sum()])
+                self._stats = stats if self._stats is None else self._stats + stats
+        return losses.sum()
+
+    def take_metrics(self, sum_over_data) -> dict[str, float]:
+        """Means over the pairs trained on since the last call, over all data ranks (`sum_over_data`: the trainer's
+        all-reduce; every rank calls it on the same steps), then reset. Reads the device: call on log steps."""
+        if self._stats is None:
+            return {}
+        stats = sum_over_data(self._stats.clone())
+        self._stats = None
+        n = max(float(stats[0]), 1.0)
+        acc, margin, chosen, rejected = (float(v) / n for v in stats[1:])
+        return {"dpo/reward_accuracy": acc, "dpo/reward_margin": margin, "dpo/chosen_reward": chosen,
+                "dpo/rejected_reward": rejected}

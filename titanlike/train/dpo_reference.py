@@ -1,0 +1,147 @@
+"""DPO's reference log-probs: the sum of log p(label) over each sequence's response under the initial weights.
+
+Two ways (dpo.reference):
+- "precompute": before step 1, one pass over the pairs (train, and validation's if any) with the policy itself (at
+  step 0 it is the reference), no gradients, each data-parallel rank a share, gathered into a ReferenceTable on
+  every rank. The table is keyed by a 64-bit hash of each sequence's (input ids, labels), computed on the device:
+  a batch finds its rows with a searchsorted, whatever sampler order, layout or resume brought them. It goes into
+  the trainer's checkpointed state, so a resume (whose weights are no longer the initial ones) reloads it.
+- "frozen_copy": a second model built through the same path (build_model, the same plan, the same seeded initial
+  weights, then checkpoint.initial_load_path's weights when set), every parameter frozen, run under no_grad on each
+  micro-batch. Its weights are always the run's initial ones, at the first start and on resume alike.
+
+LoRA (adapters as `lora_A` / `lora_B` children of Linear layers; another branch): the reference is the base model
+without its adapters. `adapters_disabled(model)` is the hook: inside it every `lora_B` module outputs zeros, so an
+adapter adding `lora_B(lora_A(x)) * scale` to its Linear contributes nothing. With adapters, "frozen_copy" runs the
+policy itself inside that context instead of a copy (the base weights are frozen and shared), and "precompute" runs
+its pass inside it too.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.batch import _mix  # splitmix64's finaliser on int64 (MaskedLM's mask hash)
+
+logger = logging.getLogger("titanlike")
+
+
+def row_keys(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A 64-bit key [R] of each row of ids / labels [R, S] (int64, on their device, no host sync): every token, its
+    label and its position enter it."""
+    pos = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int64)
+    per_token = _mix(_mix(ids + (pos << 32)) + labels)
+    return _mix(per_token.sum(dim=1))  # (int64 sums wrap around)
+
+
+class ReferenceTable:
+    """Sorted keys [M] and reference log-probs [M] (fp32), on the training device."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, fingerprint: str = ""):
+        order = torch.argsort(keys)
+        self.keys, self.values, self.fingerprint = keys[order], values[order].float(), fingerprint
+
+    def __len__(self) -> int:
+        return self.keys.numel()
+
+    def lookup(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The reference log-probs [R] of these rows; NaN for a row the pass never saw (it cannot happen: the loader
+        refuses other data on resume; a NaN loss would be caught by the non-finite guard)."""
+        q = row_keys(ids, labels)
+        i = torch.searchsorted(self.keys, q).clamp(max=len(self) - 1)
+        return torch.where(self.keys[i] == q, self.values[i], torch.full_like(self.values[i], float("nan")))
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys.cpu().numpy(), "values": self.values.cpu().numpy(), "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device) -> ReferenceTable:
+        return cls(torch.from_numpy(np.asarray(state["keys"])).to(device),
+                   torch.from_numpy(np.asarray(state["values"])).to(device), state.get("fingerprint", ""))
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def precompute(datasets: list, forward_logps, *, batch_pairs: int, dp_rank: int, dp_degree: int, group,
+               device: torch.device) -> ReferenceTable:
+    """One pass over `datasets` (map-style, samples (ids [2, S], labels [2, S])): `forward_logps(ids [R, S],
+    labels [R, S]) -> [R]` on this rank's share (pairs dp_rank, dp_rank + dp_degree, ...; padded with repeats so
+    every rank runs as many forwards: FSDP's collectives need all of them), gathered over the data ranks."""
+    t0 = time.perf_counter()
+    keys, values = [], []
+    for ds in datasets:
+        n = len(ds)
+        share = list(range(dp_rank, n, dp_degree))
+        share += [share[0] if share else 0] * (-(-n // dp_degree) - len(share))
+        for start in range(0, len(share), batch_pairs):
+            samples = [ds[i] for i in share[start:start + batch_pairs]]
+            ids = torch.stack([s[0] for s in samples]).flatten(0, 1).to(device)
+            labels = torch.stack([s[1] for s in samples]).flatten(0, 1).to(device)
+            keys.append(row_keys(ids, labels))
+            values.append(forward_logps(ids, labels).float())
+    local_k, local_v = torch.cat(keys), torch.cat(values)
+    all_k, all_v = _gather(local_k, group), _gather(local_v, group)
+    uniq, inverse = torch.unique(all_k, return_inverse=True)  # repeats (padding, duplicate pairs): one entry each
+    vals = torch.empty(uniq.shape, dtype=all_v.dtype, device=all_v.device).scatter_(0, inverse, all_v)
+    fp = "|".join(getattr(ds, "fingerprint", "") for ds in datasets)
+    logger.info(f"DPO reference: log-probs of {uniq.numel():,} sequences precomputed with the initial weights in "
+                f"{time.perf_counter() - t0:.1f} s (kept in checkpoints)")
+    return ReferenceTable(uniq, vals, fp)
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return any(hasattr(m, "lora_A") and hasattr(m, "lora_B") for m in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Within the block the model computes as its base, without LoRA adapters (every `lora_B` outputs zeros); a
+    model without adapters is untouched. The hook for the LoRA branch: it may replace this by its own switch."""
+    handles = [m.lora_B.register_forward_hook(lambda mod, args, out: torch.zeros_like(out))
+               for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "lora_B")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def build_frozen_copy(trainer, plan, plan_sections) -> torch.nn.Module:
+    """A second model built as the policy was (build_model, the plan, seeded initial weights), with
+    checkpoint.initial_load_path's weights when set, every parameter frozen, in eval mode."""
+    import dataclasses
+    import os
+
+    from titanlike.checkpoint import CheckpointManager
+    from titanlike.train.construct import BuildSections, build_model, materialise, run_vocab
+
+    cfg = trainer.cfg
+    mb = build_model(BuildSections.of(cfg), trainer.dims, trainer.device,
+                     run_vocab(cfg.model, trainer.tokenizer.vocab_size), trainer.tokenizer.eod_id,
+                     compile_loss_chunk=False)
+    model = plan(mb.model, trainer.dims, plan_sections)
+    materialise([model], trainer.device, cfg.training.seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_path:  # the run's initial weights: those the policy started from
+        loader = CheckpointManager(dataclasses.replace(ckpt, enable=False, initial_load_model_only=True),
+                                   os.path.join(trainer.run_dir, ckpt.folder), model=[model])
+        loader.load()
+        loader.close()
+    model.eval()
+    logger.info("DPO reference: a frozen copy of the initial model (the same plan), run without gradients on "
+                "every micro-batch")
+    return model
