@@ -136,7 +136,14 @@ def _build_text(data_cfg, tokenizer, *, seq_len, split, seed, dp_rank=0, dp_degr
                                 add_bos=data_cfg.add_bos, add_eod=data_cfg.add_eod, paths_key=paths_key)
 
 
-DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text}
+def _build_chat(data_cfg, tokenizer, **kw):
+    from titanlike.data.sft import build_chat_dataset
+
+    return build_chat_dataset(data_cfg, tokenizer, **kw)
+
+
+DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
+            "chat": _build_chat}
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
@@ -148,9 +155,10 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
         raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
-    if data_cfg.dataset in ("indexed", "text") and not data_cfg.paths:
+    if data_cfg.dataset in ("indexed", "text", "chat") and not data_cfg.paths:
         raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
-                         "weighted, for indexed; JSONL/Parquet/text files or globs for text)")
+                         "weighted, for indexed; JSONL/Parquet/text files or globs for text; conversation files or "
+                         "saved HF datasets for chat)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
                                       dp_degree=dp_degree, paths_key=paths_key)

@@ -72,6 +72,8 @@ def describe(dataset, *, split: str, seq_len: int, samples: int | None, data_cfg
     if isinstance(dataset, MockDataset):
         return [f"{label}: mock, random tokens below {dataset.vocab_size:,}, no files, no epochs"
                 + (f"; {whose} samples: {samples:,}" if samples else "")]
+    if hasattr(dataset, "describe"):  # chat data describes itself (titanlike/data/sft.py)
+        return dataset.describe(label, samples, whose)
     files = getattr(dataset, "files", None)
     if files is not None:  # streaming text: only what the file system says
         size = sum(os.path.getsize(f) for f in files)
