@@ -156,6 +156,23 @@ def test_render_and_tokens_equal_transformers(folder, name):
             assert len(ids) > 10
 
 
+@pytest.mark.parametrize("builtin", ["chatml", "header"])
+def test_builtin_templates_equal_transformers(folder, builtin):
+    from titanlike.data.chat import BUILTIN_TEMPLATES
+
+    path = folder("llama3_gen")  # a folder whose tokenizer has both built-ins' special tokens
+    tok, template = ours(path, chat_template=builtin)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    for convo in CONVERSATIONS:
+        kw = dict(chat_template=BUILTIN_TEMPLATES[builtin], add_generation_prompt=True)
+        assert template.render(convo[:-1], True) == hf.apply_chat_template(convo[:-1], tokenize=False, **kw)
+        ids, mask = render_with_masks(template, convo, tok)
+        assert ids == hf.apply_chat_template(convo, return_dict=True, chat_template=kw["chat_template"])["input_ids"]
+        assert tok.decode([t for t, m in zip(ids, mask) if m]).count({"chatml": "<|im_end|>",
+                                                                      "header": "<|eot_id|>"}[builtin]) == \
+            sum(m["role"] == "assistant" for m in convo)
+
+
 @pytest.mark.parametrize("name", ["chatml_gen", "llama3_gen"])
 def test_masks_equal_transformers_generation_tags(folder, name):
     """transformers marks the {% generation %} spans; ours come from renders of the prefixes, without the tags."""
