@@ -4,6 +4,7 @@
     python scripts/generate.py SOURCE --prompt "a" --prompt "b" --temperature 0.8 --top-p 0.95 --seed 0
     python scripts/generate.py SOURCE --prompts-file prompts.txt --max-new-tokens 32 --compile --device cuda
     python scripts/generate.py SOURCE --tokens 1,2,3 --max-new-tokens 8            # ids in, ids out
+    python scripts/generate.py SOURCE --chat --prompt "What is 2 + 2?" [--system "Be brief."]   # a chat reply
 
 SOURCE: a run folder (job.dump_folder/job.run_name), a checkpoint folder, a step folder (any training layout; the
 newest complete step unless --step N), a scripts/convert_hf.py import, or an HF folder (titanlike/infer/load.py).
@@ -12,6 +13,12 @@ with the BOS token when the model's documents did (the run's data.add_bos; for a
 it, as transformers' tokenizer(prompt) does): --bos / --no-bos decide instead. Which step was loaded goes to stderr.
 One prompt streams its text as it is generated; several (one per --prompt, or one per line of --prompts-file) run as one
 left-padded batch and print in order. Greedy unless --temperature > 0; generation stops at the tokenizer's EOS.
+
+--chat: each prompt is a user turn (after --system's, if given) rendered through the chat template with the
+generation prompt, as transformers' apply_chat_template(..., add_generation_prompt=True) renders it (the template
+writes any BOS itself); only the assistant's reply is printed, and it ends at the template's end-of-turn text. The
+template is the run's (data.chat_template; titanlike/data/chat.py), the HF folder's own, or --chat-template (a
+built-in name, a .jinja file or a tokenizer folder).
 
 Bad input (missing or damaged checkpoint, unknown model, a prompt longer than the model's context, bad sampling
 values) exits with status 2 and one line naming the problem and the fix; --debug shows the traceback.
@@ -49,6 +56,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     bos.add_argument("--bos", dest="bos", action="store_true", default=None,
                      help="start text prompts with the BOS token (default: as the run's data.add_bos)")
     bos.add_argument("--no-bos", dest="bos", action="store_false", help="do not start text prompts with BOS")
+    p.add_argument("--chat", action="store_true", help="prompts are user turns of a chat; print the reply")
+    p.add_argument("--system", default=None, help="--chat: a system message before each prompt")
+    p.add_argument("--chat-template", default=None, help="--chat: a built-in name, .jinja file or tokenizer folder "
+                   "instead of the run's template")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p.parse_args(argv)
 
@@ -67,6 +78,11 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("give text prompts (--prompt / --prompts-file) or --tokens, not both")
     if not (a.prompt or a.prompts_file or a.tokens):
         raise ValueError("nothing to generate from: give --prompt TEXT, --prompts-file FILE or --tokens 1,2,3")
+    if a.chat and (a.tokens or a.bos is not None):
+        raise ValueError("--chat renders text prompts through the chat template, which writes any BOS itself: drop "
+                         "--tokens / --bos / --no-bos")
+    if (a.system is not None or a.chat_template) and not a.chat:
+        raise ValueError("--system and --chat-template apply to chat prompts: add --chat")
 
 
 def _token_prompts(specs: list[str], vocab_size: int) -> list[list[int]]:
@@ -111,6 +127,52 @@ class _Stream:
         self.shown = len(text)
 
 
+class _ChatStream(_Stream):
+    """A reply as it is generated, up to the end-of-turn text: text that may begin it waits until it is clear. (The
+    token stop sequence misses an end of turn whose first tokens merged with the reply's last characters, as a
+    byte-level BPE without the template's tokens does: the text is the reference.)"""
+
+    def __init__(self, tok, eot: str) -> None:
+        super().__init__(tok)
+        self.eot, self.ended = eot, False
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if self.ended or text.endswith("\ufffd"):
+            return
+        if self.eot and self.eot in text:
+            text, self.ended = text[:text.index(self.eot)], True
+        elif self.eot:
+            text = text[:len(text) - max([n for n in range(1, len(self.eot)) if text.endswith(self.eot[:n])] + [0])]
+        sys.stdout.write(text[self.shown:])
+        sys.stdout.flush()
+        self.shown = max(self.shown, len(text))
+
+
+def _reply(text: str, eot: str) -> str:
+    return text[:text.index(eot)] if eot and eot in text else text
+
+
+def _chat_prompts(a: argparse.Namespace, loaded, texts: list[str]) -> tuple[list[list[int]], list[list[int]], str]:
+    """(each prompt as a rendered user turn with the generation prompt, the end-of-turn token sequence to stop at,
+    its text)."""
+    import dataclasses
+
+    from titanlike.config.sections import Data
+    from titanlike.data.chat import end_of_turn, load_chat_template
+
+    data = loaded.data if loaded.data is not None else Data()
+    if a.chat_template:
+        data = dataclasses.replace(data, chat_template=a.chat_template)
+    template = load_chat_template(data, loaded.tokenizer, key="--chat-template")
+    system = [{"role": "system", "content": a.system}] if a.system is not None else []
+    prompts = [loaded.tokenizer.encode_with_offsets(template.render(system + [{"role": "user", "content": t}],
+                                                                    add_generation_prompt=True))[0] for t in texts]
+    eot = end_of_turn(template).strip()
+    return prompts, ([loaded.tokenizer.encode_with_offsets(eot)[0]] if eot else []), eot
+
+
 def _what(loaded) -> str:
     """Which weights were read: the step and its folder, or the HF folder."""
     if loaded.step is None:
@@ -127,11 +189,13 @@ def run(a: argparse.Namespace) -> int:
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     texts = [] if a.tokens else _text_prompts(a)
     loaded = load_for_inference(a.source, device=device, dtype=dtype, step=a.step)
-    tok = loaded.tokenizer
+    tok, stop, eot = loaded.tokenizer, [], ""
     if a.tokens:
         prompts = _token_prompts(a.tokens, loaded.args.vocab_size)
     elif tok is None:
         raise ValueError(f"{loaded.source} comes with no tokenizer: give the prompt as ids with --tokens 1,2,3")
+    elif a.chat:
+        prompts, stop, eot = _chat_prompts(a, loaded, texts)
     else:
         prompts = [loaded.encode(t, bos=a.bos) for t in texts]
     for i, p in enumerate(prompts):
@@ -140,15 +204,19 @@ def run(a: argparse.Namespace) -> int:
                              f"exceeds the model's context of {loaded.max_seq_len} tokens: shorten the prompt or "
                              f"lower --max-new-tokens")
     print(f"loaded {_what(loaded)}", file=sys.stderr)  # stderr: stdout holds only the text
-    kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, temperature=a.temperature,
-              top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile, spec=loaded.spec)
+    kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, stop=stop or None,
+              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile,
+              spec=loaded.spec)
     if len(prompts) == 1:
-        sys.stdout.write(texts[0] if texts else " ".join(map(str, prompts[0])) + " -> ")
-        generate(loaded.model, prompts, on_token=_Stream(tok if texts else None), **kw)
+        if not a.chat:  # a chat prints the reply alone
+            sys.stdout.write(texts[0] if texts else " ".join(map(str, prompts[0])) + " -> ")
+        stream = _ChatStream(tok, eot) if a.chat else _Stream(tok if texts else None)
+        generate(loaded.model, prompts, on_token=stream, **kw)
         sys.stdout.write("\n")
         return 0
     for i, (prompt, new) in enumerate(zip(prompts, generate(loaded.model, prompts, **kw))):
-        shown = (texts[i] + tok.decode(new)) if texts else f"{' '.join(map(str, prompt))} -> {' '.join(map(str, new))}"
+        shown = ((_reply(tok.decode(new), eot) if a.chat else texts[i] + tok.decode(new)) if texts else
+                 f"{' '.join(map(str, prompt))} -> {' '.join(map(str, new))}")
         sys.stdout.write(f"{'' if i == 0 else chr(10)}=== prompt {i + 1}\n{shown}\n")
     return 0
 

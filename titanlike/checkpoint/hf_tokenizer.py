@@ -6,6 +6,11 @@ library (no transformers needed to write it): HF json / GPT-2 / builtin as they 
 byte-level BPE, a sentencepiece model (BPE or unigram) as the same model with its normalisation; the NullTokenizer
 has no equivalent (ids only). When transformers is installed the written files are loaded back and must encode a
 probe text exactly as the run's tokenizer does, else they are removed again: no tokenizer is better than a wrong one.
+
+A run that trained on chat data (data.dataset="chat", or data.chat_template set) exports its template as
+chat_template.jinja (which transformers prefers to tokenizer_config.json's), checked the same way: transformers'
+apply_chat_template must render and tokenise a probe conversation as the run did, else the template is left out.
+The template's end-of-turn token joins generation_config.json's stop ids when it is one token.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ logger = logging.getLogger("titanlike")
 # Text the exported tokenizer must encode exactly as the run's did (words, digits, accents, CJK, emoji, runs of
 # spaces, tabs and newlines: where pre-tokenisers and normalisers differ).
 PROBE = "Hello world: the 2 cats, 1234 naïve café -- 東京 🚀\n\n\tindented  twice   spaced.\r\nend"
+PROBE_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
+              {"role": "assistant", "content": "4, naïvely."}, {"role": "user", "content": "And 東京?"}]
 
 
 def find_tokenizer(step: str, explicit: str | None):
@@ -60,7 +67,8 @@ def token_ids(tok, step: str) -> dict | None:
     differs); without a tokenizer, an import's own config.json ids (kept as hf_config.json); else None."""
     if tok is not None:
         t = tok[0]
-        return {"bos": t.bos_id, "eos": t.eos_id, "stop": t.eos_id if t.eod_id == t.eos_id else [t.eos_id, t.eod_id]}
+        stop = list(dict.fromkeys([t.eos_id, t.eod_id, *_end_of_turn_id(*tok)]))
+        return {"bos": t.bos_id, "eos": t.eos_id, "stop": stop[0] if len(stop) == 1 else stop}
     path = os.path.join(step, "hf_config.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -69,6 +77,62 @@ def token_ids(tok, step: str) -> dict | None:
         if eos is not None:
             return {"bos": src.get("bos_token_id"), "eos": eos, "stop": eos}
     return None
+
+
+def run_chat_template(tok, data):
+    """The chat template the run trained with (titanlike/data/chat.py), or None when it used none. A template that
+    cannot be read any more raises ChatTemplateError."""
+    if getattr(data, "dataset", "") != "chat" and not getattr(data, "chat_template", ""):
+        return None
+    from titanlike.data.chat import load_chat_template
+
+    return load_chat_template(data, tok)
+
+
+def _end_of_turn_id(tok, data) -> list[int]:
+    """[the id generation of a reply stops at] when the run's template ends a turn with one token, else []."""
+    from titanlike.data.chat import ChatTemplateError, end_of_turn
+
+    try:
+        template = run_chat_template(tok, data)
+        if template is None or not (eot := end_of_turn(template).strip()):
+            return []
+        ids = tok.encode_with_offsets(eot)[0]
+    except (ChatTemplateError, ValueError):  # said by write_tokenizer, which leaves the template out
+        return []
+    return ids if len(ids) == 1 else []
+
+
+def _write_chat_template(tok, data, out: str, config: dict):
+    """chat_template.jinja for the run's template (tokenizer_config.json's copy dropped: one source of truth)."""
+    from titanlike.data.chat import ChatTemplateError
+
+    try:
+        template = run_chat_template(tok, data)
+    except ChatTemplateError as e:
+        logger.warning(f"export: the run's chat template cannot be read ({e}): the export has none of its own")
+        return None
+    if template is not None:
+        config.pop("chat_template", None)
+        with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(template.text)
+    return template
+
+
+def _chat_differs(hf, template, tok) -> str:
+    """Why transformers' apply_chat_template on the export disagrees with the run's rendering ("" = it agrees)."""
+    from titanlike.data.chat import render_with_masks
+
+    try:
+        text = hf.apply_chat_template(PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+        ids = hf.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - a template transformers cannot run is not usable as written
+        return f"cannot apply it ({type(e).__name__}: {str(e)[:200]})"
+    if text != template.render(PROBE_CHAT, add_generation_prompt=True):
+        return "renders a conversation differently than the run did"
+    if list(ids) != render_with_masks(template, PROBE_CHAT, tok, add_generation_prompt=True)[0]:
+        return "tokenises a rendered conversation differently than the run did"
+    return ""
 
 
 def write_tokenizer(tok, data, out: str) -> None:
@@ -104,6 +168,7 @@ def write_tokenizer(tok, data, out: str) -> None:
     files = ["tokenizer.json", "tokenizer_config.json"]
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     config.update(bos_token=hf_tok.id_to_token(tok.bos_id), eos_token=hf_tok.id_to_token(tok.eos_id))
+    template = _write_chat_template(tok, data, out, config)
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1, ensure_ascii=False)
     try:
@@ -112,10 +177,15 @@ def write_tokenizer(tok, data, out: str) -> None:
         logger.info("export: transformers is not installed: the tokenizer files were not checked")
         return
     try:
-        ok = AutoTokenizer.from_pretrained(out).encode(PROBE, add_special_tokens=False) == tok.encode(PROBE)
+        hf = AutoTokenizer.from_pretrained(out)
+        ok = hf.encode(PROBE, add_special_tokens=False) == tok.encode(PROBE)
         why = "" if ok else "encodes text differently than the run's tokenizer"
     except Exception as e:  # noqa: BLE001 - whatever fails to load is not usable as written
         why = f"cannot load them ({type(e).__name__}: {str(e)[:200]})"
+    if not why and template is not None and (chat_why := _chat_differs(hf, template, tok)):
+        os.remove(os.path.join(out, "chat_template.jinja"))
+        logger.warning(f"export: transformers' apply_chat_template {chat_why}: chat_template.jinja is left out "
+                       f"(the tokenizer files are kept)")
     if why:
         for n in files + ["chat_template.jinja"]:
             if os.path.isfile(os.path.join(out, n)):

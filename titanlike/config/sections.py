@@ -226,6 +226,14 @@ class Data:
     document_masking: bool = False
     reset_position_ids: bool = False  # RoPE positions restart at every document (Megatron's --reset-position-ids)
     eod_mask_loss: bool = False  # no loss on predicting from an EOD token (Megatron's --eod-mask-loss)
+    # chat (supervised fine-tuning, docs/post_training.md): "" = the tokenizer folder's template (chat_template.jinja
+    # or tokenizer_config.json), else a built-in ("chatml", "header"), a .jinja file or an HF tokenizer folder
+    chat_template: str = ""
+    sft_layout: str = "pack"  # chat: pack (conversations end to end, EOD between) | pad (one per row, EOD padding)
+    sft_truncation: str = "truncate"  # chat: a conversation longer than seq_len+1 tokens: truncate | drop
+    messages_key: str = "messages"  # chat: the record field holding [{"role", "content"}, ...]
+    prompt_key: str = "prompt"  # chat: without messages, a prompt/response pair becomes a user + assistant turn
+    response_key: str = "response"
 
 
 @dataclass

@@ -20,7 +20,7 @@ from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
 from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig, Parallelism, Training
-from titanlike.config.validate_data import check_data
+from titanlike.config.validate_data import advise_data, check_data
 from titanlike.config.validate_dpo import check_dpo
 from titanlike.config.validate_eval import check_eval
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
@@ -318,7 +318,7 @@ def advise(cfg: JobConfig) -> list[str]:
                      f"context ({args.max_seq_len}): RoPE runs on all {tr.seq_len} positions with the flavor's own "
                      f"frequencies (no extra RoPE scaling); fine from scratch, but weights trained at "
                      f"{args.max_seq_len} will see positions they never saw")
-    return notes
+    return notes + advise_data(cfg)
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:

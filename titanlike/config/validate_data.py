@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "preference")  # titanlike.data.dataset.DATASETS implements each
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference")  # titanlike.data.dataset.DATASETS
+SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
+SFT_TRUNCATION = ("truncate", "drop")
 
 # Megatron's --tokenizer-type names (and short ones) -> the kind titanlike.data.tokenizers builds.
 TOKENIZER_TYPES = {
@@ -68,15 +70,21 @@ def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] 
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
-    if dataset in ("indexed", "text", "preference") and not paths:
+    if dataset in ("indexed", "text", "chat", "preference") and not paths:
         what = {"indexed": "Megatron .bin/.idx prefixes, optionally weighted: "
                            "\"0.3 /data/a_text_document 0.7 /data/b\"",
                 "text": "JSONL/Parquet/text files, globs or folders",
+                "chat": "JSONL/Parquet conversation files, globs, or folders saved by datasets' save_to_disk",
                 "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs"}[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
     elif dataset in ("stdlib", "mock") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
                       "data.dataset=indexed (Megatron .bin/.idx prefixes) or data.dataset=text (JSONL/Parquet/text)")
+    elif dataset == "chat":
+        try:
+            parse_split(split)
+        except ValueError as e:
+            errors.append(str(e))
     elif dataset == "indexed":
         for fn, arg in ((parse_blend, (paths, key)), (parse_split, (split,))):
             try:
@@ -100,6 +108,7 @@ def check_data(cfg: Any, errors: list[str]) -> None:
                       "different files; set only one")
     if bool(d.vocab_file) != bool(d.merge_file):
         errors.append("GPT-2 BPE needs both data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
+    _check_chat(d, errors)
     if v.split not in VALIDATION_SPLITS:
         errors.append(f"validation.split={v.split!r} is not one of {', '.join(VALIDATION_SPLITS)}")
     v_dataset = v.dataset or d.dataset
@@ -111,5 +120,27 @@ def check_data(cfg: Any, errors: list[str]) -> None:
     elif v.enable and v_dataset == "text":
         errors.append("validation.enable with a streaming text dataset needs validation.paths (held-out files): "
                       "text files have no split, so validation would score training documents")
-    elif v.enable and v.dataset and v.dataset != d.dataset and v_dataset in ("indexed",):
+    elif v.enable and v.dataset and v.dataset != d.dataset and v_dataset in ("indexed", "chat"):
         errors.append(f"validation.dataset={v.dataset!r} differs from data.dataset; give validation.paths too")
+
+
+def _check_chat(d: Any, errors: list[str]) -> None:
+    """The chat (supervised fine-tuning) keys; checked whatever the dataset, so a typo fails before it matters."""
+    for key, allowed in (("sft_layout", SFT_LAYOUTS), ("sft_truncation", SFT_TRUNCATION)):
+        if getattr(d, key) not in allowed:
+            errors.append(f"data.{key}={getattr(d, key)!r} is not one of {', '.join(allowed)}")
+    for key in ("messages_key", "prompt_key", "response_key"):
+        if not getattr(d, key):
+            errors.append(f"data.{key} is empty: name the record field (default {key.split('_')[0]!r})")
+    if d.dataset == "chat" and d.prompt_key == d.response_key:
+        errors.append(f"data.prompt_key and data.response_key are both {d.prompt_key!r}: name two different fields")
+
+
+def advise_data(cfg: Any) -> list[str]:
+    """Data settings that work but may not do what was meant (validate.advise prints them)."""
+    d = cfg.data
+    if d.dataset == "chat" and d.sft_layout == "pack" and not d.document_masking:
+        return ["data.sft_layout='pack' without data.document_masking: packed conversations attend to the ones "
+                "before them in their row; set data.document_masking=true (and data.reset_position_ids=true) to keep "
+                "each one alone, as it is at inference"]
+    return []

@@ -143,9 +143,16 @@ def _build_preference(data_cfg, tokenizer, *, seq_len, split, dp_rank=0, paths_k
                                     dp_rank=dp_rank)
 
 
-# preference: (chosen, rejected) pairs for DPO (titanlike/data/preference.py)
+def _build_chat(data_cfg, tokenizer, **kw):
+    from titanlike.data.sft import build_chat_dataset
+
+    return build_chat_dataset(data_cfg, tokenizer, **kw)
+
+
+# chat: conversations for SFT (titanlike/data/sft.py); preference: (chosen, rejected) pairs for DPO
+# (titanlike/data/preference.py)
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
-            "preference": _build_preference}
+            "chat": _build_chat, "preference": _build_preference}
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
@@ -157,10 +164,10 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
         raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
-    if data_cfg.dataset in ("indexed", "text", "preference") and not data_cfg.paths:
+    if data_cfg.dataset in ("indexed", "text", "chat", "preference") and not data_cfg.paths:
         raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
-                         "weighted, for indexed; JSONL/Parquet/text files or globs for text; JSONL pairs for "
-                         "preference)")
+                         "weighted, for indexed; JSONL/Parquet/text files or globs for text; conversation files or "
+                         "saved HF datasets for chat; JSONL pairs for preference)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
                                       dp_degree=dp_degree, paths_key=paths_key)

@@ -248,4 +248,4 @@ def dataset_fingerprint(ds: Dataset) -> str:
         return hashlib.sha256(f"blend|{ds.weights.tolist()}|{inner}".encode()).hexdigest()[:16]
     if isinstance(ds, GPTDataset):
         return hashlib.sha256(f"{ds._key}|{ds.seq_len}".encode()).hexdigest()[:16]
-    return getattr(ds, "fingerprint", "")  # a dataset that keeps its own (preference pairs); else not checked
+    return getattr(ds, "fingerprint", "")  # datasets that identify their own rows (chat data, preference pairs)

@@ -39,6 +39,9 @@ def _sources(dataset) -> list[list]:
         return [["mock", f"vocab {dataset.vocab_size}"]]
     if hasattr(dataset, "sources"):  # a dataset that names its own (preference pairs: files by content)
         return dataset.sources()
+    chat = getattr(dataset, "chat", None)  # chat data: its files, by size (the tokenised cache keys the rest)
+    if chat is not None:
+        return [[f, f"{os.path.getsize(f)} bytes"] for f in chat.stats["files"]]
     files = getattr(dataset, "files", None)  # streaming text
     if files is not None:
         return [[f, f"{os.path.getsize(f)} bytes"] for f in files]
@@ -56,6 +59,9 @@ def identity(data_cfg, dataset, *, split: str, seq_len: int, seed: int, global_b
     if data_cfg.dataset == "indexed":
         keys["data.split"] = data_cfg.split
         keys["blend weights"] = parse_blend(data_cfg.paths, paths_key)[1] or "by token count"  # plain prefixes
+    if data_cfg.dataset == "chat":
+        keys.update({"data.split": data_cfg.split, "data.chat_template": data_cfg.chat_template,
+                     "data.sft_layout": data_cfg.sft_layout, "data.sft_truncation": data_cfg.sft_truncation})
     if data_cfg.dataset == "text":
         keys.update({"data.text_key": data_cfg.text_key, "data.add_bos": bool(data_cfg.add_bos),
                      "data.add_eod": bool(data_cfg.add_eod)})

@@ -74,6 +74,8 @@ def describe(dataset, *, split: str, seq_len: int, samples: int | None, data_cfg
                 + (f"; {whose} samples: {samples:,}" if samples else "")]
     if hasattr(dataset, "summary_lines"):  # a dataset that describes itself (preference pairs)
         return dataset.summary_lines(label, samples, whose)
+    if hasattr(dataset, "describe"):  # chat data describes itself (titanlike/data/sft.py)
+        return dataset.describe(label, samples, whose)
     files = getattr(dataset, "files", None)
     if files is not None:  # streaming text: only what the file system says
         size = sum(os.path.getsize(f) for f in files)

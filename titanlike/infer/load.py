@@ -40,6 +40,9 @@ class Loaded:
     # Whether a text prompt starts with the BOS token, as the model's documents did: the run's data.add_bos, or for
     # an HF folder (or an HF import) what its tokenizer adds by itself (transformers' tokenizer(prompt) does the same)
     add_bos: bool = False
+    # The [data] config the tokenizer was built from (the run's, or one naming the HF folder): where generate --chat
+    # finds the chat template (titanlike/data/chat.py's load_chat_template); None without a tokenizer
+    data: Any = None
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """A text prompt's ids: BOS first when `bos` (default: as the model's documents, add_bos), then the text."""
@@ -91,23 +94,23 @@ def _from_checkpoint(info: layout.StepInfo, device: torch.device, dtype: torch.d
     loaded_step = load_model_weights(info.path, model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    tok, add_bos = _checkpoint_tokenizer(info.path)
-    return Loaded(model, spec, args, tok, args.max_seq_len, _stop_ids(tok), info.path, loaded_step, add_bos)
+    tok, add_bos, data = _checkpoint_tokenizer(info.path)
+    return Loaded(model, spec, args, tok, args.max_seq_len, _stop_ids(tok), info.path, loaded_step, add_bos, data)
 
 
 def _checkpoint_tokenizer(step_path: str):
-    """(the run's tokenizer or None, whether its documents started with BOS)."""
+    """(the run's tokenizer or None, whether its documents started with BOS, the [data] it was built from)."""
     from titanlike.checkpoint.hf_tokenizer import find_tokenizer
 
     try:
         found = find_tokenizer(step_path, None)
     except CheckpointError:  # the run's tokenizer files moved: generation still works on token ids
-        return None, False
+        return None, False, None
     if found is None:
-        return None, False
+        return None, False, None
     if os.path.isfile(os.path.join(step_path, layout.CONFIG)):  # the run's [data]: what training fed the model
-        return found[0], bool(found[1].add_bos)
-    return found[0], tokenizer_adds_bos(found[0])  # an HF import: its tokenizer's own rule
+        return found[0], bool(found[1].add_bos), found[1]
+    return found[0], tokenizer_adds_bos(found[0]), found[1]  # an HF import: its tokenizer's own rule
 
 
 def tokenizer_adds_bos(tok) -> bool:
@@ -135,18 +138,20 @@ def _from_hf(hf_dir: str, device: torch.device, dtype: torch.dtype) -> Loaded:
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    tok = None
+    tok = data = None
     if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model")):
         from titanlike.config.sections import Data
         from titanlike.data.tokenizers import build_tokenizer
 
+        data = Data(tokenizer=hf_dir)
         try:
-            tok = build_tokenizer(Data(tokenizer=hf_dir))
+            tok = build_tokenizer(data)
         except (OSError, ValueError, ImportError) as e:
             raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read ({e}); remove the tokenizer files to "
                                   f"generate from token ids") from None
     add_bos = tok is not None and tokenizer_adds_bos(tok)
-    return Loaded(model, spec, args, tok, args.max_seq_len, _hf_stop_ids(hf_dir, tok), hf_dir, None, add_bos)
+    return Loaded(model, spec, args, tok, args.max_seq_len, _hf_stop_ids(hf_dir, tok), hf_dir, None, add_bos,
+                  data)
 
 
 def _stop_ids(tok) -> list[int]:

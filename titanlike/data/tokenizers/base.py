@@ -55,6 +55,14 @@ class Tokenizer:
         return np.concatenate([np.asarray(self.encode(text[a:b]), dtype=np.int64)
                                for a, b in word_pieces(text, piece_chars)] or [np.zeros(0, np.int64)])
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, (start, end) character span of each id) of a rendered chat: special-token text ("<|im_end|>") becomes
+        its special token, as transformers' tokenizer(text) does, unlike encode(), which keeps corpus text data. Chat
+        templates (titanlike/data/chat.py) map the template's assistant spans to tokens through the spans."""
+        raise ValueError(f"{type(self).__name__} cannot report where each token lies in the text, which chat "
+                         "templates need (data.dataset='chat', generate --chat): use an HF tokenizer.json or a "
+                         "tiktoken rank file as data.tokenizer (scripts/convert_hf.py export writes a tokenizer.json)")
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Plain encodings (no bos/eos) of many texts; subclasses override it when they can batch in parallel."""
         return [self.encode(t) for t in texts]

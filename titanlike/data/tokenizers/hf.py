@@ -65,6 +65,19 @@ class HFTokenizer(Tokenizer):
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        # Special tokens parsed (encode_special_tokens off for this call only); offsets as tokenizers reports them,
+        # which is what transformers' fast tokenizers hand apply_chat_template.
+        tok, before = self._tok, getattr(self._tok, "encode_special_tokens", None)
+        if before is not None:
+            tok.encode_special_tokens = False
+        try:
+            enc = tok.encode(text, add_special_tokens=False)
+        finally:
+            if before is not None:
+                tok.encode_special_tokens = before
+        return enc.ids, enc.offsets
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 

@@ -86,6 +86,13 @@ class TiktokenTokenizer(Tokenizer):
         ids = [i for piece in self._pieces(text) for i in self._enc.encode_ordinary(piece)]
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        # Special-token text becomes the special token here (rendered chat templates write them as text).
+        ids = [i for piece in self._pieces(text) for i in self._enc.encode(piece, allowed_special="all")]
+        _, starts = self._enc.decode_with_offsets(ids)  # character start of each token
+        ends = starts[1:] + [len(text)]
+        return ids, [(s, max(s, e)) for s, e in zip(starts, ends)]
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if all(len(t) <= _MAX_CHARS_PER_CALL for t in texts):
             return self._enc.encode_ordinary_batch(list(texts))

@@ -1,0 +1,515 @@
+"""Supervised fine-tuning data (titanlike/data/chat.py, sft_read.py, sft.py), single process, against transformers:
+templates render and tokenise exactly as `apply_chat_template` does (Llama-3-, Qwen/ChatML- and Mistral-style
+templates written here, on tiny byte-level BPE tokenizer folders built offline); the assistant masks equal
+transformers' `return_assistant_tokens_mask` on templates with {% generation %} tags; a packed row through the llama3
+debug model with document masking equals each conversation alone (fp32, <= 1e-5); truncation is counted; bad records
+are skipped and counted, files without conversations or assistant turns refused in one line; a resumed loader reads
+what an uninterrupted one does. (Training, export and generate --chat: tests/unit/test_sft_train.py.)"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+from models.batch import IGNORE_INDEX, Batch
+from titanlike.config.errors import ConfigError
+from titanlike.config.sections import Data
+from titanlike.data import build_dataloader
+from titanlike.data.chat import ChatTemplateError, load_chat_template, render_with_masks
+from titanlike.data.sft import build_chat_dataset
+from titanlike.data.tokenizers import build_tokenizer
+from titanlike.train.batch import BatchLayout
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(2)
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "what is two plus two? it is four.",
+          "you are a helpful assistant", "hello, how are you today? I am fine, thanks!", "def f(x): return x * 2"]
+
+# Meta's Llama 3.1 layout: the date from strftime_now, a system turn always, trimmed content, <|eot_id|> ends a turn.
+LLAMA3 = """{{- bos_token }}
+{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y") %}
+{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}
+{%- set messages = messages[1:] %}{%- else %}{%- set system_message = "" %}{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}{{- system_message }}{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim
+        + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+# Qwen2.5's layout: a default system turn, namespace, loop controls, tojson (non-ASCII and markup kept as they are).
+QWEN = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\n' + ({"persona": "helpful", "note": "é & <b>"} | tojson) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{%- for message in messages %}
+    {%- if message.role == "system" and loop.first %}{%- continue %}{%- endif %}
+    {%- set ns.turns = ns.turns + 1 %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+# Mistral's [INST] layout: roles must alternate (raise_exception), eos after each reply, no generation prompt.
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{% endif %}"
+           "{% endfor %}")
+# The same layouts with transformers' {% generation %} tags around what the assistant writes.
+CHATML_GEN = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3_GEN = ("{{ bos_token }}{% for message in messages %}"
+              "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+              "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+TEMPLATES = {"llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>"), "qwen": (QWEN, None, "<|im_end|>"),
+             "mistral": (MISTRAL, "<s>", "</s>"), "chatml_gen": (CHATML_GEN, None, "<|end_of_text|>"),
+             "llama3_gen": (LLAMA3_GEN, "<|begin_of_text|>", "<|end_of_text|>")}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "it is four."}],
+    [{"role": "system", "content": "You are a helpful  assistant.\n"}, {"role": "user", "content": "Hello 東京 🚀"},
+     {"role": "assistant", "content": "  hi there,\nhow are you?"}, {"role": "user", "content": "fine, thanks!"},
+     {"role": "assistant", "content": "def f(x): return x * 2"}],
+    [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "why?"},
+     {"role": "assistant", "content": "because. ünïcödé"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> str:
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path.read_text()
+
+
+def make_folder(path, tokenizer_json: str, template: str | None, bos: str | None, eos: str, **config):
+    """An HF tokenizer folder: tokenizer.json + tokenizer_config.json (class, special tokens, chat_template)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, **config}
+    if template is not None:
+        cfg["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path, tokenizer_json):
+    def make(name: str, **config):
+        template, bos, eos = TEMPLATES[name]
+        return make_folder(tmp_path / name, tokenizer_json, template, bos, eos, **config)
+    return make
+
+
+def ours(path, **data):
+    cfg = Data(tokenizer=str(path), **data)
+    tok = build_tokenizer(cfg)
+    return tok, load_chat_template(cfg, tok)
+
+
+def _convos(name: str) -> list[list[dict]]:
+    if name == "mistral":  # no system turn (the template refuses it)
+        return [c[1:] if c[0]["role"] == "system" else c for c in CONVERSATIONS]
+    return CONVERSATIONS
+
+
+# ------------------------------------------------------------------------------------------ rendering = transformers
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_render_and_tokens_equal_transformers(folder, name):
+    path = folder(name)
+    tok, template = ours(path)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    for convo in _convos(name):
+        for cut, gen in ((len(convo), False), (len(convo) - 1, True)):  # whole, and up to the last reply + prompt
+            msgs = convo[:cut]
+            text = template.render(msgs, add_generation_prompt=gen)
+            assert text == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            ids, _ = render_with_masks(template, msgs, tok, add_generation_prompt=gen)
+            assert ids == hf.apply_chat_template(msgs, add_generation_prompt=gen, return_dict=True)["input_ids"]
+            assert len(ids) > 10
+
+
+@pytest.mark.parametrize("builtin", ["chatml", "header"])
+def test_builtin_templates_equal_transformers(folder, builtin):
+    from titanlike.data.chat import BUILTIN_TEMPLATES
+
+    path = folder("llama3_gen")  # a folder whose tokenizer has both built-ins' special tokens
+    tok, template = ours(path, chat_template=builtin)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    for convo in CONVERSATIONS:
+        kw = dict(chat_template=BUILTIN_TEMPLATES[builtin], add_generation_prompt=True)
+        assert template.render(convo[:-1], True) == hf.apply_chat_template(convo[:-1], tokenize=False, **kw)
+        ids, mask = render_with_masks(template, convo, tok)
+        assert ids == hf.apply_chat_template(convo, return_dict=True, chat_template=kw["chat_template"])["input_ids"]
+        assert tok.decode([t for t, m in zip(ids, mask) if m]).count({"chatml": "<|im_end|>",
+                                                                      "header": "<|eot_id|>"}[builtin]) == \
+            sum(m["role"] == "assistant" for m in convo)
+
+
+@pytest.mark.parametrize("name", ["chatml_gen", "llama3_gen"])
+def test_masks_equal_transformers_generation_tags(folder, name):
+    """transformers marks the {% generation %} spans; ours come from renders of the prefixes, without the tags."""
+    path = folder(name)
+    tok, template = ours(path)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    for convo in CONVERSATIONS:
+        ids, mask = render_with_masks(template, convo, tok)
+        out = hf.apply_chat_template(convo, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids == out["input_ids"] and mask == out["assistant_masks"] and sum(mask) > 0
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen", "mistral"])
+def test_masks_cover_replies_and_their_end_token_only(folder, name):
+    """The supervised tokens decode to exactly each reply (as the template writes it) followed by its end-of-turn
+    token: nothing of a system or user turn, nothing of the headers."""
+    _, _, eot = TEMPLATES[name]
+    tok, template = ours(folder(name))
+    for convo in _convos(name):
+        ids, mask = render_with_masks(template, convo, tok)
+        replies = [m["content"] for m in convo if m["role"] == "assistant"]
+        written = {"llama3": lambda r: r.strip(), "qwen": lambda r: r, "mistral": lambda r: " " + r}[name]
+        runs, run = [], []
+        for t, m in zip(ids, mask):
+            if m:
+                run.append(t)
+            elif run:
+                runs, run = runs + [run], []
+        runs += [run] if run else []
+        assert [tok.decode(r) for r in runs] == [written(r) + eot for r in replies]
+
+
+def test_templates_that_rewrite_turns_are_refused_in_one_line(tmp_path, tokenizer_json):
+    other_header = CHATML_GEN.replace("'<|im_start|>' + message['role']", "'<|im_start|>' + ('bot' if "
+                                      "message['role'] == 'assistant' else message['role'])")
+    drops_earlier = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' "
+                     "and not loop.last %}{{ '...' }}{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    for i, (template, says) in enumerate(((other_header, "is not the start of"),
+                                          (drops_earlier, "renders differently once later messages follow"))):
+        tok, t = ours(make_folder(tmp_path / str(i), tokenizer_json, template, None, "<|end_of_text|>"))
+        with pytest.raises(ChatTemplateError, match=says) as e:
+            render_with_masks(t, CONVERSATIONS[1], tok)
+        assert "\n" not in str(e.value) and "data.chat_template" in str(e.value)
+
+
+def test_where_the_template_comes_from(tmp_path, tokenizer_json):
+    path = make_folder(tmp_path / "f", tokenizer_json, "config {{ messages[0].content }}", None, "<|end_of_text|>")
+    msgs = [{"role": "user", "content": "x"}]
+    assert ours(path)[1].render(msgs) == "config x"
+    (path / "chat_template.jinja").write_text("jinja {{ messages[0].content }}")  # transformers prefers the file
+    assert ours(path)[1].render(msgs) == "jinja x"
+    assert ours(path, chat_template="chatml")[1].render(msgs) == "<|im_start|>user\nx<|im_end|>\n"
+    (tmp_path / "t.jinja").write_text("file {{ eos_token }}")
+    assert ours(path, chat_template=str(tmp_path / "t.jinja"))[1].render(msgs) == "file <|end_of_text|>"
+    listed = make_folder(tmp_path / "l", tokenizer_json, [{"name": "default", "template": "d"},
+                                                          {"name": "tool_use", "template": "t"}], None, "</s>")
+    assert ours(listed)[1].render(msgs) == "d"
+    bare = make_folder(tmp_path / "b", tokenizer_json, None, None, "</s>")
+    for kw, says in (({}, "data.chat_template is empty and the tokenizer"),
+                     ({"chat_template": "nope"}, "neither a built-in template"),
+                     ({"chat_template": str(tmp_path / "t.jinja") + "x"}, "neither a built-in template")):
+        with pytest.raises(ChatTemplateError, match=says) as e:
+            ours(bare, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ours(bare, chat_template=str(_write(tmp_path / "bad.jinja", "{% for %}")))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ the dataset
+
+def _jsonl(path, records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def _dataset(folder_path, paths, tmp_path, which="train", seq_len=256, seed=0, **data):
+    cfg = Data(dataset="chat", tokenizer=str(folder_path), paths=list(paths), cache_dir=str(tmp_path / "cache"),
+               **data)
+    tok = build_tokenizer(cfg)
+    return build_chat_dataset(cfg, tok, seq_len=seq_len, split=which, seed=seed, vocab_size=tok.vocab_size), tok, cfg
+
+
+def _many(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        words = " ".join(CORPUS[(i + j) % len(CORPUS)] for j in range(i % 3 + 1))
+        out.append({"messages": [{"role": "user", "content": f"q{i} {words[:20 + 7 * (i % 5)]}"},
+                                 {"role": "assistant", "content": words[: 10 + 9 * (i % 7)]}]} if i % 2 else
+                   {"prompt": f"q{i}: {words[:15]}", "response": words[: 5 + 11 * (i % 6)]})
+    return out
+
+
+def test_packed_row_equals_each_conversation_alone(folder, tmp_path):
+    """A packed row through the llama3 debug model (document_masking + reset_position_ids, as the trainer's
+    BatchLayout builds them) gives each conversation's logits and per-token losses as that conversation alone: fp32,
+    max difference <= 1e-5. The labels are exactly each conversation's assistant tokens (render_with_masks)."""
+    path = folder("qwen")
+    records = _many(24)
+    # Qwen's EOS is <|im_end|>, which ends every turn: documents are separated by another token (see
+    # test_an_end_of_document_token_inside_conversations_is_refused)
+    ds, tok, cfg = _dataset(path, [_jsonl(tmp_path / "c.jsonl", records)], tmp_path, seq_len=256,
+                            document_masking=True, reset_position_ids=True, eod_token="<|end_of_text|>")
+    assert ds.num_truncated == 0 and len(ds) < len(records)  # several conversations per row
+    i = max(range(len(ds)), key=lambda r: len(ds.rows(r)))
+    inputs, labels = ds[i]
+    row = torch.from_numpy(ds.row(i)[0])  # the S + 1 tokens: inputs are the first S
+    assert len(ds.rows(i)) >= 3
+    spec = models.get_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], vocab_size=tok.vocab_size, n_layers=2, max_seq_len=256)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    layout = BatchLayout(SimpleNamespace(get_mesh=lambda name: None), cfg, tok.eod_id)
+    batch = layout(Batch({"tokens": inputs[None]}, labels[None]))
+    with torch.no_grad():
+        packed = model(batch.inputs["tokens"], **batch.kwargs()).float()[0]
+        pos, supervised = 0, 0
+        for k in ds.rows(i):
+            conv = int(ds.ids[k])
+            rec = records[conv]
+            msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]},
+                                           {"role": "assistant", "content": rec["response"]}]
+            ids, mask = render_with_masks(load_chat_template(cfg, tok), msgs, tok)
+            n = len(ids)
+            m = min(n, len(inputs) - pos)  # the row's last conversation may end at its very last token (no input)
+            assert row[pos:pos + n].tolist() == ids and (pos + n == len(row) or int(row[pos + n]) == tok.eod_id)
+            alone_labels = torch.tensor([t if s else IGNORE_INDEX for t, s in zip(ids[1:], mask[1:])] + [IGNORE_INDEX])
+            assert torch.equal(labels[pos:pos + m], alone_labels[:m])  # the last target is the separator: ignored
+            alone = model(torch.tensor([ids])).float()[0, :m]
+            assert (packed[pos:pos + m] - alone).abs().max().item() <= 1e-5
+            loss_packed = F.cross_entropy(packed[pos:pos + m], labels[pos:pos + m], reduction="none")
+            loss_alone = F.cross_entropy(alone, alone_labels[:m], reduction="none")
+            assert (loss_packed - loss_alone).abs().max().item() <= 1e-5
+            pos, supervised = pos + n + 1, supervised + int((alone_labels[:m] != IGNORE_INDEX).sum())
+        assert (labels[pos:] == IGNORE_INDEX).all() and int((labels != IGNORE_INDEX).sum()) == supervised > 0
+
+
+def test_truncation_is_counted_and_logged(folder, tmp_path, caplog):
+    path = folder("qwen")
+    records = _many(40)
+    tok, template = ours(path)
+    lengths = []
+    for r in records:
+        msgs = r.get("messages") or [{"role": "user", "content": r["prompt"]}, {"role": "assistant",
+                                                                                 "content": r["response"]}]
+        lengths.append(len(render_with_masks(template, msgs, tok)[0]))
+    seq_len = sorted(lengths)[len(lengths) // 2]  # about half are longer than a row of seq_len + 1
+    longer = sum(n > seq_len + 1 for n in lengths)
+    files = [_jsonl(tmp_path / "c.jsonl", records)]
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        kept, _, _ = _dataset(path, files, tmp_path, seq_len=seq_len, split="100,0,0")
+    assert kept.num_truncated == longer > 0 and kept.ids.size == len(records) - kept.num_unlearnable
+    assert f"{longer} of {len(records)} conversations are longer than a row" in caplog.text
+    assert all(len(ds_row) <= seq_len + 1 for ds_row in (kept.row(i)[0] for i in range(len(kept))))
+    dropped, _, _ = _dataset(path, files, tmp_path, seq_len=seq_len, split="100,0,0", sft_truncation="drop")
+    assert dropped.num_truncated == longer and dropped.ids.size == len(records) - longer
+    assert "left out (data.sft_truncation='drop')" in caplog.text
+
+
+def test_bad_records_are_skipped_counted_and_named(folder, tmp_path, caplog):
+    good = _many(6)
+    bad = ["not json", {"text": "no conversation"}, {"messages": "hi"}, {"messages": [{"content": "no role"}]},
+           {"messages": [{"role": "user", "content": "no reply"}]}, [1, 2]]
+    records = good[:3] + bad + good[3:]
+    with caplog.at_level(logging.WARNING, logger="titanlike"):
+        ds, _, _ = _dataset(folder("qwen"), [_jsonl(tmp_path / "c.jsonl", records)], tmp_path, split="100,0,0")
+    assert ds.chat.stats["skipped"] == len(bad) and len(ds.chat) == len(good)
+    assert f"skipped {len(bad)} of {len(records)} records" in caplog.text
+    for lineno, why in ((4, "invalid JSON"), (5, "no key 'messages' and no 'prompt'/'response' pair"),
+                        (6, "'messages' holds str"), (7, "'messages'[0] is not an object with a string 'role'"),
+                        (8, "no assistant turn"), (9, "not a JSON object")):
+        assert f"c.jsonl:{lineno}: {why}" in caplog.text
+    # the template refuses a conversation (Mistral's alternation rule): that record only
+    mistral = [{"messages": [{"role": "assistant", "content": "first"}]}, *good]
+    ds, _, _ = _dataset(folder("mistral"), [_jsonl(tmp_path / "m.jsonl", mistral)], tmp_path, split="100,0,0")
+    assert ds.chat.stats["skipped"] == 1 and "Conversation roles must alternate" in ds.chat.stats["skipped_first"][0]
+
+
+def test_files_without_conversations_or_replies_fail_in_one_line(folder, tmp_path):
+    path = folder("qwen")
+    cases = (([{"text": "a"}, {"text": "b"}], "no record holds a conversation .* set data.messages_key"),
+             ([{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}],
+              r"no conversation has an assistant turn \(roles found: \['gpt', 'user'\]\)"))
+    for i, (records, says) in enumerate(cases):
+        with pytest.raises(ConfigError, match=says) as e:
+            _dataset(path, [_jsonl(tmp_path / f"{i}.jsonl", records)], tmp_path)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="is not a conversation file"):
+        _dataset(path, [str(_write(tmp_path / "x.txt", "text"))], tmp_path)
+    with pytest.raises(ChatTemplateError, match="data.chat_template is empty"):
+        _dataset(make_folder(tmp_path / "bare", (path / "tokenizer.json").read_text(), None, None, "</s>"),
+                 [_jsonl(tmp_path / "ok.jsonl", _many(4))], tmp_path)
+
+
+def test_prompt_response_keys_and_saved_hf_datasets_read_alike(folder, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = folder("llama3")
+    pairs = [{"question": f"q{i} {CORPUS[i % 5]}", "answer": CORPUS[(i + 1) % 5]} for i in range(12)]
+    as_messages = [{"messages": [{"role": "user", "content": p["question"]},
+                                 {"role": "assistant", "content": p["answer"]}]} for p in pairs]
+    ref, _, _ = _dataset(path, [_jsonl(tmp_path / "m.jsonl", as_messages)], tmp_path, split="100,0,0")
+    keyed, _, _ = _dataset(path, [_jsonl(tmp_path / "p.jsonl", pairs)], tmp_path, split="100,0,0",
+                           prompt_key="question", response_key="answer")
+    datasets.Dataset.from_list(as_messages).save_to_disk(str(tmp_path / "hf"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(pairs)}).save_to_disk(str(tmp_path / "hfdict"))
+    saved, _, _ = _dataset(path, [str(tmp_path / "hf")], tmp_path, split="100,0,0")
+    saved_dict, _, _ = _dataset(path, [str(tmp_path / "hfdict")], tmp_path, split="100,0,0",
+                                prompt_key="question", response_key="answer")
+    for other in (keyed, saved, saved_dict):
+        assert len(other) == len(ref)
+        for i in range(len(ref)):
+            assert all(torch.equal(a, b) for a, b in zip(ref[i], other[i]))
+
+
+def test_splits_are_disjoint_and_the_order_is_seeded(folder, tmp_path):
+    path = folder("qwen")
+    files = [_jsonl(tmp_path / "c.jsonl", _many(40))]
+    train, _, _ = _dataset(path, files, tmp_path, split="80,20,0")
+    valid, _, _ = _dataset(path, files, tmp_path, "valid", split="80,20,0")
+    assert set(train.ids.tolist()) | set(valid.ids.tolist()) == set(range(40))
+    assert set(valid.ids.tolist()) == set(range(32, 40))  # the last 20% in file order
+    again, _, _ = _dataset(path, files, tmp_path, split="80,20,0")
+    other, _, _ = _dataset(path, files, tmp_path, split="80,20,0", seed=1, sft_layout="pad")
+    padded, _, _ = _dataset(path, files, tmp_path, split="80,20,0", sft_layout="pad")
+    rows = [[ds.rows(i) for i in range(len(ds))] for ds in (train, again, other, padded)]
+    assert rows[1] == rows[0] and again.fingerprint == train.fingerprint
+    assert len(padded) == 32 and rows[2] != rows[3] and sorted(rows[2]) == sorted(rows[3])
+    copy = pickle.loads(blob := pickle.dumps(train))  # what DataLoader workers receive: no token arrays inside
+    assert len(blob) < 20_000 and all(torch.equal(a, b) for i in range(len(train)) for a, b in zip(copy[i], train[i]))
+    inputs, labels = padded[0]
+    n = int(padded.lengths[padded.rows(0)[0]])  # one conversation, then EOD padding with ignored labels
+    assert (inputs[n:] == padded.eod_id).all() and (labels[n - 1:] == IGNORE_INDEX).all()
+    with pytest.raises(ConfigError, match="the test split of data.split='80,20,0' has no conversations"):
+        _dataset(path, files, tmp_path, "test", split="80,20,0")
+
+
+def test_an_end_of_document_token_inside_conversations_is_refused(folder, tmp_path):
+    """Mistral's template ends every reply with </s>, its EOS and so the default separator: document masking would cut
+    a multi-turn conversation at each reply. One reply (</s> last) is fine and needs no separator after it."""
+    path = folder("mistral")
+    single = [{"prompt": p["prompt"], "response": p.get("response", "")} for p in _many(8)[::2]]
+    ds, tok, _ = _dataset(path, [_jsonl(tmp_path / "one.jsonl", single)], tmp_path, split="100,0,0", seq_len=256,
+                          document_masking=True)
+    inputs, _ = ds[0]
+    first = int(ds.lengths[ds.rows(0)[0]])
+    assert int(inputs[first - 1]) == tok.eod_id and int(inputs[first]) == tok.bos_id  # </s> then the next <s>
+    multi = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}] * 4
+    with pytest.raises(ConfigError, match="set data.eod_token to a token the template does not write"):
+        _dataset(path, [_jsonl(tmp_path / "multi.jsonl", multi)], tmp_path, split="100,0,0", document_masking=True)
+    _dataset(path, [_jsonl(tmp_path / "multi.jsonl", multi)], tmp_path, split="100,0,0",
+             document_masking=True, eod_token="<|end_of_text|>")
+
+
+def test_resumed_loader_reads_what_an_uninterrupted_one_does(folder, tmp_path):
+    path = folder("qwen")
+    cfg = Data(dataset="chat", tokenizer=str(path), paths=[_jsonl(tmp_path / "c.jsonl", _many(60))],
+               cache_dir=str(tmp_path / "cache"), split="100,0,0")
+    tok = build_tokenizer(cfg)
+
+    def loader(rank=0, dp=1, batch=4):
+        return build_dataloader(cfg, tok, dp_rank=rank, dp_degree=dp, local_batch_size=batch, seq_len=96, seed=3,
+                                global_batch_size=4)
+
+    whole = iter(loader())
+    reference = [next(whole) for _ in range(12)]  # past an epoch (the rows reshuffle per epoch)
+    first = loader()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    for ref in reference[5:]:
+        got = next(it)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    halves = [loader(r, 2, 2) for r in range(2)]  # the same position under two data-parallel ranks
+    for h in halves:
+        h.load_state_dict(state)
+    its = [iter(h) for h in halves]
+    for ref in reference[5:8]:
+        parts = [next(i) for i in its]
+        assert torch.equal(torch.cat([p[0] for p in parts]), ref[0])
+    worker = build_dataloader(dataclasses.replace(cfg, num_workers=1), tok, dp_rank=0, dp_degree=1,
+                              local_batch_size=4, seq_len=96, seed=3, global_batch_size=4)
+    for ref, got in zip(reference[:3], worker):  # a DataLoader worker process reads the same rows
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    other = dataclasses.replace(cfg, sft_layout="pad")
+    moved = build_dataloader(other, tok, dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=96, seed=3,
+                             global_batch_size=4)
+    with pytest.raises(ConfigError, match="data.sft_layout 'pack' -> 'pad'"):
+        moved.load_state_dict(state)
+
+
+def test_config_keys_are_checked(tmp_path):
+    from titanlike.config.load import load_config
+    from titanlike.config.validate import advise
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["--data.dataset=chat", "--data.sft_layout=packed", "--data.sft_truncation=cut",
+                     "--data.response_key=prompt"])
+    for says in ("data.paths is empty but the dataset is 'chat'", "data.sft_layout='packed' is not one of pack, pad",
+                 "data.sft_truncation='cut' is not one of truncate, drop",
+                 "data.prompt_key and data.response_key are both 'prompt'"):
+        assert says in str(e.value)
+    cfg = load_config(["--data.dataset=chat", "--data.paths=x.jsonl"])
+    assert any("without data.document_masking" in n for n in advise(cfg))
+    cfg = load_config(["--data.dataset=chat", "--data.paths=x.jsonl", "--data.document_masking=true"])
+    assert not any("document_masking" in n for n in advise(cfg))
+
+
+def test_export_writes_the_run_template_and_its_stop_token(folder, tmp_path):
+    """The HF export of a chat run (titanlike/checkpoint/hf_tokenizer.py): the template the run used goes to
+    chat_template.jinja (replacing the folder's own), transformers applies it as the run did, and its one-token end of
+    turn joins the stop ids."""
+    from titanlike.checkpoint.hf_tokenizer import token_ids, write_tokenizer
+
+    data = Data(dataset="chat", tokenizer=str(folder("chatml_gen")), chat_template="chatml")
+    tok = build_tokenizer(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tokenizer(tok, data, str(out))
+    assert (out / "chat_template.jinja").read_text() == load_chat_template(data, tok).text
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    for convo in CONVERSATIONS:
+        assert hf.apply_chat_template(convo, return_dict=True)["input_ids"] == \
+            render_with_masks(load_chat_template(data, tok), convo, tok)[0]
+    assert token_ids((tok, data), str(tmp_path))["stop"] == [tok.eos_id, tok.token_to_id("<|im_end|>")]
+    plain = Data(tokenizer=data.tokenizer)  # a pretraining run: its ids as before, the folder's files as they are
+    assert token_ids((tok, plain), str(tmp_path))["stop"] == tok.eos_id
