@@ -513,3 +513,34 @@ def test_export_writes_the_run_template_and_its_stop_token(folder, tmp_path):
     assert token_ids((tok, data), str(tmp_path))["stop"] == [tok.eos_id, tok.token_to_id("<|im_end|>")]
     plain = Data(tokenizer=data.tokenizer)  # a pretraining run: its ids as before, the folder's files as they are
     assert token_ids((tok, plain), str(tmp_path))["stop"] == tok.eos_id
+
+
+def test_chat_message_preference_pairs_render_through_the_template(folder, tmp_path):
+    """DPO pairs given as chat messages (titanlike/data/preference.py): each side is the template's rendering of
+    prompt + reply, cut after the reply's last assistant token; labels only on the reply (its end-of-turn included)."""
+    from titanlike.data.preference import build_preference_dataset
+
+    path = folder("qwen")
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two plus two"}]
+    rows = [{"prompt": prompt, "chosen": "four", "rejected": [{"role": "assistant", "content": "five"}]},
+            {"prompt": "hello", "chosen": "hi", "rejected": "go away"}]
+    cfg = Data(dataset="preference", tokenizer=str(path), paths=[_jsonl(tmp_path / "pairs.jsonl", rows)])
+    tok = build_tokenizer(cfg)
+    template = load_chat_template(cfg, tok)
+    ds = build_preference_dataset(cfg, tok, seq_len=64, split="train")
+    ids, labels = ds[0]  # the chat-message pair
+    for side, reply in enumerate(("four", "five")):
+        full, mask = render_with_masks(template, prompt + [{"role": "assistant", "content": reply}], tok)
+        end = max(j for j, m in enumerate(mask) if m) + 1
+        n = end - 1  # the window's real inputs: all tokens but the last (it is only a label)
+        assert ids[side, :n].tolist() == full[:n]
+        supervised = [full[j + 1] for j in range(n) if labels[side, j] != -100]
+        assert supervised == [t for t, m in zip(full[:end], mask) if m]  # exactly the reply's tokens
+    ids, _ = ds[1]  # plain strings stay plain text (no template), as TRL treats non-conversational pairs
+    plain = tok.encode("hello") + tok.encode("hi", eos=True)
+    assert ids[0, :len(plain) - 1].tolist() == plain[:-1]
+    bad = [{"prompt": prompt, "chosen": [{"role": "user", "content": "x"}], "rejected": "y"}]
+    cfg_bad = Data(dataset="preference", tokenizer=str(path), paths=[_jsonl(tmp_path / "bad.jsonl", bad)])
+    with pytest.raises(ValueError, match="does not render the prompt") as e:
+        build_preference_dataset(cfg_bad, tok, seq_len=64, split="train")
+    assert "\n" not in str(e.value)

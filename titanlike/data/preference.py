@@ -7,6 +7,9 @@ padding: the DPO loss sums log-probs over the response only. The loader stacks B
 objective (titanlike/train/dpo.py) flattens that to [2B, S], rows [c0, r0, c1, r1, ...], so a pair is never split
 between data-parallel ranks or micro-batches.
 
+Chat-message pairs (a prompt as a list of {role, content} messages, replies as strings or assistant messages) render
+through the run's chat template (data.chat_template, else the tokenizer's own), as SFT data does (`_chat_pair`).
+
 Tokenised once at start-up (every rank reads the whole file, as the sample count and fingerprint need). A pair longer
 than seq_len + 1 tokens keeps its start (TRL's truncation_mode="keep_start": the response is cut at the end); the
 truncations are counted and logged. A pair whose prompt leaves no response token in the window is dropped (counted,
@@ -33,21 +36,34 @@ def _open(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
-def _chat_pair(row: dict, where: str) -> tuple[list[int], list[int], list[int]]:
-    """The hook for chat-message pairs (prompt / chosen / rejected as [{"role": ..., "content": ...}, ...]).
+def _chat_pair(row: dict, where: str, template, tokenizer) -> tuple[list[int], list[list[int]]]:
+    """A chat-message pair: "prompt" a string (one user turn) or a list of {role, content} messages, "chosen" and
+    "rejected" a string (one assistant reply) or a list of messages. Both sides render through the run's chat
+    template (titanlike/data/chat.py), as SFT data does; the prompt is what the template renders for the prompt
+    messages with the generation prompt, and each side ends at its last assistant token (the end-of-turn token
+    included). Returns (prompt ids, [chosen ids, rejected ids])."""
+    from titanlike.data.chat import normalize_messages, render_with_masks
 
-    TODO(issue 36): once titanlike/data/chat.py lands (SFT chat data: `render_with_masks(template, messages,
-    tokenizer) -> (ids, assistant_mask)`), render prompt + chosen and prompt + rejected as whole conversations and
-    take the prompt as the tokens before the first assistant-masked token; return (prompt_ids, chosen_ids,
-    rejected_ids) like _encode_pair. Until then such rows are refused in one line."""
-    raise ValueError(f"{where}: chat-message pairs (lists of {{role, content}}) are not supported yet: give "
-                     f"\"prompt\", \"chosen\" and \"rejected\" as strings (the chat template hook is a TODO in "
-                     f"titanlike/data/preference.py)")
+    def messages(value, role):
+        return [{"role": role, "content": value}] if isinstance(value, str) else normalize_messages(value)
+
+    prompt = messages(row["prompt"], "user")
+    p_ids, _ = render_with_masks(template, prompt, tokenizer, add_generation_prompt=True)
+    sides = []
+    for name in ("chosen", "rejected"):
+        ids, mask = render_with_masks(template, prompt + messages(row[name], "assistant"), tokenizer)
+        if ids[:len(p_ids)] != p_ids or not any(mask[len(p_ids):]):
+            raise ValueError(f"{where}: the chat template does not render the prompt (with its generation prompt) as "
+                             f"the start of prompt + {name!r} with an assistant reply after it; give plain strings "
+                             f"or a template that appends turns (data.chat_template)")
+        sides.append(ids[:max(i for i, m in enumerate(mask) if m) + 1])
+    return p_ids, sides
 
 
 class PreferenceDataset(Dataset):
     def __init__(self, files: list[str], tokenizer, seq_len: int, *, add_bos: bool = False, key: str = "data.paths",
-                 dp_rank: int = 0):
+                 dp_rank: int = 0, chat_template=None):
+        """chat_template: a ChatTemplate, or a function returning one (called at the first chat-message row)."""
         self.files, self.seq_len = list(files), int(seq_len)
         self.pad_id = tokenizer.eos_id  # never a target: padding has IGNORE_INDEX labels
         window = self.seq_len + 1  # S inputs + the last label
@@ -63,12 +79,18 @@ class PreferenceDataset(Dataset):
                         continue
                     rows += 1
                     where = f"{key}: {path}:{n}"
-                    prompt, chosen, rejected = _read_row(line, where)
-                    if chosen == rejected:
+                    row = _read_row(line, where)
+                    if row["chosen"] == row["rejected"]:
                         identical.append(f"{path}:{n}")
                         continue
-                    p = tokenizer.encode(prompt, bos=add_bos)
-                    sides = [np.asarray(p + tokenizer.encode(r, eos=True), dtype=np.int64) for r in (chosen, rejected)]
+                    if all(isinstance(row[k], str) for k in FIELDS):
+                        p = tokenizer.encode(row["prompt"], bos=add_bos)
+                        sides = [p + tokenizer.encode(row[k], eos=True) for k in ("chosen", "rejected")]
+                    else:  # chat messages: through the run's chat template (loaded at the first such row)
+                        if callable(chat_template):
+                            chat_template = chat_template()
+                        p, sides = _chat_pair(row, where, chat_template, tokenizer)
+                    sides = [np.asarray(side, dtype=np.int64) for side in sides]
                     if len(p) >= window:  # no response token left in the window: nothing to prefer
                         dropped.append(f"{path}:{n}")
                         continue
@@ -136,12 +158,10 @@ def _read_row(line: str, where: str):
     if not isinstance(row, dict) or any(k not in row for k in FIELDS):
         have = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise ValueError(f"{where}: each line needs the fields \"prompt\", \"chosen\" and \"rejected\" (found {have})")
-    values = [row[k] for k in FIELDS]
-    if not all(isinstance(v, str) for v in values):
-        if all(isinstance(v, (str, list)) for v in values):
-            _chat_pair(row, where)
-        raise ValueError(f"{where}: \"prompt\", \"chosen\" and \"rejected\" must be strings")
-    return values
+    if not all(isinstance(row[k], (str, list)) for k in FIELDS):
+        raise ValueError(f"{where}: \"prompt\", \"chosen\" and \"rejected\" must be strings or lists of "
+                         f"{{\"role\", \"content\"}} messages")
+    return row
 
 
 def build_preference_dataset(data_cfg, tokenizer, *, seq_len: int, split: str, paths_key: str = "data.paths",
@@ -153,5 +173,11 @@ def build_preference_dataset(data_cfg, tokenizer, *, seq_len: int, split: str, p
     if split != "train" and paths_key == "data.paths":  # (validate refuses this config before it gets here)
         raise ValueError("validation of preference data needs validation.paths (JSONL files of held-out pairs): the "
                          "pairs files have no split")
+    from titanlike.data.chat import load_chat_template
+
+    # Chat-message pairs render through data.chat_template (or the tokenizer's own): loaded at the first such row, or
+    # now when named explicitly (a bad name fails before any pair is read).
+    template = (load_chat_template(data_cfg, tokenizer) if data_cfg.chat_template
+                else (lambda: load_chat_template(data_cfg, tokenizer)))
     return PreferenceDataset(expand_files(data_cfg.paths, key=paths_key), tokenizer, seq_len,
-                             add_bos=data_cfg.add_bos, key=paths_key, dp_rank=dp_rank)
+                             add_bos=data_cfg.add_bos, key=paths_key, dp_rank=dp_rank, chat_template=template)
