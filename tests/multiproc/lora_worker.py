@@ -99,6 +99,10 @@ def run_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()], f"{name}: FQNs"
     if dims.tp_enabled:
         check_tp_layout(name, model, sp)
+    if dims.fsdp_enabled:  # FSDP2 shards the frozen base and the adapters alike; the flags survive
+        for n, p in model.named_parameters():
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),), (name, n, p)
+            assert p.requires_grad == is_adapter_key(n), (name, n)
     base = {n: _full(p.detach()).clone() for n, p in model.named_parameters() if not p.requires_grad}
     for n, p in ref.named_parameters():  # the seeded init: the same weights on both layouts, bitwise
         assert torch.equal(_full(dict(model.named_parameters())[n].detach()), p.detach()), f"{name}: init of {n}"
