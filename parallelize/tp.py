@@ -37,6 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallelize.lora import LoraStyle, has_lora, lora_aware
+
 logger = logging.getLogger("titanlike")
 
 
@@ -135,6 +137,8 @@ def describe_plan(plan: dict[str, ParallelStyle]) -> str:
 def _style_repr(style: ParallelStyle) -> str:
     if isinstance(style, Styles):
         return " + ".join(map(_style_repr, style.styles))
+    if isinstance(style, LoraStyle):
+        return f"LoraStyle({_style_repr(style.style)})"
     fields = []
     for name in ("input_layouts", "output_layouts", "desired_input_layouts", "use_local_output", "names"):
         if hasattr(style, name):
@@ -151,10 +155,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp: tp_mesh must be 1-D, got {tp_mesh.ndim}-D {tp_mesh}")
     present = {k: v for k, v in plan.items() if "*" in k or _resolve(model, k)}
+    if has_lora(model):  # LoRA layers: adapters sharded the way their base is (parallelize/lora.py)
+        present = lora_aware(present)
     # No extra hooks beside the styles' own: a second forward pre-hook on a block's attention (an earlier version
     # cast activations to bf16 before the all-gather) made torch 2.11's dynamo fail to build its guards
     # ("Error while creating guard ... _forward_pre_hooks ... NoneType"), seen on 2xH200 on 2026-11-22.
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, present)
+    # Some of torch's styles (SequenceParallel's replicated norm weights) make new Parameters that require grad:
+    # a frozen parameter (a LoRA base) stays frozen.
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
     quiet_embedding_view_warning()
     # The whole plan is one line per module: DEBUG, not on every run's console (the mesh is logged by the trainer).
     logger.debug(f"tensor parallel {tp_mesh.size()} over {tp_mesh}:\n{describe_plan(present)}")

@@ -11,6 +11,12 @@ with an HF adapter (models/<name>/hf.py).
         OUT: a folder transformers.AutoModelForCausalLM.from_pretrained(OUT) loads, with the run's tokenizer
             (from the step's config.toml; --tokenizer names another) for AutoTokenizer.from_pretrained(OUT), and
             generation_config.json + config.json's bos/eos ids so generate() stops at the end of text.
+        A LoRA run's step (lora.enable) is exported merged, W + alpha/rank * B @ A, its base taken from the run's
+            checkpoint.initial_load_path (recorded in the step's meta.json) or --base PATH.
+    python scripts/convert_hf.py export-peft CKPT OUT [--base-model HF_DIR_OR_HUB_ID] [--dtype float32]
+        A LoRA run's adapters in PEFT's format: OUT/adapter_config.json + OUT/adapter_model.safetensors, loaded with
+            peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE_HF), OUT), where BASE_HF is the
+            `export` of the base (or the HF model it was imported from). docs/post_training.md#lora.
 
 Errors (missing shard, unsupported architecture, existing output, damaged checkpoint) exit with status 2 and one
 line naming the file and what to do.
@@ -45,8 +51,15 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--max-position-embeddings", type=int, default=None,
                      help="default: the model's context, its flavor's max_seq_len, not the training seq_len "
                           "(YaRN: original x factor; a learned position table: its rows)")
+    exp.add_argument("--base", default=None,
+                     help="a LoRA run's base checkpoint (default: its checkpoint.initial_load_path, from meta.json)")
     for sp in (imp, exp):
         sp.add_argument("--no-progress", action="store_true")
+    peft = sub.add_parser("export-peft", help="a LoRA run's adapters -> PEFT adapter folder")
+    peft.add_argument("ckpt")
+    peft.add_argument("out")
+    peft.add_argument("--base-model", default="", help="adapter_config.json's base_model_name_or_path")
+    peft.add_argument("--dtype", choices=DTYPES, default="float32")
     a = p.parse_args(argv)
     from titanlike.checkpoint import hf
 
@@ -65,10 +78,16 @@ def main(argv: list[str]) -> int:
                   f"--model.vocab_size={args.vocab_size}{tok}")
             if not r["tokenizer"]:
                 print(f"{a.hf_dir} has no tokenizer.json or tokenizer.model: set --data.tokenizer to its tokenizer")
+        elif a.cmd == "export-peft":
+            from titanlike.checkpoint.lora_export import export_peft
+
+            out = export_peft(a.ckpt, a.out, base_model=a.base_model, dtype=a.dtype)
+            print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(base_model, {out!r})")
         else:
             out = hf.export_hf(a.ckpt, a.out, dtype=a.dtype, tokenizer=a.tokenizer,
                                max_shard_bytes=int(a.max_shard_gb * 2**30), progress=not a.no_progress,
-                               max_position_embeddings=a.max_position_embeddings, with_tokenizer=not a.no_tokenizer)
+                               max_position_embeddings=a.max_position_embeddings, with_tokenizer=not a.no_tokenizer,
+                               base=a.base)
             print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ from titanlike.checkpoint import layout
 from titanlike.checkpoint.hf_tokenizer import find_tokenizer, token_ids, write_tokenizer
 from titanlike.checkpoint.layout import META, CheckpointError
 from titanlike.checkpoint.resolve import check_output_folder
-from titanlike.checkpoint.states import MODEL, full_model_state, quiet_dcp, read_meta_json, read_metadata, tensor_shapes
+from titanlike.checkpoint.states import MODEL, quiet_dcp, read_meta_json
 
 logger = logging.getLogger("titanlike")
 
@@ -211,12 +211,15 @@ def newest_step_model(ckpt_path: str):
 
 def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: str | None = None,
               max_shard_bytes: int = 5 * 2**30, progress: bool = True,
-              max_position_embeddings: int | None = None, with_tokenizer: bool = True) -> str:
+              max_position_embeddings: int | None = None, with_tokenizer: bool = True, base: str | None = None) -> str:
     """A titanlike step (or the newest complete step of a checkpoint folder) -> an HF folder. Returns its path.
 
     `tokenizer`: a tokenizer file or folder (any format data.tokenizer takes) instead of the run's own;
-    `with_tokenizer=False`: no tokenizer files and no token ids at all."""
+    `with_tokenizer=False`: no tokenizer files and no token ids at all. A LoRA run's step is exported merged
+    (lora_export.py); `base`: its base checkpoint instead of the one its meta.json names."""
     from safetensors.torch import save_file
+
+    from titanlike.checkpoint.lora_export import ModelReader
 
     info, meta, spec = newest_step_model(ckpt_path)
     args = spec.args_cls(**meta["model_args"])
@@ -229,7 +232,8 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     if tok is not None and tok[0].vocab_size > args.vocab_size:
         raise CheckpointError(f"export: the {type(tok[0]).__name__} has {tok[0].vocab_size} tokens but the model's "
                               f"vocabulary is {args.vocab_size}: give the run's tokenizer (--tokenizer PATH)")
-    shapes = tensor_shapes(read_metadata(info.path), MODEL)
+    reader = ModelReader(info.path, meta, base)  # LoRA steps: the base's tensors with the adapters merged
+    shapes = reader.shapes
     # Groups read together (one layer, or the top-level tensors), then assigned to shards of <= max_shard_bytes.
     groups: dict[str, list[str]] = {}
     for k in sorted(shapes, key=lambda k: (k.startswith("layers."), _layer_index(k), k)):
@@ -252,7 +256,7 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with _progress(len(shapes), "export to HF", progress) as bar:
         for name, keys in zip(names, shards):
-            part = full_model_state(info.path, keys=keys, dtype=torch_dtype)
+            part = reader.read(keys, torch_dtype)
             hf_part = {k: v.contiguous() for k, v in spec.hf.to_hf(part, args).items()}
             save_file(hf_part, os.path.join(tmp, name), metadata={"format": "pt"})
             for k, v in hf_part.items():

@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlike.checkpoint import integrity, layout
 from titanlike.checkpoint.layout import CheckpointError
-from titanlike.checkpoint.states import EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state, unpack
+from titanlike.checkpoint.states import (EXTRA, MODEL, OPTIM, check_model_matches, read_metadata, set_rng_state,
+                                         tensor_shapes, unpack)
 
 logger = logging.getLogger("titanlike")
 _EXTRAS = ("lr_scheduler", "dataloader", "trainer")
@@ -31,17 +32,33 @@ class LoadMixin:
             want = self.ckpt.load_step if step is None else step
             info = self._choose(self.folder, want)
             if info is not None:
+                if self.trainable_only and self.ckpt.initial_load_path:  # the frozen base is not in the run's steps
+                    self._load_initial(model_only=True)
                 self.verified_step = info.step  # keep-last-k keeps it until a newer step is committed
                 return self._load_step(info, model_only=False)
-        initial = self.ckpt.initial_load_path
-        if initial:
-            info = self._choose(initial, -1, own=False)
-            if info is None:
-                raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
-            return self._load_step(info, model_only=self.ckpt.initial_load_model_only)
+        if self.ckpt.initial_load_path:
+            return self._load_initial(self.ckpt.initial_load_model_only)
         if self.ckpt.enable:
             logger.info(f"checkpoint: nothing saved in {self.folder} yet: starting from step 0")
         return 0
+
+    def _load_initial(self, model_only: bool) -> int:
+        initial = self.ckpt.initial_load_path
+        info = self._choose(initial, -1, own=False)
+        if info is None:
+            raise CheckpointError(f"checkpoint.initial_load_path={initial!r} holds no complete checkpoint step")
+        return self._load_step(info, model_only=model_only, initial=True)
+
+    def _model_target(self, md, initial: bool) -> dict:
+        """The model state to read: the run's own steps hold what its saves write (trainable_only: no frozen
+        parameters); an initial_load_path may lack the `fresh` keys (LoRA adapters: they keep their init)."""
+        if not initial:
+            return self._model_sd(frozen=not self.trainable_only)
+        sd = self._model_sd()
+        if self.fresh is None:
+            return sd
+        saved = tensor_shapes(md, MODEL)
+        return {k: v for k, v in sd.items() if k in saved or not self.fresh(k)}
 
     def load_newest_saved(self) -> int | None:
         """Load the newest complete step this run saved itself (never initial_load_path); None if there is none."""
@@ -94,13 +111,13 @@ class LoadMixin:
             raise CheckpointError(err)
         return out
 
-    def _load_step(self, info: layout.StepInfo, model_only: bool) -> int:
+    def _load_step(self, info: layout.StepInfo, model_only: bool, initial: bool = False) -> int:
         t0 = time.perf_counter()
         path = info.path
         md = self._agree(read_metadata, path)
         keys = md.state_dict_metadata
         full = not model_only and bool(self.optimizers) and any(k.startswith(OPTIM + ".") for k in keys)
-        model_sd = self._model_sd()
+        model_sd = self._model_target(md, initial)
         self._agree(check_model_matches, md, model_sd, path, self.strict)
         target = {MODEL: model_sd}
         aliases = {}

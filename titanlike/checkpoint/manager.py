@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titanlike.checkpoint import layout, preflight
@@ -85,13 +85,18 @@ class CheckpointManager(CommitMixin, LoadMixin):
     an optimizer, a list paired with the parts, or a container with `.optimizers`. `trainer` (optional) provides
     `state_dict()` / `load_state_dict()` for its counters (step, tokens seen). `strict=False` lets the checkpoint
     hold model keys this process does not have (a pipeline rank holds only its stages).
+    `trainable_only` (LoRA's lora.save_adapter_only): the run's own steps hold the model's trainable parameters (and
+    buffers) only, no frozen ones; a resume takes those from initial_load_path first, then the step. `fresh(key)`:
+    model keys an initial_load_path may lack (new modules: LoRA adapters), which then keep their initial values.
+    `meta_extra`: more entries for each step's meta.json (LoRA's settings, for the export).
     Every method must be called on every rank (they synchronise). With `ckpt.enable` false (and no seed
     checkpoint or initial_load_path) every method is a no-op, so callers need no conditionals.
     """
 
     def __init__(self, ckpt: Checkpoint, folder: str, *, model, optimizer=None, lr_scheduler=None,
                  dataloader=None, trainer=None, model_name: str = "", model_args: Any = None,
-                 config_toml: str = "", strict: bool = True):
+                 config_toml: str = "", strict: bool = True, trainable_only: bool = False, fresh=None,
+                 meta_extra: dict | None = None):
         self.ckpt, self.folder = ckpt, folder
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         opts = optimizer if isinstance(optimizer, (list, tuple)) else optimizers_of(optimizer)
@@ -103,7 +108,9 @@ class CheckpointManager(CommitMixin, LoadMixin):
         # Saving needs ckpt.enable; a seed checkpoint or a start from initial_load_path work without it.
         self.enabled = bool(ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path)
         self.meta = {"model_name": model_name,
-                     "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None}
+                     "model_args": dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else None,
+                     **(meta_extra or {})}
+        self.trainable_only, self.fresh = trainable_only, fresh
         self.config_toml = config_toml
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.dist else 0
@@ -173,17 +180,19 @@ class CheckpointManager(CommitMixin, LoadMixin):
         folder; the state size is summed over ranks; every rank gets the verdict."""
         if not self.ckpt.enable:
             return
-        model, optim = preflight.state_bytes(self._model_sd(), self.optimizers)
+        model, optim = preflight.state_bytes(self._model_sd(frozen=not self.trainable_only), self.optimizers)
         model, optim = self._all_max([model, optim], sum_=True)
         export = (getattr(torch, self.ckpt.export_dtype).itemsize / 4
                   if self.ckpt.model_only_export or self.ckpt.last_save_model_only else 0.0)
         self._rank0_do(preflight.check_folder, self.folder, model, optim, self.ckpt.keep_latest_k, export)
 
     # ------------------------------------------------------------------------------------------ state
-    def _model_sd(self) -> dict:
+    def _model_sd(self, frozen: bool = True) -> dict:
+        """The model's state dict; frozen=False leaves out parameters with requires_grad=False (trainable_only)."""
         sd = {}
+        opts = StateDictOptions(ignore_frozen_params=not frozen)
         for part in self.parts:
-            sd.update(get_model_state_dict(part))
+            sd.update(get_model_state_dict(part, options=opts))
         return sd
 
     def _optim_sd(self) -> dict:
@@ -198,7 +207,7 @@ class CheckpointManager(CommitMixin, LoadMixin):
             if dtype is not None:
                 sd = {k: v.detach().to(dtype) for k, v in sd.items()}
             return {MODEL: sd}
-        model_sd, optim_sd = self._model_sd(), self._optim_sd()
+        model_sd, optim_sd = self._model_sd(frozen=not self.trainable_only), self._optim_sd()
         extra = {f"rng.rank{self.rank}": pack(rng_state())}
         for name, obj in (("lr_scheduler", self.lr_scheduler), ("dataloader", self.dataloader),
                           ("trainer", self.trainer)):
@@ -223,7 +232,8 @@ class CheckpointManager(CommitMixin, LoadMixin):
             return
         for opt in self.optimizers:
             init_optimizer_state(opt)
-        self._prestaged = Prestage(self._stager, {MODEL: self._model_sd(), OPTIM: self._optim_sd()}, self.rank)
+        self._prestaged = Prestage(self._stager, {MODEL: self._model_sd(frozen=not self.trainable_only),
+                                                  OPTIM: self._optim_sd()}, self.rank)
 
     def _check_prestage(self, block: bool) -> None:
         if self._prestaged is not None and self._prestaged.finished(block):  # raises its error, if any

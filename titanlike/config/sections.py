@@ -176,6 +176,24 @@ class Float8:
 
 
 @dataclass
+class Lora:
+    """LoRA fine-tuning (docs/post_training.md#lora; models/common/lora.py): the base model frozen, low-rank adapters
+    trained beside the chosen Linear layers, PEFT's init and scaling."""
+    enable: bool = False
+    rank: int = 16  # the adapters' inner dimension r (PEFT's r); at most min(in, out) of every adapted layer
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout); 0 for exact layout parity
+    # Module names matched against Linear FQN suffixes as PEFT's target_modules ("wq" matches layers.3.attention.wq;
+    # "layers.0.attention.wq" that one alone); each entry must match at least one Linear of the model
+    target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+    # also the Linears inside MoE layers (shared experts); routed experts' stacked weights and router gates never
+    include_experts: bool = False
+    # checkpoints hold only the trainable parameters (adapters) and their optimizer state; a resume takes the base
+    # from checkpoint.initial_load_path again (false: the whole model, base included)
+    save_adapter_only: bool = True
+
+
+@dataclass
 class Checkpoint:
     enable: bool = False
     folder: str = "checkpoint"  # relative to the run folder
@@ -343,6 +361,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)

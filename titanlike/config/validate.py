@@ -23,6 +23,7 @@ from titanlike.config.sections import JobConfig, Parallelism, Training
 from titanlike.config.validate_data import advise_data, check_data
 from titanlike.config.validate_dpo import check_dpo
 from titanlike.config.validate_eval import check_eval
+from titanlike.config.validate_lora import check_lora, check_lora_model, lora_advice
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
 
 # Allowed values of string "choice" fields. A value a consumer defines (attention kernels, AC modes, ...) is read
@@ -309,6 +310,7 @@ def advise(cfg: JobConfig) -> list[str]:
         notes.append(f"lr_scheduler.warmup_steps={lrs.warmup_steps} exceeds training.steps={tr.steps}: warming up "
                      f"over all {tr.steps} steps instead")
         lrs.warmup_steps = tr.steps
+    notes += lora_advice(cfg)
     import models
 
     spec = models.MODELS.get(cfg.model.name)
@@ -338,6 +340,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
     check_pipeline(cfg, errors)
     check_eval(cfg, errors)  # [eval]: task names (lm_eval's index), include_path, perplexity sets
+    check_lora(cfg, errors)  # [lora]: its values; the targets against the model in _check_model
     dump = cfg.job.dump_folder
     if os.path.exists(dump) and not os.path.isdir(dump):
         errors.append(f"job.dump_folder={dump!r} is a file, not a folder; choose another job.dump_folder")
@@ -372,6 +375,7 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     if cfg.model.n_layers > 0:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
+    check_lora_model(cfg, spec, args, errors)  # [lora] targets and rank against the flavor's model, on meta
 
 
 def validate_model(spec, model_args: Any, par: Parallelism, flavor: str) -> None:

@@ -75,6 +75,13 @@ class DataLoader(StatefulDataLoader):
     dp_rank = 0  # set by build_dataloader
     built_with: dict | None = None  # set by build_dataloader
 
+    def __iter__(self):
+        # A new iterator draws its workers' base seed from torch's global RNG. A resumed run makes its iterator after
+        # the checkpoint restored that RNG (an uninterrupted run made its own before step 1), so the draw would shift
+        # every later random op of the forward (LoRA's dropout) off the uninterrupted run's: it leaves the RNG as is.
+        with torch.random.fork_rng(devices=[]):
+            return super().__iter__()
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         if isinstance(self.dataset, IterableDataset):

@@ -91,7 +91,14 @@ def _from_checkpoint(info: layout.StepInfo, device: torch.device, dtype: torch.d
         raise CheckpointError(f"{os.path.join(info.path, layout.META)}: {e} (written by another version or "
                               f"another project?)") from None
     model = build_model(spec, args, device, dtype)
-    loaded_step = load_model_weights(info.path, model)
+    if meta.get("lora"):  # a LoRA run's step: its adapters merged into the base (titanlike/checkpoint/lora_export.py)
+        from titanlike.checkpoint.lora_export import ModelReader
+
+        reader = ModelReader(info.path, meta)
+        model.load_state_dict(reader.read(sorted(reader.shapes), torch.float32))
+        loaded_step = info.step
+    else:
+        loaded_step = load_model_weights(info.path, model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     tok, add_bos, data = _checkpoint_tokenizer(info.path)

@@ -170,6 +170,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             hi, self.low_bits[p] = split_master(p.detach().float(), dtype)
             p.data = hi  # the same Parameter object: module, optimizer and hooks keep pointing at it
+        # Frozen parameters (a LoRA base, a frozen tower) take no update, so they need no master: they become the
+        # compute dtype too, as FSDP's policy casts them, or their matmuls would meet bf16 activations in fp32.
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.detach().to(dtype)
         names = {p: n for n, p in model.named_parameters()}
         buckets: dict[str, list] = {}
         for n, p in model.named_parameters():

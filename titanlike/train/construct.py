@@ -2,7 +2,7 @@
 build through these functions, so the estimate traces what the run builds, in the same order:
 
     vocabulary -> the spec's args (flavor, model.args, run fields) -> config checks -> objective -> meta model ->
-    batch layout and mask kernel -> FA4, fla -> float8 swap -> chunked-loss head     (build_model)
+    batch layout and mask kernel -> FA4, fla -> float8 swap -> LoRA swap -> chunked-loss head (build_model)
     -> the plan (whole model, or pipeline stages) ->
     materialise and initialise                                                   (materialise)
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from unittest import mock
 
 import torch
@@ -21,8 +22,10 @@ import float8
 import models
 from models.batch import build_objective
 from models.common.backends import mask_kernel, repeats_kv_heads, wants_fa4, wants_fla
-from titanlike.config.sections import Data, Float8, JobConfig, Model, Parallelism, Training
+from titanlike.config.errors import ConfigError
+from titanlike.config.sections import Checkpoint, Data, Float8, JobConfig, Lora, Model, Parallelism, Training
 from titanlike.config.validate import validate_model
+from titanlike.config.validate_lora import lora_model_problems
 from titanlike.train.batch import BatchLayout
 from titanlike.train.loss import apply_chunked_loss
 
@@ -38,6 +41,7 @@ class ModelBuild:
     batch_layout: BatchLayout
     float8: object  # float8.convert's handle (post_optimizer_hook)
     loss_head: object | None  # the chunked-loss LM head (training.loss_chunk_tokens > 0)
+    lora: dict | None = None  # lora.enable: its settings and the adapted Linears' FQNs (for checkpoints' meta.json)
 
 
 def run_vocab(model_cfg: Model, tokenizer_vocab: int) -> int:
@@ -56,10 +60,11 @@ class BuildSections:
     parallelism: Parallelism  # the family's checks (heads by TP, ...) and the pipeline's stages against the layers
     data: Data  # document masking and position resets: what each model call takes (BatchLayout)
     float8: Float8
+    lora: Lora | None = None  # LoRA adapters swapped in (lora.enable): models/common/lora.py
 
     @classmethod
     def of(cls, cfg: JobConfig) -> BuildSections:
-        return cls(cfg.model, cfg.training, cfg.parallelism, cfg.data, cfg.float8)
+        return cls(cfg.model, cfg.training, cfg.parallelism, cfg.data, cfg.float8, cfg.lora)
 
 
 def build_model(sections: BuildSections, dims, device: torch.device, vocab: int, eod_id: int | None, *,
@@ -90,9 +95,42 @@ def build_model(sections: BuildSections, dims, device: torch.device, vocab: int,
     _mixer_kernels(model, m.mixer_kernel, device)
     # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
     f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled)
+    lora = _apply_lora(model, sections.lora, spec.output_modules[-1] if t.loss_chunk_tokens > 0 else None)
     loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=compile_loss_chunk,
                                     head_name=spec.output_modules[-1]) if t.loss_chunk_tokens > 0 else None)
-    return ModelBuild(spec, model_args, model, objective, layout, f8, loss_head)
+    return ModelBuild(spec, model_args, model, objective, layout, f8, loss_head, lora)
+
+
+def _apply_lora(model, lora: Lora | None, head: str | None) -> dict | None:
+    """lora.enable: the base frozen, the targeted Linears swapped for LoraLinear (same FQNs: the base checkpoint
+    loads as before); the targets checked against this model first (ConfigError, one line each). Returns the
+    settings and the adapted FQNs, or None."""
+    if lora is None or not lora.enable:
+        return None
+    from models.common.lora import apply_lora
+
+    problems = lora_model_problems(model, lora, head)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    swapped = apply_lora(model, list(lora.target_modules), lora.rank, lora.alpha, lora.dropout, lora.include_experts)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(f"LoRA rank {lora.rank}, alpha {lora.alpha}: adapters on {len(swapped)} Linear layers, "
+                f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%); the rest frozen")
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules), "modules": swapped}
+
+
+def lora_checkpointing(lora: Lora, ckpt: Checkpoint, built: dict | None) -> dict:
+    """CheckpointManager's LoRA arguments: adapter-only steps (lora.save_adapter_only), adapters an initial_load_path
+    lacks keep their init, and meta.json's "lora" entry (settings, adapted FQNs, the base's path) for the export."""
+    if built is None:
+        return {}
+    from models.common.lora import is_adapter_key
+
+    base = os.path.abspath(ckpt.initial_load_path) if ckpt.initial_load_path else ""
+    return {"trainable_only": lora.save_adapter_only, "fresh": is_adapter_key,
+            "meta_extra": {"lora": {**built, "adapter_only": lora.save_adapter_only, "base": base}}}
 
 
 def _mixer_kernels(model, name: str, device: torch.device) -> None:
@@ -116,12 +154,14 @@ def materialise(parts: list, device: torch.device, seed: int, fake: bool = False
     """Each part's storage on `device` and its initial weights: seeded per parameter, so every layout starts from the
     same weights (titanlike/distributed/seeded_init.py). fake: under FakeTensorMode (the estimate), where tensors hold
     no values: init runs for its buffers and shapes only."""
+    from models.common.lora import init_adapters
     from titanlike.distributed.seeded_init import seeded_init
 
     for part in parts:
         _to_empty(part, device) if fake else part.to_empty(device=device)
         with torch.no_grad(), (_no_trunc_normal() if fake else seeded_init(part, seed)):
             part.init_weights(buffer_device=device)
+            init_adapters(part)  # LoRA's adapters, which the family's init_weights does not know (A random, B 0)
         part.train()
 
 
@@ -140,4 +180,4 @@ def _to_empty(part: torch.nn.Module, device: torch.device) -> None:
                 torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
-__all__ = ["BuildSections", "ModelBuild", "build_model", "materialise", "run_vocab"]
+__all__ = ["BuildSections", "ModelBuild", "build_model", "lora_checkpointing", "materialise", "run_vocab"]

@@ -30,7 +30,7 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
-from titanlike.train.construct import BuildSections, build_model, materialise, run_vocab
+from titanlike.train.construct import BuildSections, build_model, lora_checkpointing, materialise, run_vocab
 from titanlike.train.dpo import PreferenceTuning
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
 from titanlike.train.moe import MoEBookkeeping
@@ -158,7 +158,8 @@ class Trainer:
             cfg.checkpoint, os.path.join(self.run_dir, cfg.checkpoint.folder), model=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, trainer=self,
             model_name=cfg.model.name, model_args=self.model_args, config_toml=config_to_toml(cfg),
-            strict=self.pp is None)  # a pipeline rank holds only its stages' keys
+            strict=self.pp is None,  # a pipeline rank holds only its stages' keys
+            **lora_checkpointing(cfg.lora, cfg.checkpoint, mb.lora))  # LoRA: adapter-only steps, the base's path
         self.checkpointer.preflight()  # checkpoint folder writable, room on its disk: now, not at the first save
         # torchft replica groups: quorum, cross-group gradient average, recovery (titanlike/resilience/ft.py)
         self.ft = None
