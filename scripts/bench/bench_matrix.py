@@ -26,7 +26,8 @@ def on_off(v) -> bool:
 AXES = {"model": (str, DEFAULT_MODEL), "flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
         "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
         "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, ""),
-        "peer_ac": (str, "")}
+        "peer_ac": (str, ""), "post": (str, "")}
+POST = ("", "sft", "lora", "dpo")  # post: "" pretraining; else the post-training case (scripts/bench/peer_trl.py)
 
 
 def parse_layout(layout: str) -> dict[str, int]:
@@ -60,6 +61,8 @@ def _check_case(case: dict) -> dict:
     if case["ac"] == "memory_budget" and not (_is_float(case["ac_option"]) and 0 <= float(case["ac_option"]) <= 1):
         raise ValueError(f"ac=memory_budget: ac_option={case['ac_option']!r} must be the budget, a number in [0, 1]")
     parse_layout(case["layout"])
+    if case["post"] not in POST:
+        raise ValueError(f"post={case['post']!r}: choose one of {POST[1:]} (or \"\" for pretraining)")
     if case["peer_ac"] and case["peer_ac"].partition(":")[0] not in AC_MODES:
         raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} "
                          f"(\"\": the same as ac)")
@@ -104,8 +107,8 @@ def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None)
 
 
 def label(case: dict) -> str:
-    parts = [*([case["model"]] if case["model"] != DEFAULT_MODEL else []), case["flavor"], f"s{case['seq']}",
-             f"b{case['batch']}", f"n{case['nproc']}",
+    parts = [*([case["post"]] if case["post"] else []), *([case["model"]] if case["model"] != DEFAULT_MODEL else []),
+             case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
         parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))

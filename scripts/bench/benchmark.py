@@ -15,7 +15,15 @@ Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | r
 float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
 memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as
 tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
-TOML; default by flavor).
+TOML; default by flavor), post ("" pretraining; sft | lora | dpo: the post-training cases, see below).
+
+Post-training (issue 36): `--peer trl --post sft,lora,dpo` (or `--peer trl-sft` etc.) runs titanlike with chat data
+(packed, document masking), the same plus [lora], or preference pairs, against TRL's SFTTrainer / + PEFT / DPOTrainer
+(scripts/bench/peer_trl.py) on the same records and tokenizer (scripts/bench/post_training_data.py, written into
+--post-data once). A DPO step counts 2·batch·seq tokens on both sides (batch = pairs), so the ratio is one of pairs
+per second. SFT/LoRA: the peer counts the real tokens of its padding-free batches, titanlike whole packed rows, so the
+ratio scales titanlike's tok/s by its pack fill (the share of row tokens that are conversation tokens, from its
+start-up log; in the JSON as pack_fill).
 
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
@@ -53,6 +61,15 @@ PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)Gi
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
+# titanlike's start-up line of packed chat data (titanlike/data/sft.py): its tok/s counts whole rows, padding included
+PACK_FILL = re.compile(r"chat data \(train\): [\d,]+ conversations, ([\d,]+) tokens in ([\d,]+) rows of (\d+)")
+PEER_TRL = os.path.join(ROOT, "scripts", "bench", "peer_trl.py")  # post-training's peer: TRL (--peer trl)
+# titanlike's data flags for each post-training case ({d}: the folder of post_training_data.py): SFT packs whole
+# conversations with document masking, as TRL's padding-free "bfd" packing does; LoRA is SFT with [lora] on.
+SFT_FLAGS = ["--data.dataset=chat", "--data.paths={d}/chat.jsonl", "--data.sft_layout=pack",
+             "--data.document_masking=true", "--data.reset_position_ids=true"]
+POST_FLAGS = {"sft": SFT_FLAGS, "lora": [*SFT_FLAGS, "--lora.enable=true"],
+              "dpo": ["--data.dataset=preference", "--data.paths={d}/pairs.jsonl"]}
 
 def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
@@ -88,8 +105,17 @@ def _ac_option_flags(ac: str, option: str, prefix: str, sep: str, selective_key:
 
 def resolve_peer(peer: str) -> str:
     """--peer's value as a launcher path: "auto" is this checkout's peer_torchtitan.sh, "hf" its peer_hf.py (the
-    hybrids' peer: transformers with flash-linear-attention's kernels); "" stays "" (no peer)."""
-    return {"auto": PEER_LAUNCHER, "hf": PEER_HF}.get(peer, peer)
+    hybrids' peer: transformers with flash-linear-attention's kernels), "trl" its peer_trl.py (post-training cases);
+    "" stays "" (no peer)."""
+    return {"auto": PEER_LAUNCHER, "hf": PEER_HF, "trl": PEER_TRL}.get(peer, peer)
+
+
+def tokens_per_step(case: dict) -> int:
+    """Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP ranks
+    of one data-parallel group share the same tokens); a DPO step's batch counts pairs, two sequences each."""
+    degrees = parse_layout(case["layout"])
+    sharing = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)  # ranks sharing one batch
+    return case["batch"] * case["seq"] * (2 if case["post"] == "dpo" else 1) // max(1, sharing)
 
 
 def titanlike_cmd(case: dict, opts) -> list[str]:
@@ -97,9 +123,13 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
     if case["nproc"] > 1:
         train = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}", *train]
     config = case["config"] or default_config(case["model"], case["flavor"])
+    data = [f"--data.dataset={opts.data}"]
+    if case["post"]:  # the inputs the peer reads too: one tokenizer (its template in its folder), the same records
+        data = [f.format(d=opts.post_data) for f in POST_FLAGS[case["post"]]] + [
+            f"--data.tokenizer={opts.post_data}/tokenizer"]
     cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}",
-           f"--model.flavor={case['flavor']}",
-           f"--model.vocab_size={opts.vocab}", f"--data.dataset={opts.data}", f"--training.seq_len={case['seq']}",
+           f"--model.flavor={case['flavor']}", f"--model.vocab_size={opts.vocab}", *data,
+           f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
            f"--activation_checkpoint.mode={case['ac']}",
@@ -121,11 +151,17 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     """torchtitan 0.2.2 flags for the same shape; None when the peer cannot run it. (loss_chunk is titanlike's own
     memory lever: the peer runs the shape with its full logits. peer_ac gives the peer its own AC where the two fit
     best with different settings, e.g. at long context.)"""
-    hf = opts.peer == PEER_HF
-    if not hf and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
+    hf, trl = opts.peer == PEER_HF, opts.peer == PEER_TRL
+    if trl != bool(case["post"]):  # post-training cases run against TRL only, and TRL runs only those
+        return None
+    if trl and (case["nproc"] > 1 or case["layout"] or case["float8"] != "none"):
+        return None  # the TRL peer is one process in bf16
+    if not (hf or trl) and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
     ac, ac_option = peer_ac(case)
     args = [sys.executable, opts.peer, "--vocab", str(opts.vocab)] if hf else ["bash", opts.peer]
+    if trl:
+        args = [sys.executable, opts.peer, case["post"], "--vocab", str(opts.vocab), "--data", opts.post_data]
     args += [case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
             "--metrics.log_freq", str(opts.log_freq),
@@ -151,6 +187,16 @@ def parse_ours(text: str) -> list[dict]:
         rows.append({"step": int(m[1]), "loss": float(m[2]), "tps": float(m[3].replace(",", "")),
                      "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None})
     return rows
+
+
+def pack_fill(text: str) -> float | None:
+    """The share of titanlike's packed SFT rows that holds conversation tokens (the rest is end-of-document padding,
+    which its tok/s counts), from its start-up line; None when absent."""
+    m = PACK_FILL.search(ANSI.sub("", text))
+    if not m:
+        return None
+    tokens, rows, width = (int(g.replace(",", "")) for g in m.groups())
+    return tokens / (rows * width) if rows else None
 
 
 def parse_peer(text: str) -> list[dict]:
@@ -304,8 +350,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
-                   "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), or a path; "
-                   "empty (default) = titanlike only")
+                   "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), 'trl' = "
+                   "scripts/bench/peer_trl.py for the post-training cases (--post; 'trl-sft', 'trl-lora', 'trl-dpo' "
+                   "also set --post), or a path; empty (default) = titanlike only")
+    p.add_argument("--post-data", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_post"),
+                   help="post-training cases: the folder of scripts/bench/post_training_data.py (written when missing)")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
     p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))
@@ -314,23 +363,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("extra", nargs="*", help="extra --section.key=value for titanlike (after --)")
     a = p.parse_args(argv)
     a.peer_extra = a.peer_extra.split()
+    if a.peer.startswith("trl-"):  # trl-sft: --peer trl --post sft
+        a.peer, a.post = "trl", a.post or a.peer[len("trl-"):]
     a.peer = resolve_peer(a.peer)
     toml_text = open(a.matrix).read() if a.matrix else None
     cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
+    if any(c["post"] for c in cases):
+        from post_training_data import ensure  # the same chat/preference records and tokenizer for both sides
+
+        ensure(a.post_data)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
     results, peer_runs = [], {}
     for i, case in enumerate(cases):
-        # Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP
-        # ranks of one data-parallel group share the same tokens), so step times come out right for every layout.
-        degrees = parse_layout(case["layout"])
-        sharing = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)  # ranks sharing one batch
-        tokens = case["batch"] * case["seq"] // max(1, sharing)
+        tokens = tokens_per_step(case)  # so step times come out right for every layout
         fpt = flops_per_token(case["model"], case["flavor"], case["seq"], a.vocab)
         res = {"label": label(case), "case": case, "flops_per_token": fpt}
         log = a.log and f"{a.log}.{i}"
         text, rc, wall = run(titanlike_cmd(case, a), env, log and log + ".titanlike.log", a.timeout)
         res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
+        fill = pack_fill(text) if case["post"] in ("sft", "lora") else None
+        if fill is not None:  # the peer counts only real tokens (padding-free): compare on those
+            res["titanlike"]["pack_fill"] = fill
         cmd = peer_cmd(case, a) if a.peer else None
         if cmd and tuple(cmd) in peer_runs:  # the same peer run for cases that differ only in titanlike's levers
             res["peer"] = peer_runs[tuple(cmd)]
@@ -340,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
             res["peer"] = peer_runs[tuple(cmd)] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc,
                                                    "wall_s": wall}
             if res["titanlike"].get("tps") and res["peer"].get("tps"):
-                res["ratio"] = res["titanlike"]["tps"] / res["peer"]["tps"]
+                res["ratio"] = res["titanlike"]["tps"] * res["titanlike"].get("pack_fill", 1.0) / res["peer"]["tps"]
         results.append(res)
         print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
         comparisons = compare_to_bf16(results)

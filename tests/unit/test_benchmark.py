@@ -2,6 +2,7 @@
 parsing, summary statistics and the table — and one tiny real run on CPU (2 cases, with a stand-in peer script)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -78,6 +79,74 @@ def test_command_lines_for_both_frameworks():
     assert "--activation_checkpoint.selective_option=op" in bench.titanlike_cmd(long, OPTS)
     peer = " ".join(bench.peer_cmd(long, OPTS))
     assert "--activation_checkpoint.mode full" in peer and "peer-ac-full" in bench.label(long)
+
+
+def test_post_training_cases_against_trl():
+    """--peer trl-dpo sets the post axis; titanlike gets the chat/preference flags and the shared tokenizer folder, the
+    TRL peer its mode; pretraining cases have no TRL peer and post-training cases no torchtitan peer."""
+    opts = Namespace(**{**vars(OPTS), "peer": bench.PEER_TRL, "post_data": "/d"})
+    sft, lora, dpo = bench.expand_matrix({}, '[[case]]\npost = "sft"\n[[case]]\npost = "lora"\nflavor = "8B"\n'
+                                             '[[case]]\npost = "dpo"\nseq = 2048\nbatch = 4\n')
+    ours = bench.titanlike_cmd(sft, opts)
+    assert {"--data.dataset=chat", "--data.paths=/d/chat.jsonl", "--data.tokenizer=/d/tokenizer",
+            "--data.document_masking=true", "--data.sft_layout=pack"} <= set(ours) and "--data.dataset=mock" not in ours
+    assert "--lora.enable=true" in bench.titanlike_cmd(lora, opts) and "--lora.enable=true" not in ours
+    assert {"--data.dataset=preference", "--data.paths=/d/pairs.jsonl"} <= set(bench.titanlike_cmd(dpo, opts))
+    peer = bench.peer_cmd(lora, opts)
+    assert peer[1:4] == [bench.PEER_TRL, "lora", "--vocab"] and "8B" in peer and "--data" in peer
+    assert bench.tokens_per_step(dpo) == 2 * 4 * 2048 and bench.tokens_per_step(sft) == 2 * 4096
+    assert bench.label(dpo).startswith("dpo 1B s2048 b4")
+    assert bench.peer_cmd(bench.expand_matrix({})[0], opts) is None  # pretraining: not TRL's
+    assert bench.peer_cmd(sft, OPTS) is None  # post-training: not torchtitan's
+    with pytest.raises(ValueError, match="post="):
+        bench.expand_matrix({"post": "ppo"})
+    log = "12:00:00 INFO chat data (train): 171 conversations, 152,741 tokens in 163 rows of 1025 (pack: 91% filled)"
+    assert bench.pack_fill(log) == pytest.approx(152741 / (163 * 1025)) and bench.pack_fill("step 1") is None
+
+
+def test_post_training_data_is_deterministic_and_loads_in_transformers(tmp_path):
+    """The benchmark inputs: the same files from two writes; the tokenizer folder loads in AutoTokenizer with its
+    {% generation %} template, and transformers' assistant masks equal titanlike's on every conversation."""
+    transformers = pytest.importorskip("transformers")
+    import post_training_data as ptd
+    from titanlike.data.chat import load_chat_template, render_with_masks
+    from titanlike.data.tokenizers.hf import HFTokenizer
+
+    a, b = (ptd.ensure(str(tmp_path / n), conversations_n=12, pairs_n=6) for n in "ab")
+    for name in ("chat.jsonl", "pairs.jsonl", "tokenizer/tokenizer.json", "tokenizer/chat_template.jinja"):
+        assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes(), name
+    hf = transformers.AutoTokenizer.from_pretrained(f"{a}/tokenizer")
+    assert "{% generation %}" in hf.chat_template and len(hf.encode("<|im_end|>", add_special_tokens=False)) == 1
+    tok = HFTokenizer(f"{a}/tokenizer/tokenizer.json")
+    template = load_chat_template(Namespace(chat_template=""), tok)
+    rows = [json.loads(line) for line in open(f"{a}/chat.jsonl")]
+    assert len(rows) == 12 and all(r["messages"][1]["role"] == "assistant" for r in rows)
+    for r in rows:
+        out = hf.apply_chat_template(r["messages"], return_dict=True, return_assistant_tokens_mask=True)
+        assert (out["input_ids"], out["assistant_masks"]) == tuple(render_with_masks(template, r["messages"], tok))
+    pairs = [json.loads(line) for line in open(f"{a}/pairs.jsonl")]
+    assert len(pairs) == 6 and all(p["chosen"] != p["rejected"] for p in pairs)
+    assert ptd.ensure(a) == a  # present: kept as it is
+
+
+def test_trl_peer_packing_is_document_masked_under_sdpa():
+    """The TRL peer's padding-free packing (no attention mask, position ids restarting per conversation) gives each
+    conversation the logits it has alone under SDPA, as titanlike's document masking: the two sides compute the same."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import models
+    from peer_trl import build_model
+
+    spec = models.get_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], vocab_size=300)
+    model = build_model(spec, args, 64, "cpu").float()
+    a, b = torch.randint(0, 300, (1, 20)), torch.randint(0, 300, (1, 30))
+    pos = torch.cat([torch.arange(20), torch.arange(30)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([a, b], 1), position_ids=pos).logits
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+    assert (packed - alone).abs().max() < 1e-4
 
 
 def test_parse_and_summarize_logs():
