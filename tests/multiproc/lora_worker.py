@@ -205,6 +205,54 @@ def train(cfg) -> list[dict]:
         trainer.run_lock.release()
 
 
+def sft_cfg(root: str, name: str, parallelism: dict | None = None, local_batch: int = 4):
+    """A 3-step SFT run of a tiny Llama on the shipped chat file (assistant-only labels, packed with document masking,
+    the built-in ChatML template): the data path of docs/post_training.md under each layout."""
+    from titanlike.config.load import config_from_dict
+    from titanlike.config.validate import validate
+
+    chat = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit", "data",
+                        "chat_tiny.jsonl")
+    cfg = config_from_dict({
+        "job": {"dump_folder": root, "run_name": f"sft_{name}"},
+        "model": {"flavor": "debugmodel", "args": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                                    "multiple_of": 32}},
+        "training": {"steps": 3, "seq_len": 64, "local_batch_size": local_batch, "global_batch_size": 4,
+                     "device": "cpu", "max_norm": 1.0, "gc_freq": 0},
+        "optimizer": {"lr": 1e-2}, "lr_scheduler": {"warmup_steps": 1},
+        "data": {"dataset": "chat", "paths": [chat], "chat_template": "chatml", "sft_layout": "pack",
+                 "document_masking": True, "reset_position_ids": True},
+        "metrics": {"log_freq": 1, "enable_tensorboard": False},
+        "parallelism": {"dp_shard": -1, **(parallelism or {})},
+    })
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg
+
+
+def train_plain(cfg) -> list[dict]:
+    """A run without LoRA: its logged (step, loss, grad_norm)."""
+    from titanlike.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return [{k: h[k] for k in ("step", "loss", "grad_norm")} for h in trainer.train()]
+    finally:
+        trainer.checkpointer.close()
+        trainer.metrics.close()
+        trainer.run_lock.release()
+
+
+def sft_cases(root: str) -> None:
+    out = {"fsdp2": train_plain(sft_cfg(root, "fsdp2", {"dp_shard": 2}, local_batch=2)),
+           "tp2": train_plain(sft_cfg(root, "tp2", {"tp": 2, "dp_shard": 1})),
+           "pp2": train_plain(sft_cfg(root, "pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B",
+                                                    "pp_microbatches": 2}))}
+    report("sft_layouts_trainer", " ".join(f"{k}={[round(h['loss'], 6) for h in v]}" for k, v in out.items()))
+    if rank == 0:
+        with open(os.path.join(root, "sft_trainers.json"), "w") as f:
+            json.dump(out, f)
+
+
 def trainer_cases(root: str) -> None:
     out = {"pp2": train(trainer_cfg(root, "pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B",
                                                   "pp_microbatches": 2}))}
@@ -233,6 +281,7 @@ def main() -> None:
     run_case("lora_tp2", {"tp": 2}, sp=False, lp=False)
     run_case("lora_tp2_sp_lp_sac", {"tp": 2}, sp=True, lp=True, ac="selective")
     trainer_cases(sys.argv[1])
+    sft_cases(sys.argv[1])
     dist.barrier()
     if rank == 0:
         print("ALL CHECKS PASSED", flush=True)

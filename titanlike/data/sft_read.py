@@ -255,7 +255,9 @@ def load_chat_tokens(paths: list[str], template: ChatTemplate, tokenizer, keys: 
 
     build_once(names["tokens"], build)
     arrays = {n: np.load(p, mmap_mode="r") for n, p in names.items()}
-    stats = json.loads(stats_path.read_text())
+    # The files as this run names them: the cache key is their absolute paths, so a cache built from another working
+    # directory may hold other (relative) spellings of the same files.
+    stats = {**json.loads(stats_path.read_text()), "files": files}
     if stats["skipped"]:
         shown = "\n  ".join(stats["skipped_first"])
         more = f"\n  ... {stats['skipped'] - len(stats['skipped_first'])} more" if stats["skipped"] > _MAX_LOGGED_BAD \
