@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import models  # the repository on PYTHONPATH, as every bench script expects
+from peer_flags import add_run_flags  # scripts/bench, beside this script
 
 PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200, as titanlike's MFU
 
@@ -92,12 +93,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("flavor")
     p.add_argument("--model", default=os.environ.get("MODEL", "nemotron_h"))
-    p.add_argument("--training.seq_len", dest="seq", type=int, default=4096)
-    p.add_argument("--training.local_batch_size", dest="batch", type=int, default=1)
-    p.add_argument("--training.steps", dest="steps", type=int, default=16)
-    p.add_argument("--metrics.log_freq", dest="log_freq", type=int, default=1)
-    p.add_argument("--activation_checkpoint.mode", dest="ac", default="none")
-    p.add_argument("--compile.enable", dest="compile", action="store_true")
+    add_run_flags(p, batch=1, steps=16)
     p.add_argument("--vocab", type=int, default=int(os.environ.get("VOCAB", "0")))
     a, unknown = p.parse_known_args()
     if unknown:

@@ -48,6 +48,7 @@ import time
 import torch
 
 import models  # the repository on PYTHONPATH, as every bench script expects
+from peer_flags import add_run_flags  # scripts/bench, beside this script
 from post_training_data import ensure
 
 PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200, as titanlike's MFU
@@ -158,12 +159,7 @@ def main() -> None:
     p.add_argument("--model", default=os.environ.get("MODEL", models.DEFAULT_MODEL))
     p.add_argument("--data", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_post"),
                    help="folder of post_training_data.py (written there first when missing)")
-    p.add_argument("--training.seq_len", dest="seq", type=int, default=4096)
-    p.add_argument("--training.local_batch_size", dest="batch", type=int, default=2)
-    p.add_argument("--training.steps", dest="steps", type=int, default=20)
-    p.add_argument("--metrics.log_freq", dest="log_freq", type=int, default=1)
-    p.add_argument("--activation_checkpoint.mode", dest="ac", default="none")
-    p.add_argument("--compile.enable", dest="compile", action="store_true")
+    add_run_flags(p, batch=2, steps=20)
     p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="auto",
                    help="TRL's torch_compile: auto follows --compile.enable (benchmark.py: "
                         "--peer-extra='--torch-compile off' runs TRL eager beside a compiled titanlike, where its "
