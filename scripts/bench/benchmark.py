@@ -28,7 +28,9 @@ start-up log; in the JSON as pack_fill).
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
 rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N +
-12·L·d·seq per token, the same for both), peak reserved memory, time of the first step (compile time), median step time
+12·L·d·seq per token, the same for both), peak reserved memory, time of the first step (compile time: a cold start,
+each framework and case on its own empty Inductor/Triton caches, unless --compile-cache shared; with --warm also the
+first step of a 3-step rerun on the caches the cold run left), median step time
 and its spread (p90 - p10 over the median). Data: titanlike reads --data (stdlib text or mock tokens), the peer its
 synthetic word corpus; both use one vocabulary size (--vocab), so compute per token is identical. Peer float8 flags
 (torchtitan 0.2.2): --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output, then for
@@ -44,25 +46,21 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
+from bench_report import (compare_to_bf16, format_table, pack_fill, parse_ours, parse_peer,
+                          summarize)
 from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout, peer_ac
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?mfu\s+([\d.]+)%)?"
-                  r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?")
-PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
-                  r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
 # titanlike's start-up line of packed chat data (titanlike/data/sft.py): its tok/s counts whole rows, padding included
-PACK_FILL = re.compile(r"chat data \(train\): [\d,]+ conversations, ([\d,]+) tokens in ([\d,]+) rows of (\d+)")
 PEER_TRL = os.path.join(ROOT, "scripts", "bench", "peer_trl.py")  # post-training's peer: TRL (--peer trl)
 # titanlike's data flags for each post-training case ({d}: the folder of post_training_data.py): SFT packs whole
 # conversations with document masking, as TRL's padding-free "bfd" packing does; LoRA is SFT with [lora] on.
@@ -181,80 +179,6 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     return args + list(opts.peer_extra)
 
 
-def parse_ours(text: str) -> list[dict]:
-    rows = []
-    for m in OURS.finditer(ANSI.sub("", text)):
-        rows.append({"step": int(m[1]), "loss": float(m[2]), "tps": float(m[3].replace(",", "")),
-                     "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None})
-    return rows
-
-
-def pack_fill(text: str) -> float | None:
-    """The share of titanlike's packed SFT rows that holds conversation tokens (the rest is end-of-document padding,
-    which its tok/s counts), from its start-up line; None when absent."""
-    m = PACK_FILL.search(ANSI.sub("", text))
-    if not m:
-        return None
-    tokens, rows, width = (int(g.replace(",", "")) for g in m.groups())
-    return tokens / (rows * width) if rows else None
-
-
-def parse_peer(text: str) -> list[dict]:
-    return [{"step": int(m[1]), "loss": float(m[2]), "mem": float(m[3]), "tps": float(m[4].replace(",", "")),
-             "tflops": float(m[5].replace(",", "")) if m[5] else None, "mfu": float(m[6])}
-            for m in PEER.finditer(ANSI.sub("", text))]
-
-
-def summarize(rows: list[dict], warmup: int, tokens_per_step: int, flops_per_token: float | None) -> dict:
-    """Medians over the steps after `warmup`, the first step's time, and the step-time spread."""
-    if not rows:
-        return {}
-    kept = [r for r in rows if r["step"] > warmup] or rows
-    out = {}
-    for k in ("tps", "mfu", "mem", "tflops"):
-        vals = [r[k] for r in kept if r.get(k) is not None]
-        if vals:
-            out[k] = statistics.median(vals)
-    if flops_per_token and "tps" in out:
-        out["tflops"] = out["tps"] * flops_per_token / 1e12  # the same formula for both, over the same tokens
-    step_s = [tokens_per_step / r["tps"] for r in kept if r["tps"] > 0]
-    if step_s:
-        med = statistics.median(step_s)
-        out["step_ms"] = 1e3 * med
-        out["step_ms_min"], out["step_ms_max"] = 1e3 * min(step_s), 1e3 * max(step_s)
-        if len(step_s) >= 2:
-            q = statistics.quantiles(step_s, n=10, method="inclusive")
-            out["spread_pct"] = 100 * (q[-1] - q[0]) / med
-    first = rows[0]
-    if first["tps"] > 0:
-        out["first_step_s"] = tokens_per_step / first["tps"]
-    out.update(loss_first=first["loss"], loss_last=rows[-1]["loss"], steps_measured=len(kept),
-               loss_curve=[[r["step"], r["loss"]] for r in rows])
-    return out
-
-
-def compare_to_bf16(results: list[dict]) -> list[str]:
-    """For each float8 case with a bf16 twin (every other axis equal): how far its titanlike loss curve strays,
-    relative to the bf16 loss at the same step (max over all steps; mean over the last 20 logged steps)."""
-    lines = []
-    for res in results:
-        case = res["case"]
-        if case["float8"] == "none":
-            continue
-        twin = next((r for r in results if r["case"] == {**case, "float8": "none"}), None)
-        if twin is None:
-            continue
-        a = dict(map(tuple, twin["titanlike"].get("loss_curve", [])))
-        b = dict(map(tuple, res["titanlike"].get("loss_curve", [])))
-        rel = [abs(b[s] - a[s]) / abs(a[s]) for s in sorted(set(a) & set(b)) if a[s]]
-        if rel:
-            res["loss_vs_bf16"] = {"max_rel": max(rel), "last20_mean_rel": statistics.fmean(rel[-20:]),
-                                   "steps": len(rel)}
-            lines.append(f"{res['label']}: loss vs bf16 over {len(rel)} steps: max {100 * max(rel):.2f}%, "
-                         f"last 20 mean {100 * statistics.fmean(rel[-20:]):.2f}%")
-    return lines
-
-
 def flops_per_token(model: str, flavor: str, seq: int, vocab: int) -> float | None:
     """Model FLOPs per token (the ModelSpec's count, as the trainer logs it); None for an unknown flavor."""
     try:
@@ -264,29 +188,6 @@ def flops_per_token(model: str, flavor: str, seq: int, vocab: int) -> float | No
         return spec.flops_per_token(dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq), seq)
     except (KeyError, ValueError, ImportError):
         return None
-
-
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def format_table(results: list[dict]) -> str:
-    head = (f"{'case':<44} {'who':<9} {'tok/s/dev':>10} {'MFU%':>6} {'TFLOP/s':>8} {'mem GiB':>8} {'1st s':>7} "
-            f"{'step ms':>8} {'spread%':>8} {'loss first→last':>16} {'ratio':>6}")
-    lines = [head, "-" * len(head)]
-    for res in results:
-        for who in ("titanlike", "peer"):
-            r = res.get(who)
-            if r is None:
-                continue
-            ratio = res.get("ratio") if who == "titanlike" else None
-            loss = f"{r['loss_first']:.3f}→{r['loss_last']:.3f}" if "loss_first" in r else "failed"
-            lines.append(f"{res['label'] if who == 'titanlike' else '':<44} {who:<9} {_fmt(r.get('tps'), ',.0f'):>10} "
-                         f"{_fmt(r.get('mfu'), '.1f'):>6} {_fmt(r.get('tflops'), '.4g'):>8} "
-                         f"{_fmt(r.get('mem'), '.1f'):>8} {_fmt(r.get('first_step_s'), '.1f'):>7} "
-                         f"{_fmt(r.get('step_ms'), '.1f'):>8} {_fmt(r.get('spread_pct'), '.1f'):>8} {loss:>16} "
-                         f"{_fmt(ratio, '.3f'):>6}")
-    return "\n".join(lines)
 
 
 def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
@@ -335,6 +236,27 @@ def _environment() -> dict:
     return env
 
 
+def cache_env(opts, case: dict, who: str, keep: bool) -> dict:
+    """Environment for one run's compile caches: its own Inductor and Triton directories under the dump folder
+    (emptied first unless `keep`), or nothing with --compile-cache shared."""
+    if opts.compile_cache == "shared":
+        return {}
+    root = os.path.join(opts.dump_folder, "compile_caches", re.sub(r"[^A-Za-z0-9_.-]+", "_", label(case)), who)
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"), "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+
+
+def warm_first_step(cmd_fn, parse, case: dict, opts, env: dict, who: str, tokens: int, fpt) -> float | None:
+    """The first step's seconds of a 3-step rerun on the caches the cold run left (--warm)."""
+    short = argparse.Namespace(**{**vars(opts), "steps": 3})
+    cmd = cmd_fn(case, short)
+    if cmd is None:
+        return None
+    text, rc, _ = run(cmd, {**env, **cache_env(opts, case, who, keep=True)}, None, opts.timeout)
+    return summarize(parse(text), 0, tokens, fpt).get("first_step_s") if rc == 0 else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for axis, (kind, default) in AXES.items():
@@ -357,6 +279,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help="post-training cases: the folder of scripts/bench/post_training_data.py (written when missing)")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
+    p.add_argument("--compile-cache", choices=("fresh", "shared"), default="fresh",
+                   help="fresh (default): each framework and case compiles into its own empty Inductor/Triton cache "
+                        "directories, so the first step is a cold start for both; shared: torch's default caches, "
+                        "whatever earlier runs left there")
+    p.add_argument("--warm", action="store_true",
+                   help="with fresh caches: run each case again for 3 steps on the caches its cold run left, and "
+                        "report that first step too (first_step_warm_s)")
     p.add_argument("--dump-folder", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_bench"))
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--log", default="", help="prefix for the full logs of every run")
@@ -380,8 +309,13 @@ def main(argv: list[str] | None = None) -> dict:
         fpt = flops_per_token(case["model"], case["flavor"], case["seq"], a.vocab)
         res = {"label": label(case), "case": case, "flops_per_token": fpt}
         log = a.log and f"{a.log}.{i}"
-        text, rc, wall = run(titanlike_cmd(case, a), env, log and log + ".titanlike.log", a.timeout)
-        res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall}
+        text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},
+                             log and log + ".titanlike.log", a.timeout)
+        res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall,
+                            "compile_cache": a.compile_cache}
+        if a.warm and a.compile_cache == "fresh" and rc == 0:
+            res["titanlike"]["first_step_warm_s"] = warm_first_step(titanlike_cmd, parse_ours, case, a, env,
+                                                                    "titanlike", tokens, fpt)
         fill = pack_fill(text) if case["post"] in ("sft", "lora") else None
         if fill is not None:  # the peer counts only real tokens (padding-free): compare on those
             res["titanlike"]["pack_fill"] = fill
@@ -389,10 +323,14 @@ def main(argv: list[str] | None = None) -> dict:
         if cmd and tuple(cmd) in peer_runs:  # the same peer run for cases that differ only in titanlike's levers
             res["peer"] = peer_runs[tuple(cmd)]
         elif cmd:
-            text, rc, wall = run(cmd, {**env, "NPROC": str(case["nproc"]), "MODEL": case["model"]},
+            peer_env = {**env, "NPROC": str(case["nproc"]), "MODEL": case["model"]}
+            text, rc, wall = run(cmd, {**peer_env, **cache_env(a, case, "peer", keep=False)},
                                  log and log + ".peer.log", a.timeout)
             res["peer"] = peer_runs[tuple(cmd)] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc,
-                                                   "wall_s": wall}
+                                                   "wall_s": wall, "compile_cache": a.compile_cache}
+            if a.warm and a.compile_cache == "fresh" and rc == 0:
+                res["peer"]["first_step_warm_s"] = warm_first_step(peer_cmd, parse_peer, case, a, peer_env, "peer",
+                                                                    tokens, fpt)
             if res["titanlike"].get("tps") and res["peer"].get("tps"):
                 res["ratio"] = res["titanlike"]["tps"] * res["titanlike"].get("pack_fill", 1.0) / res["peer"]["tps"]
         results.append(res)
