@@ -159,6 +159,9 @@ class Compile:
     # without Inductor's code generation: quick to compile, for tests and debugging, not for speed. Async TP and
     # memory_budget AC are Inductor passes; the optimizer's fused update always uses Inductor.
     backend: str = "inductor"
+    # torch.compile's caches (FX graph, AOTAutograd, Triton, portable artifacts) kept here so a requeued job warm-starts
+    # on any node: "" = torch's defaults (the node's /tmp), "auto" = <run folder>/compile_cache, or a folder (shared)
+    cache_dir: str = ""
 
 
 @dataclass

@@ -344,6 +344,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     dump = cfg.job.dump_folder
     if os.path.exists(dump) and not os.path.isdir(dump):
         errors.append(f"job.dump_folder={dump!r} is a file, not a folder; choose another job.dump_folder")
+    cache = cfg.compile.cache_dir  # (titanlike/train/compile_cache.py)
+    if cache and cache != "auto" and os.path.exists(cache) and not os.path.isdir(cache):
+        errors.append(f"compile.cache_dir={cache!r} is a file, not a folder; give a folder (shared storage for "
+                      f"requeued jobs), \"auto\" (the run folder's compile_cache) or \"\" (torch's defaults)")
     if not errors:
         _check_model(cfg, errors)
     if errors:

@@ -30,6 +30,7 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
+from titanlike.train.compile_cache import CompileCache, resolve_cache_dir, world_layout
 from titanlike.train.construct import BuildSections, build_model, lora_checkpointing, materialise, run_vocab
 from titanlike.train.dpo import PreferenceTuning
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
@@ -62,6 +63,11 @@ class Trainer:
         self.run_lock = acquire_run_lock(self.run_dir, self.rank, self.world_size)
         # heartbeat, timeouts (titanlike/resilience/comm_watch.py)
         self.hang = HangWatch(cfg.comm, self.run_dir, self.rank, traces)
+        # compile.cache_dir: torch's compile caches where a requeued job on any node finds them, set before anything
+        # compiles (titanlike/train/compile_cache.py); the first step reports its compile time and cache hits
+        self.compile_cache = CompileCache(resolve_cache_dir(cfg.compile.cache_dir, self.run_dir), self.rank,
+                                          world_layout(self.dims, self.device.type))
+        self.compile_cache.start()
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
         self.signals.enter("tokenizer and model build")
@@ -321,6 +327,7 @@ class Trainer:
             profiler.step(self.step)
             self.hang.step_done(self.step)  # heartbeat; after the first step the training timeout applies
             if self.step == first_step:
+                self.compile_cache.first_step_done()
                 logger.info(self.signals.setup_summary())
             if self.step < t.steps and self.signals.should_stop(self.step):
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
@@ -341,6 +348,7 @@ class Trainer:
         if not first:
             self.signals.enter("training", graceful=True)
             return
+        self.compile_cache.first_step_begins()
         c = self.cfg.compile
         compiling = c.enable and bool(c.components)
         if compiling:

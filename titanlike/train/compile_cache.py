@@ -1,0 +1,134 @@
+"""compile.cache_dir: torch.compile's caches in a folder that outlives the node, for warm restarts
+(docs/multinode.md, "Warm restart").
+
+A requeued job on another node would compile cold again: torch keeps its FX-graph (Inductor), AOTAutograd and
+Triton caches under the node's /tmp. With compile.cache_dir set, before anything compiles (the Trainer's start):
+  - TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into the folder (torch reads them at each compile, so setting
+    them before the first step is enough), the FX-graph and AOTAutograd caches are switched on;
+  - torch's portable cache artifacts ("mega-cache", torch.compiler.save/load_cache_artifacts) of this rank are loaded
+    when present: they refill the local caches even where only the one file survived (a node-local cache folder
+    copied away, a cleaned /tmp);
+  - after the first step each rank saves its artifacts (temporary file, then os.replace: a reader never sees half a
+    file). Per rank, not rank 0 alone: pipeline stages compile different graphs, and the graphs' cache keys may name
+    the rank's device, so rank 0's file could miss elsewhere. The key names torch's version and the world layout; a
+    changed model or config only misses (the caches key on the graphs), it never loads a wrong kernel.
+Only the Trainer calls this: the memory estimate (titanlike/planner) builds through construct.py and writes no cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger("titanlike")
+
+
+def resolve_cache_dir(cache_dir: str, run_dir: str) -> str | None:
+    """compile.cache_dir -> the folder, or None for torch's defaults ("")."""
+    if not cache_dir:
+        return None
+    return os.path.abspath(os.path.join(run_dir, "compile_cache") if cache_dir == "auto" else cache_dir)
+
+
+def _counters() -> dict[str, int]:
+    """The cache hit/miss/bypass counts Dynamo keeps for this process (torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fx_hit": ind["fxgraph_cache_hit"], "fx_miss": ind["fxgraph_cache_miss"],
+            "fx_bypass": ind["fxgraph_cache_bypass"], "aot_hit": aot["autograd_cache_hit"],
+            "aot_miss": aot["autograd_cache_miss"], "aot_bypass": aot["autograd_cache_bypass"]}
+
+
+class CompileCache:
+    """The run's compile cache (module docstring): `start()` before anything compiles, `first_step_done()` after the
+    first step. With folder None (compile.cache_dir = "") it only reports the first step's compile time and hits."""
+
+    def __init__(self, folder: str | None, rank: int, layout: str):
+        self.folder = folder
+        self.rank = rank
+        # torch's version and the world layout: another torch or another layout never loads these artifacts
+        self.key = f"torch{torch.__version__.replace('+', '_')}-{layout}-rank{rank}"
+        self.loaded = 0  # artifact entries loaded at start (the warm-restart test reads it)
+        self.saved = 0
+        self.first_step: dict = {}  # seconds, counters of the first step (for the tests and the log)
+        self._t0 = None  # the first step's start (perf_counter) and Dynamo's cache counters then
+        self._c0: dict[str, int] = {}
+
+    @property
+    def artifacts_path(self) -> str:
+        return os.path.join(self.folder, "artifacts", f"{self.key}.bin")
+
+    def start(self) -> None:
+        if self.folder is None:
+            return
+        os.makedirs(os.path.join(self.folder, "artifacts"), exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.folder, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(self.folder, "triton")
+        import torch._functorch.config as aot_config
+        import torch._inductor.config as inductor_config
+
+        # Both default on; TORCHINDUCTOR_FX_GRAPH_CACHE=0 / TORCHINDUCTOR_AUTOGRAD_CACHE=0 would turn them off.
+        # (hasattr: a torch config module refuses unknown names; both exist in torch 2.11 and 2.13.)
+        for module, name in ((inductor_config, "fx_graph_cache"), (aot_config, "enable_autograd_cache")):
+            if hasattr(module, name):
+                setattr(module, name, True)
+        how = "no artifacts yet (cold start)"
+        if not hasattr(torch.compiler, "load_cache_artifacts"):  # (guarded: the on-disk caches alone then)
+            how = "this torch has no portable cache artifacts"
+        elif os.path.exists(self.artifacts_path):
+            try:  # an unreadable file costs a cold compile, never the run
+                with open(self.artifacts_path, "rb") as f:
+                    info = torch.compiler.load_cache_artifacts(f.read())
+                self.loaded = sum(len(v) for v in info.artifacts.values()) if info is not None else 0
+                how = f"loaded {self.loaded} artifacts from {os.path.basename(self.artifacts_path)}"
+            except Exception as e:  # noqa: BLE001 - torch's deserialisation raises various types
+                how = f"could not load {self.artifacts_path} ({type(e).__name__}: {str(e)[:120]}): compiling cold"
+        if self.rank == 0:
+            logger.info(f"compile cache: {self.folder} (compile.cache_dir); {how}")
+
+    def first_step_begins(self) -> None:
+        self._t0 = time.perf_counter()
+        self._c0 = _counters()
+
+    def first_step_done(self) -> None:
+        """The first step's time and cache hits in one line; its artifacts saved (with a folder)."""
+        if self._t0 is None:
+            return
+        seconds = time.perf_counter() - self._t0
+        c = {k: v - self._c0[k] for k, v in _counters().items()}
+        self.first_step = {"seconds": seconds, **c}
+        if self.folder is not None:
+            self._save()
+        if self.rank == 0 and (c["fx_hit"] + c["fx_miss"] + c["aot_hit"] + c["aot_miss"] + c["fx_bypass"] > 0):
+            bypass = (f"; bypassed {c['fx_bypass']} Inductor, {c['aot_bypass']} AOTAutograd (uncacheable graphs, "
+                      f"TORCH_LOGS=+inductor says why)" if c["fx_bypass"] + c["aot_bypass"] else "")
+            saved = f"; saved {self.saved} artifacts" if self.saved else ""
+            logger.info(f"compile: first step {seconds:.1f} s; FX-graph cache {c['fx_hit']} hits / {c['fx_miss']} "
+                        f"misses, AOTAutograd cache {c['aot_hit']} hits / {c['aot_miss']} misses{bypass}{saved}")
+
+    def _save(self) -> None:
+        """This rank's artifacts since start-up (a warm start records its hits too), written atomically."""
+        if not hasattr(torch.compiler, "save_cache_artifacts"):
+            return
+        got = torch.compiler.save_cache_artifacts()
+        if got is None:  # nothing compiled: keep what is there
+            return
+        data, info = got
+        tmp = f"{self.artifacts_path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.artifacts_path)
+        self.saved = sum(len(v) for v in info.artifacts.values())
+
+
+def world_layout(dims, device_type: str) -> str:
+    """The artifact key's layout part: device type, world size and every parallel degree."""
+    degrees = "".join(f"{n}{getattr(dims, a)}" for n, a in (("r", "dp_replicate"), ("s", "dp_shard"), ("c", "cp"),
+                                                           ("t", "tp"), ("p", "pp"), ("e", "ep")))
+    return f"{device_type}-w{dims.world_size}-{degrees}"
+
+
+__all__ = ["CompileCache", "resolve_cache_dir", "world_layout"]
