@@ -55,6 +55,9 @@ def test_second_process_warm_starts_from_the_artifacts_alone(tmp_path):
     cache = tmp_path / "shared" / "compile_cache"
     cold = _run(tmp_path, "cold", str(cache))
     assert cold["loaded"] == 0 and cold["saved"] > 0 and cold["first"]["fx_miss"] > 0, cold
+    split = cold["first"]["split"]  # where the cold first step's compile went (logged as "compile split: ...")
+    assert split["graphs"] >= 1 and split["forward"] > 0 and split["backward"] > 0 and split["codegen"] > 0, split
+    assert split["forward"] + split["dynamo"] <= cold["first"]["seconds"], split
     files = os.listdir(cache / "artifacts")
     assert len(files) == 1 and files[0].endswith("-rank0.bin"), files  # torch version + layout + rank
     # Only the portable artifact file travels: the on-disk Inductor/Triton caches are gone, so hits come from it.

@@ -42,6 +42,33 @@ def _counters() -> dict[str, int]:
             "aot_miss": aot["autograd_cache_miss"], "aot_bypass": aot["autograd_cache_bypass"]}
 
 
+# Where a first step's compile time goes: torch._dynamo.utils.compilation_time_metrics' phases (seconds summed over
+# the graphs). The backend phases nest inside the forward and backward ones, so the parts overlap by design.
+_PHASES = {"dynamo": "bytecode_tracing", "forward": "OutputGraph.call_user_compiler",
+           "backward": "compile_fx.<locals>.bw_compiler", "codegen": "GraphLowering.compile_to_module",
+           "kernel_wait": "async_compile.wait", "cache_load": "AOTAutogradCache.inductor_load",
+           "graphs": "_compile.compile_inner"}
+
+
+def _compile_times() -> dict[str, float]:
+    """Seconds per phase so far in this process ("graphs": how many frames Dynamo compiled); {} where this torch
+    keeps no such record."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        return {}
+    return {k: (len(metrics.get(name, ())) if k == "graphs" else sum(metrics.get(name, ())))
+            for k, name in _PHASES.items()}
+
+
+def split_line(t: dict[str, float]) -> str:
+    """The compile split of a first step, in one line."""
+    return (f"compile split: {int(t['graphs'])} graphs; Dynamo tracing {t['dynamo']:.1f} s, forward AOTAutograd + "
+            f"Inductor {t['forward']:.1f} s, backward {t['backward']:.1f} s (of which Inductor code generation "
+            f"{t['codegen']:.1f} s, waiting for kernel builds {t['kernel_wait']:.1f} s, cache loads "
+            f"{t['cache_load']:.1f} s)")
+
+
 class CompileCache:
     """The run's compile cache (module docstring): `start()` before anything compiles, `first_step_done()` after the
     first step. With folder None (compile.cache_dir = "") it only reports the first step's compile time and hits."""
@@ -56,6 +83,7 @@ class CompileCache:
         self.first_step: dict = {}  # seconds, counters of the first step (for the tests and the log)
         self._t0 = None  # the first step's start (perf_counter) and Dynamo's cache counters then
         self._c0: dict[str, int] = {}
+        self._times0: dict[str, float] = {}
 
     @property
     def artifacts_path(self) -> str:
@@ -92,6 +120,7 @@ class CompileCache:
     def first_step_begins(self) -> None:
         self._t0 = time.perf_counter()
         self._c0 = _counters()
+        self._times0 = _compile_times()
 
     def first_step_done(self) -> None:
         """The first step's time and cache hits in one line; its artifacts saved (with a folder)."""
@@ -99,7 +128,8 @@ class CompileCache:
             return
         seconds = time.perf_counter() - self._t0
         c = {k: v - self._c0[k] for k, v in _counters().items()}
-        self.first_step = {"seconds": seconds, **c}
+        times = {k: v - self._times0.get(k, 0) for k, v in _compile_times().items()}
+        self.first_step = {"seconds": seconds, **c, "split": times}
         if self.folder is not None:
             self._save()
         if self.rank == 0 and (c["fx_hit"] + c["fx_miss"] + c["aot_hit"] + c["aot_miss"] + c["fx_bypass"] > 0):
@@ -108,6 +138,8 @@ class CompileCache:
             saved = f"; saved {self.saved} artifacts" if self.saved else ""
             logger.info(f"compile: first step {seconds:.1f} s; FX-graph cache {c['fx_hit']} hits / {c['fx_miss']} "
                         f"misses, AOTAutograd cache {c['aot_hit']} hits / {c['aot_miss']} misses{bypass}{saved}")
+            if times.get("graphs"):
+                logger.info(split_line(times))
 
     def _save(self) -> None:
         """This rank's artifacts since start-up (a warm start records its hits too), written atomically."""
