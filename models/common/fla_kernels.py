@@ -11,7 +11,8 @@ graph in pieces. Their forward and backward are wrapped here as two custom ops e
 implementations for tracing) that call fla's own Function.forward / Function.backward with a stand-in ctx, and
 autograd connects the pair; so the block compiles whole. The stand-in follows what those methods save and read in
 fla-core 0.6 (the extra pins `fla-core>=0.6,<0.7`). Documents (`seq_idx`) become fla's `cu_seqlens` over the rows
-laid end to end, inside the ops (a host sync there, with document masking only).
+laid end to end, inside the ops: a host sync, with document masking only, once per step (`_Varlen` keeps them for
+every layer).
 
 A carried or returned state (generation's prefill and decode) stays on the PyTorch scans.
 
@@ -96,19 +97,46 @@ def cu_seqlens(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([offsets, offsets.new_tensor([b * t])])
 
 
+class _Varlen:
+    """The document offsets of the step's doc_ids, computed once for all mixer layers, forward and backward: each
+    computation reads a count back to the host (nonzero), so per layer it would be 2 x layers syncs a step. One
+    entry, keyed on the tensor's storage, strides and version counter, and it holds that tensor, so its memory cannot
+    be reused by another batch while the key stands."""
+
+    def __init__(self):
+        self.held, self.key, self.cu, self.chunks = None, None, None, None
+
+    def offsets(self, seq_idx: torch.Tensor) -> torch.Tensor:
+        key = (seq_idx.data_ptr(), tuple(seq_idx.shape), seq_idx.stride(), seq_idx._version, seq_idx.device)
+        if key != self.key:
+            self.held, self.key, self.cu, self.chunks = seq_idx, key, cu_seqlens(seq_idx), None
+        return self.cu
+
+    def chunk_indices(self, cu):
+        """fla's per-chunk (document, chunk) table of `cu` (another host sync), kept beside it."""
+        if cu is None:
+            return None
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        if cu is not self.cu:
+            return prepare_chunk_indices(cu, CHUNK)
+        if self.chunks is None:
+            self.chunks = prepare_chunk_indices(cu, CHUNK)
+        return self.chunks
+
+
+_VARLEN = _Varlen()
+
+
 def _flat(seq_idx, *tensors):
     """[B, T, ...] tensors as one row [1, B*T, ...] with cu_seqlens, when there are documents."""
     if seq_idx is None:
         return tensors, None
-    return tuple(x.reshape(1, -1, *x.shape[2:]) for x in tensors), cu_seqlens(seq_idx)
+    return tuple(x.reshape(1, -1, *x.shape[2:]) for x in tensors), _VARLEN.offsets(seq_idx)
 
 
 def _chunk_indices(cu):
-    if cu is None:
-        return None
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    return prepare_chunk_indices(cu, CHUNK)
+    return _VARLEN.chunk_indices(cu)
 
 
 # Mamba-2's SSD: fla's simple_gla.

@@ -427,3 +427,12 @@ def test_fla_kernel_selection_on_cpu():
     docs = torch.tensor([[0, 0, 1, 1, 1], [3, 3, 3, 4, 4]])
     assert cu_seqlens(docs).tolist() == [0, 2, 5, 8, 10]
     assert cu_seqlens(torch.zeros(3, 4, dtype=torch.long)).tolist() == [0, 4, 8, 12]
+    # Computed once for all layers of a step (each computation is a host sync), again for a changed or new tensor.
+    from models.common.fla_kernels import _Varlen
+
+    varlen = _Varlen()
+    first = varlen.offsets(docs)
+    assert varlen.offsets(docs) is first and first.tolist() == [0, 2, 5, 8, 10]
+    docs[1, 3:] = 3  # in place: the version counter moves
+    assert varlen.offsets(docs).tolist() == [0, 2, 5, 10]
+    assert varlen.offsets(torch.zeros(2, 5, dtype=torch.long)).tolist() == [0, 5, 10]
