@@ -91,14 +91,7 @@ class GatedDeltaNet(RecurrentMixer):
         # [B, S, key heads held here, one key head's q | k | v | z]: the head count comes from the local shape (-1).
         qkv, z = self.in_proj_qkvz(x).unflatten(-1, (-1, 2 * dk + 2 * r * dv)).split([2 * dk + r * dv, r * dv], -1)
         ba = self.in_proj_ba(x).unflatten(-1, (-1, 2 * r))  # [B, S, key heads, its value heads' b | a]
-        if self.sequence_fn is None:
-            o, conv_state, rec_state = self._conv_rule(qkv, ba, doc_ids, self._part_params(0, 1), state,
-                                                       return_state, step)
-        elif state is not None or return_state:  # generation runs on one device (no plan there)
-            raise RuntimeError("GatedDeltaNet: a carried state (generation) cannot run through sequence_fn (context "
-                               "parallel); generate with the unparallelized model")
-        else:
-            o, conv_state, rec_state = self.sequence_fn(self, qkv, ba, doc_ids), None, None
+        o, conv_state, rec_state = self._in_order(qkv, ba, doc_ids, state, return_state, step, self._conv_rule)
         o = self.norm(o.reshape(bsz, s, -1, dv), z.reshape(bsz, s, -1, dv))
         y = self.out_proj(o.flatten(2).to(x.dtype))
         return (y, MixerState(conv_state, rec_state)) if return_state else y

@@ -122,14 +122,7 @@ class Mamba2Mixer(RecurrentMixer):
         r = self.n_heads // self.n_groups  # heads per group
         # [B, S, groups held here, one group's z | x B C | dt]: the group count comes from the local shape (-1).
         z, xbc, dt = self.in_proj(x).unflatten(-1, (-1, self.group_width)).split([r * p, r * p + 2 * n, r], dim=-1)
-        if self.sequence_fn is None:
-            y, conv_state, ssm_state = self._conv_scan(xbc, dt, doc_ids, self._part_params(0, 1), state,
-                                                       return_state, step)
-        elif state is not None or return_state:  # generation runs on one device (no plan there)
-            raise RuntimeError("Mamba2Mixer: a carried state (generation) cannot run through sequence_fn (context "
-                               "parallel); generate with the unparallelized model")
-        else:
-            y, conv_state, ssm_state = self.sequence_fn(self, xbc, dt, doc_ids), None, None
+        y, conv_state, ssm_state = self._in_order(xbc, dt, doc_ids, state, return_state, step, self._conv_scan)
         y = self.out_proj(self.norm(y.reshape(bsz, s, -1), z.reshape(bsz, s, -1)).to(x.dtype))
         return (y, MixerState(conv_state, ssm_state)) if return_state else y
 

@@ -47,6 +47,17 @@ class RecurrentMixer(nn.Module):
         """One decode step: x [B, 1, dim] and the state after the previous tokens -> (out [B, 1, dim], new state)."""
         return self._mix(x, None, state, True, step=True)
 
+    def _in_order(self, a, b, doc_ids, state, return_state, step, local):
+        """The part that reads the sequence in order (conv + scan): here, `local(a, b, doc_ids, params, state,
+        return_state, step)` on every head held, or through `sequence_fn` (context parallel installs it:
+        parallelize/cp_recurrent.py), which has no carried state. Returns (out, conv state, recurrent state)."""
+        if self.sequence_fn is None:
+            return local(a, b, doc_ids, self._part_params(0, 1), state, return_state, step)
+        if state is not None or return_state:  # generation runs on one device (no plan there)
+            raise RuntimeError(f"{type(self).__name__}: a carried state (generation) cannot run through sequence_fn "
+                               f"(context parallel); generate with the unparallelized model")
+        return self.sequence_fn(self, a, b, doc_ids), None, None
+
     def init_state(self, batch: int, device: torch.device | str | None = None,
                    dtype: torch.dtype = torch.float32) -> MixerState:
         """The state before any token: zeros (the conv's in `dtype`, the recurrent state in float32), for the heads
