@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from models.common.lora import LoraLinear
+from models.common.lora import LoraLinear, has_lora
 
 # Parameter -> placement on the TP mesh, per base style.
 _COLWISE = {"weight": Shard(0), "bias": Shard(0), "lora_A.weight": Replicate(), "lora_B.weight": Shard(0)}
@@ -66,10 +66,6 @@ class LoraStyle(ParallelStyle):
 def lora_aware(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """`plan` with every Colwise/Rowwise entry wrapped in LoraStyle (a no-op for the plain Linears it reaches)."""
     return {k: LoraStyle(v) if isinstance(v, (ColwiseParallel, RowwiseParallel)) else v for k, v in plan.items()}
-
-
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoraLinear) for m in model.modules())
 
 
 __all__ = ["LoraStyle", "has_lora", "lora_aware"]

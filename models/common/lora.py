@@ -18,6 +18,7 @@ ever gets adapters.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -53,8 +54,13 @@ class LoraLinear(nn.Linear):
             new.bias.requires_grad_(False)
         return new
 
+    adapters_enabled = True  # False inside adapters_disabled(): the layer computes its base alone
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapters_enabled:
+            return base
+        return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     @torch.no_grad()
     def init_adapters(self) -> None:
@@ -146,6 +152,24 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dr
 def is_adapter_key(key: str) -> bool:
     """A state-dict key of an adapter (`<fqn>.lora_A.weight`, `<fqn>.lora_B.weight`)."""
     return ".lora_A." in key or ".lora_B." in key
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoraLinear) for m in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block every LoraLinear computes its base alone (DPO's reference is the base model); a model without
+    adapters is untouched."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for m in layers:
+        m.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.adapters_enabled  # back to the class default
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:

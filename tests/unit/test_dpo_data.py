@@ -12,7 +12,8 @@ from titanlike.config.load import config_from_dict
 from titanlike.data import build_dataloader
 from titanlike.data.preference import PreferenceDataset
 from titanlike.data.tokenizers.null import NullTokenizer
-from titanlike.train.dpo_reference import ReferenceTable, adapters_disabled, has_adapters, row_keys
+from models.common.lora import LoraLinear, adapters_disabled, has_lora
+from titanlike.train.dpo_reference import ReferenceTable, row_keys
 
 X = IGNORE_INDEX
 TOK = NullTokenizer(100)  # text = token ids; EOS = 100
@@ -107,20 +108,17 @@ def test_row_keys_and_table_lookup():
 
 
 def test_adapters_disabled_gives_the_base_model():
-    class LoraLinear(torch.nn.Linear):  # the shape the LoRA branch gives adapted layers
-        def __init__(self):
-            super().__init__(4, 4)
-            self.lora_A, self.lora_B = torch.nn.Linear(4, 2, bias=False), torch.nn.Linear(2, 4, bias=False)
-
-        def forward(self, x):
-            return super().forward(x) + self.lora_B(self.lora_A(x)) * 2.0
+    def adapted():
+        layer = LoraLinear(4, 4, rank=2, alpha=4.0)
+        torch.nn.init.normal_(layer.lora_B.weight)  # nonzero adapters (B starts at zero)
+        return layer
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(LoraLinear(), torch.nn.ReLU(), LoraLinear())
+    model = torch.nn.Sequential(adapted(), torch.nn.ReLU(), adapted())
     x = torch.randn(3, 4)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if "lora" not in k})
-    assert has_adapters(model) and not has_adapters(plain)
+    assert has_lora(model) and not has_lora(plain)
     with_adapters = model(x)
     with adapters_disabled(model):
         torch.testing.assert_close(model(x), plain(x))

@@ -26,9 +26,8 @@ from models.batch import Batch, NextToken, StepContext
 from parallelize.compile import compile_loss
 from titanlike.config.errors import ConfigError
 from titanlike.train.dpo_loss import DPOLoss, sequence_logps
-from titanlike.train.dpo_reference import (
-    ReferenceTable, adapters_disabled, build_frozen_copy, has_adapters, precompute,
-)
+from models.common.lora import adapters_disabled, has_lora
+from titanlike.train.dpo_reference import ReferenceTable, build_frozen_copy, precompute
 
 REFERENCE_KEY = "dpo_reference"  # the table's key in the trainer's checkpointed state
 
@@ -67,7 +66,7 @@ class PreferenceTuning:
         self.objective = PairObjective(trainer.objective, self._reference)
         self.table: ReferenceTable | None = None
         self.ref_model = None
-        self.adapters = has_adapters(trainer.model_parts[0])
+        self.adapters = has_lora(trainer.model_parts[0])
         if self.cfg.reference == "frozen_copy" and not self.adapters:
             self.ref_model = build_frozen_copy(trainer, plan, plan_sections)
 

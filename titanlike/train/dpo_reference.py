@@ -10,15 +10,13 @@ Two ways (dpo.reference):
   weights, then checkpoint.initial_load_path's weights when set), every parameter frozen, run under no_grad on each
   micro-batch. Its weights are always the run's initial ones, at the first start and on resume alike.
 
-LoRA (adapters as `lora_A` / `lora_B` children of Linear layers; another branch): the reference is the base model
-without its adapters. `adapters_disabled(model)` is the hook: inside it every `lora_B` module outputs zeros, so an
-adapter adding `lora_B(lora_A(x)) * scale` to its Linear contributes nothing. With adapters, "frozen_copy" runs the
+LoRA (models/common/lora.py): the reference is the base model without its adapters, `adapters_disabled(model)`
+(every LoraLinear computes its base alone inside it). With adapters, "frozen_copy" runs the
 policy itself inside that context instead of a copy (the base weights are frozen and shared), and "precompute" runs
 its pass inside it too.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -99,23 +97,6 @@ def precompute(datasets: list, forward_logps, *, batch_pairs: int, dp_rank: int,
     logger.info(f"DPO reference: log-probs of {uniq.numel():,} sequences precomputed with the initial weights in "
                 f"{time.perf_counter() - t0:.1f} s (kept in checkpoints)")
     return ReferenceTable(uniq, vals, fp)
-
-
-def has_adapters(model: torch.nn.Module) -> bool:
-    return any(hasattr(m, "lora_A") and hasattr(m, "lora_B") for m in model.modules())
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: torch.nn.Module):
-    """Within the block the model computes as its base, without LoRA adapters (every `lora_B` outputs zeros); a
-    model without adapters is untouched. The hook for the LoRA branch: it may replace this by its own switch."""
-    handles = [m.lora_B.register_forward_hook(lambda mod, args, out: torch.zeros_like(out))
-               for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "lora_B")]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def build_frozen_copy(trainer, plan, plan_sections) -> torch.nn.Module:
