@@ -209,3 +209,40 @@ def test_bubble_tool_on_a_synthetic_trace():
     assert r["bubble"] == pytest.approx(0.4)
     assert tool.theoretical_bubble("1F1B", 2, 8) == pytest.approx(1 / 9)
     assert tool.theoretical_bubble("Interleaved1F1B", 2, 8) == pytest.approx(1 / 17)
+
+
+def test_packed_targets_cut_labels_and_extras_alike():
+    """The schedule's target with a Batch's extras packed beside the labels (titanlike/train/pipeline_targets.py): cut
+    into micro-batches along the rows as torch's schedule cuts it, each part unpacks to that micro-batch's labels and
+    extras, the float values bit for bit (negative, tiny, infinite, NaN, bf16 alike)."""
+    from models.batch import IGNORE_INDEX, Batch
+    from titanlike.train.pipeline_targets import pack_targets, unpack_targets
+
+    labels = torch.arange(24).view(6, 4)
+    labels[::2, 0] = IGNORE_INDEX
+    logps = torch.tensor([-3.25, -1e-30, float("-inf"), float("nan"), -12345.678, 0.0])
+    extras = {"reference_logps": logps, "weights": torch.tensor([[1.5, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]],
+                                                                 dtype=torch.bfloat16)}
+    batch = Batch(inputs={"tokens": labels.clone()}, labels=labels, extras=extras)
+    target, layout = pack_targets(labels, extras)
+    assert target.dtype == torch.int64 and target.shape == (6, 4 + 1 + 2)
+    for part, mb in zip(target.tensor_split(3), batch.split(3)):
+        y, got = unpack_targets(part, layout)
+        assert torch.equal(y, mb.labels) and got.keys() == mb.extras.keys()
+        for k, v in mb.extras.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape
+            assert torch.equal(got[k].view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32),
+                               v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32))
+    per_row, layout = pack_targets(torch.tensor([3, 1]), {"w": torch.tensor([0.5, -2.0])})  # per-sequence labels
+    y, got = unpack_targets(per_row, layout)
+    assert y.tolist() == [3, 1] and got["w"].tolist() == [0.5, -2.0]
+
+
+def test_targets_without_extras_are_the_labels():
+    from titanlike.train.pipeline_targets import pack_targets, unpack_targets
+
+    labels = torch.ones(2, 3, dtype=torch.long)
+    target, layout = pack_targets(labels, {})
+    assert target is labels and layout is None and unpack_targets(target, None) == (labels, {})
+    with pytest.raises(ValueError, match=r"extras\['n'\] must be a floating tensor with one entry per row \(2\)"):
+        pack_targets(labels, {"n": torch.ones(2, dtype=torch.long)})

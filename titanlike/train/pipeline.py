@@ -2,7 +2,7 @@
 
 PipelineRunner owns the schedule built by parallelize/pp.py and gives the trainer the same four things the
 plain step has: a step over the micro-batches (the schedule's), the loss sum (last stage only), a gradient norm
-clipped across all stages, and a validation forward.
+clipped across all stages, and a forward without gradients (validation, DPO's reference log-probs).
 
 Loss convention (as Trainer.train_step): the schedule calls the loss once per micro-batch on the last stage;
 it returns sum-of-token-CE * (FSDP divide factor / global token count), the schedule gets scale_grads=False, so
@@ -30,19 +30,22 @@ from parallelize.pp import Pipeline, build_pipeline
 from parallelize.sections import PlanSections
 from parallelize.tied import TiedParameters, tied_pairs
 from titanlike.optim.adamw import clip_with_norm_, grad_norm
+from titanlike.train.pipeline_targets import pack_targets, unpack_targets
 
 
 class PipelineRunner:
     def __init__(self, model: nn.Module, spec, args, dims, sections: PlanSections, device: torch.device,
                  stage_plan: Callable, loss_fn: Callable):
         """Split meta `model` (ModelSpec `spec`, built from `args`) and build the schedule (see
-        parallelize.pp.build_pipeline; `sections` is what the plan and the split read). `loss_fn(logits, labels)`
-        returns the summed token cross-entropy of one micro-batch (the objective's loss: output against
-        Batch.labels)."""
+        parallelize.pp.build_pipeline; `sections` is what the plan and the split read). `loss_fn(logits, labels,
+        **extras)` returns the summed loss of one micro-batch (the objective's loss: output against Batch.labels,
+        reading Batch.extras when it has any)."""
         self.loss_fn = loss_fn
         self.device = device
         self.pp_group = dims.get_mesh("pp").get_group()
         self._scale = torch.ones((), device=device)  # per step: FSDP divide factor / global token count
+        self._target_layout = None  # per schedule step: where the extras sit in the packed target
+        self._metadata_pass = False  # True while torch's one-time shape inference calls the loss
         self.pipeline: Pipeline = build_pipeline(model, spec, args, dims, sections, device, self._schedule_loss,
                                                  stage_plan)
         self.schedule = self.pipeline.schedule
@@ -52,13 +55,37 @@ class PipelineRunner:
         if hasattr(PipelineStage, "_forward_metadata_inference"):
             for part in self.model_parts:
                 _forget_metadata_pass(part)
+        for stage in self.pipeline.stages:
+            self._mark_metadata_pass(stage)
         # Ties split over stages: the copies' gradients summed with their sources' after each backward.
         pairs = tied_pairs(model, self.pipeline.layout)
         self.tied = TiedParameters(pairs, {s.stage_index: s.submod for s in self.pipeline.stages},
                                    self.pipeline.owners, dims.world_mesh)
 
+    def _mark_metadata_pass(self, stage: PipelineStage) -> None:
+        """Torch's stages (those with _backward_metadata_inference) call the loss once at the first schedule step on
+        activations made from empty tensors, to learn the gradients' shapes. A loss that records something (DPO's
+        reward statistics) must not see that call: flag it, and _schedule_loss answers it with a zero loss of the
+        output (the shapes are all the inference reads)."""
+        infer = getattr(stage, "_backward_metadata_inference", None)
+        if infer is None or not stage.is_last:
+            return
+
+        def flagged(*args, **kwargs):
+            self._metadata_pass = True
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                self._metadata_pass = False
+
+        stage._backward_metadata_inference = flagged
+
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        if self._metadata_pass:
+            loss = output.sum() * 0
+        else:
+            labels, extras = unpack_targets(target, self._target_layout)
+            loss = self.loss_fn(output, labels, **extras)
         if isinstance(loss, DTensor):  # loss parallel (TP) returns a replicated DTensor; to_local-like, differentiable
             loss = loss.full_tensor()
         return loss * self._scale
@@ -73,8 +100,9 @@ class PipelineRunner:
         # during shape inference), only the last one the labels; the other named inputs go to every stage as keyword
         # arguments. return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's
         # logits.
-        self.schedule.step(*(batch.args() if self.has_first else ()), target=batch.labels if self.has_last else None,
-                           losses=losses, return_outputs=False, **batch.kwargs())
+        target, self._target_layout = pack_targets(batch.labels, batch.extras) if self.has_last else (None, None)
+        self.schedule.step(*(batch.args() if self.has_first else ()), target=target, losses=losses,
+                           return_outputs=False, **batch.kwargs())
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum() / self._scale
@@ -91,21 +119,30 @@ class PipelineRunner:
             self.tied.sync_grads()  # after every micro-batch's backward (gradients are linear), before clipping
         return loss_sum
 
-    @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:
-        """Summed loss of one Batch, forward only (zero off the last stage).
+        """Summed loss of one Batch, forward only (zero off the last stage)."""
+        total = torch.zeros((), device=self.device)
+        for loss in self.forward_only(batch, lambda out, mb: self.loss_fn(out, mb.labels, **mb.extras)):
+            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, batch: Batch, head: Callable, stages: dict[int, nn.Module] | None = None) -> list:
+        """head(output, micro-batch) of each micro-batch of `batch` (at most pp_microbatches of them, cut along the
+        rows), forward only, on the last stage; an empty list on the other ranks. `stages`: the modules to run, by
+        stage index (default this rank's stages; DPO's frozen reference copy is split as the policy is).
 
         Not schedule.eval(): torch runs the training action list there, and the V-shaped schedules then fail
         on their backward actions (torch 2.13), while switching the schedule between eval and train re-runs
-        its metadata inference. Validation is rare, so a plain sequential pass suffices: micro-batch by
+        its metadata inference. Forward-only passes are rare, so a plain sequential pass suffices: micro-batch by
         micro-batch, each rank runs its stages in stage order, receiving and sending activations with
         blocking point-to-point calls (a header with shape and dtype first, so any layout goes through)."""
         p = self.pipeline
-        by_index = {s.stage_index: s.submod for s in p.stages}
+        by_index = stages if stages is not None else {s.stage_index: s.submod for s in p.stages}
         me, last = dist.get_rank(self.pp_group), len(p.layout) - 1
-        total = torch.zeros((), device=self.device)
-        for mb in batch.split(p.n_microbatches):
-            (x,), kw, y = mb.args(), mb.kwargs(), mb.labels
+        results = []
+        for mb in batch.split(min(p.n_microbatches, batch.labels.shape[0])):
+            (x,), kw = mb.args(), mb.kwargs()
             for sid, owner in enumerate(p.owners):
                 if owner != me:
                     continue
@@ -113,11 +150,10 @@ class PipelineRunner:
                     x = self._recv(p.owners[sid - 1])
                 x = by_index[sid](x, **kw)
                 if sid == last:
-                    loss = self.loss_fn(x, y)
-                    total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    results.append(head(x, mb))
                 elif p.owners[sid + 1] != me:
                     self._send(x, p.owners[sid + 1])
-        return total
+        return results
 
     _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     _HEADER = 8  # ndim, up to 6 sizes, dtype index

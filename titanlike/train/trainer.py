@@ -93,7 +93,7 @@ class Trainer:
         self.pp = None  # PipelineRunner when parallelism.pp > 1 (titanlike/train/pipeline.py)
         if self.dims.pp_enabled:  # split into stages first, then the plan on each of this rank's stages
             self.pp = PipelineRunner(model, spec, self.model_args, self.dims, plan_sections, self.device, plan,
-                                     lambda out, y: self.loss_fn(out, y))
+                                     lambda out, y, **extras: self.loss_fn(out, y, **extras))
             self.model_parts = self.pp.model_parts
         else:
             self.model_parts = [plan(model, self.dims, plan_sections)]
