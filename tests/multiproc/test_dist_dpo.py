@@ -1,5 +1,7 @@
-"""DPO on two gloo processes equals one process: FSDP 2 (precomputed and frozen-copy references) and TP 2 give the
-one-process gradients, losses, weights and reference table (fp32, 1e-5). One torchrun launch (dpo_worker.py)."""
+"""DPO on two gloo processes equals one process: FSDP 2 (precomputed and frozen-copy references), TP 2, PP 2 (1F1B
+with the precomputed reference, with LoRA, with the frozen copy; ZBVZeroBubble) and CP 2 (precomputed, LoRA, frozen
+copy) give the one-process gradients, losses, reward metrics, weights and reference table (fp32, 1e-5). One torchrun
+launch (dpo_worker.py)."""
 from pathlib import Path
 
 import pytest
@@ -12,32 +14,45 @@ from tests.unit.test_dpo_train import write_pairs
 WORKER = Path(__file__).with_name("dpo_worker.py")
 TOL = dict(atol=1e-5, rtol=1e-5)
 
+# run name: (a substring of its mesh, the one-process run it equals)
+RUNS = {"fsdp2": ("dp_shard=2", "one"), "fsdp2_frozen": ("dp_shard=2", "one"), "tp2": ("tp=2", "one"),
+        "pp2": ("pp=2", "one"), "pp2_lora": ("pp=2", "one_lora"), "pp2_frozen": ("pp=2", "one"),
+        "pp2_zbv": ("pp=2", "one"), "cp2": ("cp=2", "one"), "cp2_lora": ("cp=2", "one_lora"),
+        "cp2_frozen": ("cp=2", "one")}
+TABLES = ("fsdp2", "tp2", "pp2", "pp2_lora", "pp2_zbv", "cp2", "cp2_lora")  # the precomputed runs
+
 
 def _same(run: dict, ref: dict, name: str) -> None:
     assert run["count"] == ref["count"] == 4.0, name  # the global count is pairs, not tokens
+    assert run["grads"].keys() == ref["grads"].keys(), name  # (under PP: every stage's, joined)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(run["grads"][k], g, **TOL, msg=lambda m: f"{name} grad {k}: {m}")
     losses = [h["loss"] for h in run["history"]]
     assert losses == pytest.approx([h["loss"] for h in ref["history"]], abs=1e-5), name
-    for key in ("dpo/reward_accuracy", "dpo/reward_margin"):
-        assert [h[key] for h in run["history"]] == pytest.approx([h[key] for h in ref["history"]], abs=1e-5), name
+    for key in ("grad_norm", "dpo/reward_accuracy", "dpo/reward_margin", "dpo/chosen_reward", "dpo/rejected_reward"):
+        assert [h[key] for h in run["history"]] == pytest.approx([h[key] for h in ref["history"]], abs=1e-5), \
+            (name, key)
     for k, w in ref["weights"].items():
         torch.testing.assert_close(run["weights"][k], w, **TOL, msg=lambda m: f"{name} weight {k}: {m}")
 
 
 @pytest.mark.dist
-def test_dpo_fsdp2_and_tp2_equal_one_process(tmp_path):
+def test_dpo_on_every_layout_equals_one_process(tmp_path):
     pairs = write_pairs(tmp_path / "pairs.jsonl", n=12)
-    out = run_torchrun(WORKER, 2, args=[str(tmp_path), pairs], timeout=300).stdout
-    ref = record(make_cfg(str(tmp_path), pairs, "one"))
-    assert ref["history"][0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
-    for name, mesh in (("fsdp2", "dp_shard=2"), ("fsdp2_frozen", "dp_shard=2"), ("tp2", "tp=2")):
+    out = run_torchrun(WORKER, 2, args=[str(tmp_path), pairs], timeout=600).stdout
+    refs = {"one": record(make_cfg(str(tmp_path), pairs, "one")),
+            "one_lora": record(make_cfg(str(tmp_path), pairs, "one_lora", lora=True))}
+    for ref in refs.values():
+        assert ref["history"][0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+        assert ref["history"][-1]["dpo/reward_accuracy"] > 0  # (the metrics compared below move)
+    for name, (mesh, ref_name) in RUNS.items():
         assert f"RUN {name} done" in out, out
         run = torch.load(tmp_path / f"{name}.pt", weights_only=False)
         assert mesh in run["mesh"] and run["loss_parallel"] == (name == "tp2"), run["mesh"]
-        _same(run, ref, name)
-    for name in ("fsdp2", "tp2"):  # the pass split over the data ranks (FSDP) or run on sharded logits (TP)
+        _same(run, refs[ref_name], name)
+    for name in TABLES:  # the pass split over the data ranks (FSDP), on sharded logits (TP), through the pipeline
+        ref = refs[RUNS[name][1]]["table"]  # (PP), on each rank's chunks of every sequence (CP)
         table = torch.load(tmp_path / f"{name}.pt", weights_only=False)["table"]
-        assert (table["keys"] == ref["table"]["keys"]).all(), name
-        torch.testing.assert_close(torch.from_numpy(table["values"]), torch.from_numpy(ref["table"]["values"]),
-                                   **TOL)
+        assert (table["keys"] == ref["keys"]).all(), name
+        torch.testing.assert_close(torch.from_numpy(table["values"]), torch.from_numpy(ref["values"]), **TOL,
+                                   msg=lambda m: f"{name} table: {m}")

@@ -136,8 +136,8 @@ def _rules(**sections):
 
 
 @pytest.mark.parametrize("sections,expect", [
-    ({"parallelism": {"pp": 2}}, "does not run with parallelism.pp=2 yet"),
-    ({"parallelism": {"cp": 2}}, "does not run with parallelism.cp=2 yet"),
+    ({"parallelism": {"pp": 2, "pp_microbatches": 3}, "training": {"local_batch_size": 4}},
+     "parallelism.pp_microbatches=3 must divide training.local_batch_size=4"),  # (a micro-batch would cut a pair)
     ({"training": {"loss_chunk_tokens": 1024}}, "set training.loss_chunk_tokens=0"),
     ({"data": {"document_masking": True}}, "turn data.document_masking off"),
     ({"validation": {"enable": True}}, "needs validation.paths"),
@@ -155,9 +155,15 @@ def test_config_rules_name_the_key(sections, expect):
     assert expect in msg, msg
 
 
-def test_pp_line_is_one_line():
-    msg = _rules(parallelism={"pp": 2})
-    assert "\n" not in msg and msg.startswith("data.dataset=\"preference\" (DPO) does not run with parallelism.pp=2")
+def test_refusal_is_one_line():
+    msg = _rules(training={"loss_chunk_tokens": 1024})
+    assert "\n" not in msg and msg.startswith("data.dataset=\"preference\" (DPO) needs the logits")
+
+
+@pytest.mark.parametrize("parallelism", [{"pp": 2, "pp_microbatches": 2}, {"cp": 2}, {"pp": 2, "cp": 2}])
+def test_pipeline_and_context_parallel_are_accepted(parallelism):
+    validate(config_from_dict({"data": {"dataset": "preference", "paths": ["p.jsonl"]},
+                               "training": {"local_batch_size": 4}, "parallelism": parallelism}))
 
 
 def test_batch_split_keeps_extras_and_row_targets():
@@ -171,3 +177,17 @@ def test_batch_split_keeps_extras_and_row_targets():
     assert [int(p.target_count()) for p in parts] == [1, 1, 1] and int(b.target_count()) == 3
     plain = Batch(inputs={"tokens": torch.zeros(2, 3)}, labels=torch.tensor([[1, X, 2], [X, X, 3]]))
     assert int(plain.target_count()) == 3 and plain.split(2)[0].extras == {}
+
+
+def test_pairs_count_once_over_context_parallel_ranks():
+    """Every CP rank of a data rank holds chunks of the same pairs: only the first counts them (row_targets), so the
+    global pair count the loss is divided by is right; the reference log-probs are every rank's."""
+    from models.batch import NextToken, StepContext
+    from titanlike.train.dpo import PairObjective
+
+    ids, labels = torch.arange(24).view(3, 2, 4), torch.ones(3, 2, 4, dtype=torch.long)
+    ref = lambda i, y, b: torch.arange(float(i.shape[0]))  # noqa: E731
+    first = PairObjective(NextToken(), ref)(ids, labels, StepContext(1, 0))
+    other = PairObjective(NextToken(), ref, counting=False)(ids, labels, StepContext(1, 0))
+    assert first.row_targets.tolist() == [1, 0, 1, 0, 1, 0] and int(first.target_count()) == 3
+    assert int(other.target_count()) == 0 and other.extras["reference_logps"].tolist() == list(range(6))

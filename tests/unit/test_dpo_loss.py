@@ -120,6 +120,38 @@ def test_policy_equal_to_reference_gives_ln2_and_metrics():
     assert m["dpo/chosen_reward"] == pytest.approx(0.05) and m["dpo/rejected_reward"] == pytest.approx(0.05)
 
 
+def test_rows_must_make_whole_pairs():
+    """A micro-batch that cut a (chosen, rejected) pair is refused, not paired with its neighbour's rows."""
+    with pytest.raises(ValueError, match="3 rows do not make whole"):
+        pair_deltas(torch.zeros(3), torch.zeros(3), torch.ones(3), normalised=False)
+
+
+def test_metrics_from_a_rank_without_pairs():
+    """A pipeline rank without the last stage records nothing; it adds zeros to the all-reduce and logs the same
+    metrics as the last stage. With no pairs anywhere: {}."""
+    logits, labels, ref = _tiny(2)
+    last, other = DPOLoss(0.1, "sigmoid"), DPOLoss(0.1, "sigmoid")
+    last(logits.clone().requires_grad_(True), labels, ref - torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64))
+    recorded = last._stats.clone()
+    expect = last.take_metrics(lambda t: t)
+    assert other.take_metrics(lambda t: t + recorded) == expect and expect["dpo/reward_accuracy"] == 0.5
+    assert other.take_metrics(lambda t: t) == {}
+
+
+def test_context_parallel_chunks_sum_to_the_row_logps():
+    """Under CP each rank holds load-balanced chunks of every row (parallelize/cp.py's shard_sequence); the sums of
+    the chunks' log-probs and target counts over the ranks are the whole rows' (what DPOLoss.row_logps all-reduces)."""
+    from parallelize.cp import shard_sequence
+
+    logits, labels, _ = _tiny(3, seq=8)
+    whole, lengths = sequence_logps(logits, labels)
+    for degree in (2, 4):
+        parts = [sequence_logps(shard_sequence(logits, r, degree), shard_sequence(labels, r, degree))
+                 for r in range(degree)]
+        torch.testing.assert_close(sum(p[0] for p in parts), whole, atol=1e-5, rtol=1e-6)  # (fp32 sums)
+        assert torch.equal(sum(p[1] for p in parts), lengths)
+
+
 # ------------------------------------------------------------------------------------------------- TRL
 def _trl_loss(per_token, mask, ref, loss_type, beta):
     """TRL >= 1.0's DPOTrainer._compute_loss on per-token log-probs [R, S] (rows [c0, r0, ...]): its model and

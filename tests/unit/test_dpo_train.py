@@ -82,12 +82,12 @@ def test_precompute_equals_frozen_copy(tmp_path, pairs):
     try:
         trainer.checkpointer.load()
         d = trainer.dpo
-        table = dpo_module.precompute([trainer.dataloader.dataset], lambda i, y: d._forward_logps(trainer.model, i, y),
-                                      batch_pairs=4, dp_rank=0, dp_degree=1, group=None, device=trainer.device)
+        table = dpo_module.precompute([trainer.dataloader.dataset], d._forward_logps, batch_pairs=4, dp_rank=0,
+                                      dp_degree=1, group=None, device=trainer.device)
         ds = trainer.dataloader.dataset
         ids = torch.stack([ds[i][0] for i in range(len(ds))]).flatten(0, 1)
         labels = torch.stack([ds[i][1] for i in range(len(ds))]).flatten(0, 1)
-        torch.testing.assert_close(table.lookup(ids, labels), d._forward_logps(d.ref_model, ids, labels),
+        torch.testing.assert_close(table.lookup(ids, labels), d._forward_logps(ids, labels, copy=d.ref_model),
                                    atol=1e-5, rtol=1e-6)
     finally:
         trainer.close()

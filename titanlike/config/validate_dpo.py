@@ -11,7 +11,7 @@ PREFERENCE = "preference"  # the dataset whose samples are (chosen, rejected) pa
 
 
 def check_dpo(cfg: Any, errors: list[str]) -> None:
-    d, data, par, val = cfg.dpo, cfg.data, cfg.parallelism, cfg.validation
+    d, data, val = cfg.dpo, cfg.data, cfg.validation
     if d.loss_type not in DPO_LOSS_TYPES:
         errors.append(f"dpo.loss_type={d.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
     if d.reference not in DPO_REFERENCES:
@@ -29,12 +29,6 @@ def check_dpo(cfg: Any, errors: list[str]) -> None:
     if data.dataset != PREFERENCE:
         return
     what = "data.dataset=\"preference\" (DPO)"
-    if par.pp > 1:
-        errors.append(f"{what} does not run with parallelism.pp={par.pp} yet (the pipeline's micro-batches would "
-                      f"cut pairs and it has no reference forward); set parallelism.pp=1")
-    if par.cp > 1:
-        errors.append(f"{what} does not run with parallelism.cp={par.cp} yet (a sequence's log-prob would be cut "
-                      f"over ranks); set parallelism.cp=1")
     if cfg.training.loss_chunk_tokens > 0:
         errors.append(f"{what} needs the logits for per-sequence log-probs, which the chunked loss never builds; "
                       f"set training.loss_chunk_tokens=0")

@@ -12,7 +12,12 @@ What changes against pretraining, and where:
 - reference (titanlike/train/dpo_reference.py): a precomputed table or a frozen copy, the initial weights either way.
 - the trainer: start() after the checkpoint load (the precompute pass, unless a checkpoint brought the table),
   metrics() on log steps (reward accuracy and margin), state_dict() into the trainer's checkpointed state.
-Each data-parallel rank holds whole pairs (a sample is a pair); PP and CP are refused (config/validate_dpo.py).
+Layouts: each data-parallel rank holds whole pairs (a sample is a pair). Pipeline parallel: the schedule cuts the
+rows into pp_microbatches micro-batches, which divides the local pairs (config/validate_pp.py), so each holds whole
+pairs; the reference log-probs reach the last stage packed with the labels (titanlike/train/pipeline_targets.py), and
+the reference forwards (the precompute pass, the frozen copy) run through the pipeline forward-only, their log-probs
+then summed over the pipeline ranks so every rank holds them. Context parallel: each CP rank holds chunks of every row,
+and the log-prob sums are summed over the CP ranks (DPOLoss.row_logps); a pair counts once, on CP rank 0.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class PairObjective:
     ([c0, r0, c1, r1, ...]) with the reference log-probs of each row and one target per pair."""
     base: Any  # NextToken: the rows' inputs and labels as a causal LM reads them
     reference: Any  # (ids [R, S], labels [R, S], Batch) -> reference log-probs [R]
+    counting: bool = True  # False on context-parallel ranks but the first: their rows are the same pairs
     loss: str = "dpo"
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
@@ -46,8 +52,9 @@ class PairObjective:
                              f"{tuple(input_ids.shape)}")
         ids, rows = input_ids.flatten(0, 1), labels.flatten(0, 1)
         batch = self.base(ids, rows, ctx)
-        chosen = torch.ones(ids.shape[0], dtype=torch.int64, device=ids.device)
-        chosen[1::2] = 0
+        chosen = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
+        if self.counting:
+            chosen[0::2] = 1
         return batch.replace(extras={"reference_logps": self.reference(ids, rows, batch)}, row_targets=chosen)
 
 
@@ -61,32 +68,47 @@ class PreferenceTuning:
         if not isinstance(trainer.objective, NextToken):
             raise ValueError(f"data.dataset=\"preference\" (DPO) tunes a causal LM, but model.name={cfg.model.name!r} "
                              f"trains with {type(trainer.objective).__name__}; use a next-token model")
-        self.loss = DPOLoss(self.cfg.beta, self.cfg.loss_type, self.cfg.label_smoothing)
+        cp = trainer.dims.get_mesh("cp")
+        self.loss = DPOLoss(self.cfg.beta, self.cfg.loss_type, self.cfg.label_smoothing,
+                            cp_group=cp.get_group() if cp is not None else None)
         self.loss.logps_fn = compile_loss(sequence_logps, cfg.compile)  # compile.components "loss"
-        self.objective = PairObjective(trainer.objective, self._reference)
+        self.objective = PairObjective(trainer.objective, self._reference,
+                                       counting=cp is None or cp.get_local_rank() == 0)
         self.table: ReferenceTable | None = None
-        self.ref_model = None
-        self.adapters = has_lora(trainer.model_parts[0])
+        self.ref_model = None  # the frozen copy: a module, or under PP this rank's stages {stage index: module}
+        self.adapters = any(has_lora(part) for part in trainer.model_parts)
         if self.cfg.reference == "frozen_copy" and not self.adapters:
             self.ref_model = build_frozen_copy(trainer, plan, plan_sections)
 
     # ---------------------------------------------------------------------------------------------- reference
-    def _forward_logps(self, model, ids: torch.Tensor, labels: torch.Tensor, batch: Batch | None = None):
-        """Reference log-probs [R] of rows ids / labels [R, S] by `model`, no gradients, the run's contexts."""
+    def _forward_logps(self, ids: torch.Tensor, labels: torch.Tensor, batch: Batch | None = None, copy=None):
+        """Reference log-probs [R] of rows ids / labels [R, S] (`batch`: their Batch of whole rows, when made): a
+        forward without gradients of the frozen `copy` or, copy=None, of the policy (its base alone under LoRA),
+        through the pipeline under PP, with the run's contexts."""
         t = self.trainer
         if batch is None:
-            batch = t.batch_layout(t.objective.base(ids, labels, StepContext(0, t.cfg.training.seed)), ids)
-        with torch.no_grad(), self._base_weights(model), t.attention_kernels(), t.loss_context(), t.amp:
-            out = model(*batch.args(), **batch.kwargs())
-            return self.loss.logps_fn(out, batch.labels)[0]  # as the policy's in the loss, bitwise at step 0
+            batch = t.objective.base(ids, labels, StepContext(0, t.cfg.training.seed))
+        batch = t.batch_layout(batch, ids)  # (context parallel: this rank's chunks of every row)
+        with torch.no_grad(), self._base_weights(copy), t.attention_kernels(), t.loss_context(), t.amp:
+            if t.pp is None:
+                out = (copy if copy is not None else t.model)(*batch.args(), **batch.kwargs())
+                return self.loss.row_logps(out, batch.labels)[0]  # as the policy's in the loss, bitwise at step 0
+            parts = t.pp.forward_only(batch, lambda out, mb: self.loss.row_logps(out, mb.labels)[0], stages=copy)
+        logps = torch.cat(parts) if parts else torch.zeros(ids.shape[0], device=t.device)
+        return t.pp.reduce_over_pp(logps)  # computed on the last stage: every pipeline rank gets them
 
-    def _base_weights(self, model):
-        return adapters_disabled(model) if self.adapters else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _base_weights(self, copy):
+        """The policy's base alone under LoRA (the reference); nothing for the frozen copy or without adapters."""
+        with contextlib.ExitStack() as stack:
+            if copy is None and self.adapters:
+                for part in self.trainer.model_parts:
+                    stack.enter_context(adapters_disabled(part))
+            yield
 
     def _reference(self, ids: torch.Tensor, labels: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.cfg.reference == "frozen_copy":
-            model = self.ref_model if self.ref_model is not None else self.trainer.model
-            return self._forward_logps(model, ids, labels, batch)
+            return self._forward_logps(ids, labels, batch, copy=self.ref_model)
         if self.table is None:
             raise ConfigError("DPO: the reference log-probs are not computed yet (PreferenceTuning.start runs the "
                               "pass before step 1)")
@@ -109,7 +131,7 @@ class PreferenceTuning:
         mesh = t.dims.get_mesh("dp")
         with eval_mode(t):
             self.table = precompute(
-                datasets, lambda ids, labels: self._forward_logps(t.model, ids, labels),
+                datasets, self._forward_logps,
                 batch_pairs=t.cfg.training.local_batch_size, dp_rank=t.dims.dp_rank() if mesh is not None else 0,
                 dp_degree=mesh.size() if mesh is not None else 1,
                 group=mesh.get_group() if mesh is not None else None, device=t.device)
@@ -117,7 +139,14 @@ class PreferenceTuning:
     # ---------------------------------------------------------------------------------------------- trainer hooks
     def metrics(self) -> dict[str, float]:
         """Reward accuracy, margin and the mean rewards over the pairs since the last log step (all ranks)."""
-        return self.loss.take_metrics(self.trainer.sum_over_data)
+        t = self.trainer
+
+        def over_all_ranks(stats: torch.Tensor) -> torch.Tensor:
+            if t.pp is not None:  # recorded by the last pipeline stage
+                t.pp.reduce_over_pp(stats)
+            return t.sum_over_data(stats)
+
+        return self.loss.take_metrics(over_all_ranks, t.device)
 
     def state_dict(self) -> dict:
         return {REFERENCE_KEY: self.table.state_dict()} if self.table is not None else {}

@@ -19,10 +19,16 @@ margin.
 The summed loss over the micro-batch's pairs is returned; the trainer divides by the global count of pairs (the
 Batch's row_targets: 1 on each pair's chosen row). Rewards β·(logp - ref) (the loss's own, mean-based for the
 normalised types) feed the logged reward accuracy and margin, accumulated on the device between log steps.
+
+Context parallel: each CP rank holds load-balanced chunks of every row (titanlike/train/batch.py), so its log-prob
+sums are partial; they are summed over the CP ranks (differentiably, SumOverRanks) before the loss, which every CP
+rank then holds whole. Each returns its 1/cp share of it, as CP ranks return their tokens' share of a cross-entropy:
+the trainer sums the losses over data x context ranks.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.batch import IGNORE_INDEX
@@ -41,6 +47,24 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return -tok.view(labels.shape).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 
 
+class SumOverRanks(torch.autograd.Function):
+    """Sum of x over the ranks of `group`, whose backward sums the gradients over them as well: every rank computes
+    its share of a loss from the sum, and each rank's part of the sum feeds all of those shares."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def pair_losses(delta: torch.Tensor, loss_type: str, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-pair loss of Δ (the difference of the chosen and rejected log-ratios; mean-based for NORMALISED)."""
     if loss_type == "ipo":
@@ -54,6 +78,8 @@ def pair_losses(delta: torch.Tensor, loss_type: str, beta: float, label_smoothin
 def pair_deltas(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor,
                 normalised: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen log-ratio [P], rejected log-ratio [P]) of rows [c0, r0, c1, r1, ...]; per token when normalised."""
+    if logps.shape[0] % 2:  # (a pipeline's micro-batches hold whole pairs: pp_microbatches divides the local pairs)
+        raise ValueError(f"DPO: {logps.shape[0]} rows do not make whole (chosen, rejected) pairs")
     ratio = logps - ref_logps.to(logps.dtype)
     if normalised:
         ratio = ratio / lengths.clamp(min=1).to(ratio.dtype)
@@ -63,17 +89,30 @@ def pair_deltas(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Ten
 
 class DPOLoss:
     """The trainer's loss_fn for DPO: (logits [2P, S, V], labels [2P, S], reference_logps [2P]) -> summed loss over
-    the P pairs. Keeps device sums for the log (only while gradients are on: validation does not mix in)."""
+    the P pairs (its 1/cp share under context parallel). Keeps device sums for the log (only while gradients are on:
+    validation does not mix in). `cp_group`: the CP ranks that share each row, None without context parallel."""
 
-    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0):
+    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0, cp_group=None):
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"dpo.loss_type={loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.logps_fn = sequence_logps  # (compiled by the trainer with compile.components "loss")
+        self.cp_group = cp_group
+        self.cp_degree = dist.get_world_size(cp_group) if cp_group is not None else 1
         self._stats: torch.Tensor | None = None  # pairs, correct, margin, chosen reward, rejected reward (sums)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, reference_logps: torch.Tensor) -> torch.Tensor:
+    def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """sequence_logps of whole rows: under context parallel the sums of this rank's chunks, summed over the CP
+        ranks (the log-probs differentiably)."""
         logps, lengths = self.logps_fn(logits, labels)
+        if self.cp_group is not None:
+            logps = SumOverRanks.apply(logps, self.cp_group)
+            lengths = lengths.clone()
+            dist.all_reduce(lengths, group=self.cp_group)
+        return logps, lengths
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, reference_logps: torch.Tensor) -> torch.Tensor:
+        logps, lengths = self.row_logps(logits, labels)
         chosen, rejected = pair_deltas(logps, reference_logps, lengths, self.loss_type in NORMALISED)
         losses = pair_losses(chosen - rejected, self.loss_type, self.beta, self.label_smoothing)
         if torch.is_grad_enabled():
@@ -82,16 +121,18 @@ class DPOLoss:
                 stats = torch.stack([torch.ones_like(rc).sum(), (rc > rr).float().sum(), (rc - rr).sum(), rc.sum(),
                                      rr.sum()])
                 self._stats = stats if self._stats is None else self._stats + stats
-        return losses.sum()
+        return losses.sum() / self.cp_degree
 
-    def take_metrics(self, sum_over_data) -> dict[str, float]:
-        """Means over the pairs trained on since the last call, over all data ranks (`sum_over_data`: the trainer's
-        all-reduce; every rank calls it on the same steps), then reset. Reads the device: call on log steps."""
-        if self._stats is None:
-            return {}
-        stats = sum_over_data(self._stats.clone())
+    def take_metrics(self, sum_over_ranks, device: torch.device | None = None) -> dict[str, float]:
+        """Means over the pairs trained on since the last call, over all ranks (`sum_over_ranks`: an all-reduce that
+        every rank calls on the same steps; a pipeline rank without the last stage adds zeros), then reset; {} when
+        there were none. Reads the device: call on log steps."""
+        stats = self._stats.clone() if self._stats is not None else torch.zeros(5, device=device)
         self._stats = None
-        n = max(float(stats[0]), 1.0)
+        stats = sum_over_ranks(stats)
+        n = float(stats[0])
+        if n == 0:
+            return {}
         acc, margin, chosen, rejected = (float(v) / n for v in stats[1:])
         return {"dpo/reward_accuracy": acc, "dpo/reward_margin": margin, "dpo/chosen_reward": chosen,
                 "dpo/rejected_reward": rejected}

@@ -14,6 +14,10 @@ LoRA (models/common/lora.py): the reference is the base model without its adapte
 (every LoraLinear computes its base alone inside it). With adapters, "frozen_copy" runs the
 policy itself inside that context instead of a copy (the base weights are frozen and shared), and "precompute" runs
 its pass inside it too.
+
+Pipeline parallel: the pass and the frozen copy's forwards run through the pipeline without gradients
+(PipelineRunner.forward_only; the copy is cut into the policy's stages), and the last stage's log-probs are summed
+over the pipeline ranks, so every rank holds the same table.
 """
 from __future__ import annotations
 
@@ -99,12 +103,14 @@ def precompute(datasets: list, forward_logps, *, batch_pairs: int, dp_rank: int,
     return ReferenceTable(uniq, vals, fp)
 
 
-def build_frozen_copy(trainer, plan, plan_sections) -> torch.nn.Module:
+def build_frozen_copy(trainer, plan, plan_sections):
     """A second model built as the policy was (build_model, the plan, seeded initial weights), with
-    checkpoint.initial_load_path's weights when set, every parameter frozen, in eval mode."""
+    checkpoint.initial_load_path's weights when set, every parameter frozen, in eval mode. Under pipeline parallel
+    this rank's stages of it, {stage index: module}, cut as the policy's (PipelineRunner.forward_only runs them)."""
     import dataclasses
     import os
 
+    from parallelize.pp import stage_module
     from titanlike.checkpoint import CheckpointManager
     from titanlike.train.construct import BuildSections, build_model, materialise, run_vocab
 
@@ -112,17 +118,26 @@ def build_frozen_copy(trainer, plan, plan_sections) -> torch.nn.Module:
     mb = build_model(BuildSections.of(cfg), trainer.dims, trainer.device,
                      run_vocab(cfg.model, trainer.tokenizer.vocab_size), trainer.tokenizer.eod_id,
                      compile_loss_chunk=False)
-    model = plan(mb.model, trainer.dims, plan_sections)
-    materialise([model], trainer.device, cfg.training.seed)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    if trainer.pp is None:
+        parts = {0: plan(mb.model, trainer.dims, plan_sections)}
+    else:
+        pipe, me = trainer.pp.pipeline, trainer.dims.get_mesh("pp").get_local_rank()
+        top_level = (*mb.spec.input_modules, *mb.spec.output_modules)
+        parts = {sid: plan(stage_module(mb.model, pipe.layout[sid], top_level), trainer.dims, plan_sections)
+                 for sid, owner in enumerate(pipe.owners) if owner == me}
+    modules = list(parts.values())
+    materialise(modules, trainer.device, cfg.training.seed)
+    for m in modules:
+        m.requires_grad_(False)
     ckpt = cfg.checkpoint
     if ckpt.initial_load_path:  # the run's initial weights: those the policy started from
         loader = CheckpointManager(dataclasses.replace(ckpt, enable=False, initial_load_model_only=True),
-                                   os.path.join(trainer.run_dir, ckpt.folder), model=[model])
+                                   os.path.join(trainer.run_dir, ckpt.folder), model=modules,
+                                   strict=trainer.pp is None)  # (a pipeline rank holds only its stages' keys)
         loader.load()
         loader.close()
-    model.eval()
+    for m in modules:
+        m.eval()
     logger.info("DPO reference: a frozen copy of the initial model (the same plan), run without gradients on "
                 "every micro-batch")
-    return model
+    return parts[0] if trainer.pp is None else parts
