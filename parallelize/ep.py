@@ -17,7 +17,8 @@ Gradients: an expert's gradient sums the contributions of every token routed to 
 the loss is normalised for the data-parallel mean (the trainer scales it by the data-parallel degree, FSDP divides
 by it). Dense parameters are averaged over all dp ranks; experts only over their replicas (dp / ep of them), so
 their reduction must divide by the full dp degree instead (set_gradient_divide_factor), or by ep directly when
-there are no replicas to reduce over. Without that the expert gradients come out ep times too large.
+there are no replicas to reduce over. Without that the expert gradients come out ep times too large. LoRA's adapters on
+the experts (models/common/lora.py) are [E, ...] tensors of the same module: sharded, reduced and scaled with them.
 """
 from __future__ import annotations
 
@@ -100,9 +101,13 @@ def apply_ep(model: nn.Module, dims) -> list[nn.Module]:
         if n % ep:
             raise ValueError(f"parallelism.ep={ep} does not divide the {n} experts of {type(mod).__name__}; "
                              f"choose an ep that divides the number of experts")
-        for name, param in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
-                                                      requires_grad=param.requires_grad))
+        # The stacked weights, and LoRA's adapters on them (models/common/lora.py: [E, ...] too, in child
+        # ParameterDicts): every expert's tensors live on the rank holding the expert.
+        for name, param in list(mod.named_parameters()):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = mod.get_submodule(owner_name) if owner_name else mod
+            owner.register_parameter(leaf, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
+                                                        requires_grad=param.requires_grad))
         mod.__class__ = _ep_class(type(mod))
         mod.ep_mesh = ep_mesh
         mod.ep_replicas = dims.dp_replicate * dims.dp_shard * dims.cp // ep  # ranks holding the same experts

@@ -2,7 +2,8 @@
 gate: MoEArgs.expert_act), shared experts, an optional latent projection around the routed experts, balancing.
 
 Public API (the model families, parallelize/ep.py and the trainer code against it): MoEArgs, moe_problems, MoE,
-GroupedExperts, update_expert_bias. The router and the balance losses live in models/common/router.py.
+GroupedExperts (and LowRank, its weights with LoRA's adapters: models/common/lora.py), update_expert_bias. The router
+and the balance losses live in models/common/router.py.
 
 One forward, for x [B, S, dim] (T = B*S tokens, k = top_k, N = T*k assignments):
   1. the router picks k experts per token (fp32), with weights;
@@ -27,7 +28,7 @@ counts above 256).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from models.common.moe_args import EXPERT_ACTS, MoEArgs, moe_problems
 from models.common.router import (AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
 
-__all__ = ["MoEArgs", "MoE", "GroupedExperts", "Router", "host_sizes", "moe_problems", "update_expert_bias"]
+__all__ = ["MoEArgs", "MoE", "GroupedExperts", "LowRank", "Router", "host_sizes", "moe_problems", "update_expert_bias"]
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,12 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(type(w), "to_local") else w
 
 
-def _use_grouped_mm(x: torch.Tensor, dim: int, hidden: int) -> bool:
+def _use_grouped_mm(x: torch.Tensor, *widths: int) -> bool:
     """torch._grouped_mm's fast (CUTLASS, no host sync) kernel: bf16 on CUDA capability >= 9.0. Its TMA loads need
-    16-byte aligned row strides, hence dim and hidden multiples of 8; the per-expert row counts need no padding in
-    bf16 (the weight-gradient GEMM reads the token dimension strided, not as the contiguous one)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and dim % 8 == 0 and hidden % 8 == 0
+    16-byte aligned row strides, hence every width (dim, hidden, a LoRA rank) a multiple of 8; the per-expert row
+    counts need no padding in bf16 (the weight-gradient GEMM reads the token dimension strided, not as the contiguous
+    one)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and all(w % 8 == 0 for w in widths)
             and torch.cuda.get_device_properties(x.device).major >= 9)
 
 
@@ -61,45 +63,87 @@ def host_sizes(counts: torch.Tensor) -> list:
     return counts.tolist()
 
 
+class LowRank(NamedTuple):
+    """A stacked expert weight w [E, out, in] with a low-rank update per expert (LoRA on the routed experts,
+    models/common/lora.py): expert e maps x to x w[e]^T + scale * (dropout(x) a[e]^T) b[e]^T, with a [E, r, in] and
+    b [E, out, r]. The [E, out, in] sum is never formed, so autograd keeps only r-wide activations beyond the base's.
+    The expert functions below take a LowRank wherever they take a weight."""
+    w: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    dropout: float = 0.0
+
+
+def _base(w) -> torch.Tensor:
+    return w.w if isinstance(w, LowRank) else w
+
+
+def _tensors(*weights) -> list[torch.Tensor]:
+    """Every tensor of `weights` (plain, LowRank or None)."""
+    return [t for w in weights if w is not None for t in ((w.w, w.a, w.b) if isinstance(w, LowRank) else (w,))]
+
+
+def _adapter_input(x: torch.Tensor, w: LowRank) -> torch.Tensor:
+    return F.dropout(x, w.dropout) if w.dropout > 0 else x
+
+
+def _grouped(x: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, in] sorted by expert -> [N, out], each expert's rows through its weight (grouped GEMMs)."""
+    out = torch._grouped_mm(x, _base(w).transpose(-2, -1), offs=offs)
+    if isinstance(w, LowRank):
+        low = torch._grouped_mm(_adapter_input(x, w), w.a.transpose(-2, -1), offs=offs)
+        out = out + torch._grouped_mm(low, w.b.transpose(-2, -1), offs=offs) * w.scale
+    return out
+
+
+def _linear(x: torch.Tensor, w, i: int) -> torch.Tensor:
+    """x [n, in] -> [n, out] through expert i's weight."""
+    out = F.linear(x, _base(w)[i])
+    if isinstance(w, LowRank):
+        out = out + F.linear(F.linear(_adapter_input(x, w), w.a[i]), w.b[i]) * w.scale
+    return out
+
+
 def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert):
     """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm; offsets are the cumulative row counts
     (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified.
-    w3 None: the squared-ReLU experts, w2(relu(w1 x)^2)."""
+    w3 None: the squared-ReLU experts, w2(relu(w1 x)^2). Weights may be LowRank."""
     offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    h = F.relu(h).square() if w3 is None else F.silu(h) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    h = _grouped(x, w1, offs)
+    h = F.relu(h).square() if w3 is None else F.silu(h) * _grouped(x, w3, offs)
+    return _grouped(h, w2, offs)
 
 
-def _expert_mlp(x, w1, w2, w3):
-    """One expert on its rows: SwiGLU, or squared ReLU when w3 is None."""
-    h = F.linear(x, w1)
-    return F.linear(F.relu(h).square() if w3 is None else F.silu(h) * F.linear(x, w3), w2)
+def _expert_mlp(x, w1, w2, w3, i: int):
+    """Expert i on its rows: SwiGLU, or squared ReLU when w3 is None."""
+    h = _linear(x, w1, i)
+    return _linear(F.relu(h).square() if w3 is None else F.silu(h) * _linear(x, w3, i), w2, i)
 
 
 def swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert):
-    """The fallback: each expert's MLP on its own rows (padding rows come back 0); w3 None: squared ReLU.
+    """The fallback: each expert's MLP on its own rows (padding rows come back 0); w3 None: squared ReLU. Weights
+    may be LowRank.
 
     Eager: slices by the row counts, which are read on the host (.tolist(), a sync on CUDA). Under torch.compile
     (fullgraph, as parallelize/compile.py uses it) data-dependent slicing would break the graph, so there each expert
     runs on every row and a mask keeps its own: E times the FLOPs, no sync; meant for CPU tests, not speed."""
-    n, e = x.shape[0], w1.shape[0]
+    n, e, out_dim = x.shape[0], _base(w1).shape[0], _base(w2).shape[1]
     if torch.compiler.is_compiling():
         ends = torch.cumsum(num_tokens_per_expert, dim=0)
         row_expert = torch.searchsorted(ends, torch.arange(n, device=x.device), right=True)  # E for padding rows
-        out = x.new_zeros(n, w2.shape[1])
+        out = x.new_zeros(n, out_dim)
         for i in range(e):
-            y = _expert_mlp(x, w1[i], w2[i], None if w3 is None else w3[i])
+            y = _expert_mlp(x, w1, w2, w3, i)
             out = out + torch.where((row_expert == i).unsqueeze(-1), y, 0)
         return out
     sizes = host_sizes(num_tokens_per_expert)
     outs, start = [], 0
     for i, size in enumerate(sizes):
-        xi = x[start:start + size]
-        outs.append(_expert_mlp(xi, w1[i], w2[i], None if w3 is None else w3[i]))
+        outs.append(_expert_mlp(x[start:start + size], w1, w2, w3, i))
         start += size
     if start < n:
-        outs.append(x.new_zeros(n - start, w2.shape[1]))
+        outs.append(x.new_zeros(n - start, out_dim))
     return torch.cat(outs)
 
 
@@ -141,27 +185,50 @@ class GroupedExperts(nn.Module):
         # gradients (parallelize/ep.py). An attribute, not a tensor hook, so it survives to_empty/materialisation.
         self.grad_scale = 1.0
 
+    # LoRA on the routed experts (models/common/lora.py's add_expert_adapters) adds the children `lora_A` and `lora_B`,
+    # ParameterDicts {weight name: [E, r, in] / [E, out, r]}, and sets lora_scaling and lora_dropout; each adapted
+    # weight then enters the expert functions as a LowRank. adapters_enabled is False inside lora.adapters_disabled.
+    lora_scaling, lora_dropout, adapters_enabled = 1.0, 0.0, True
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (None if w is None else _local(w) for w in (self.w1, self.w2, self.w3))
-        if self.grad_scale != 1.0:
-            w1, w2, w3 = (None if w is None else _ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear. Without
         # it, fp32 weights meeting 16-bit tokens (experts that no mixed-precision wrapper casts, e.g. expert parallel
         # without replicas) compute in the tokens' dtype, as the wrapper would have.
+        w_dtype = _local(self.w1).dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        elif x.dtype in (torch.bfloat16, torch.float16) and w1.dtype == torch.float32:
+        elif x.dtype in (torch.bfloat16, torch.float16) and w_dtype == torch.float32:
             dtype = x.dtype
         else:
-            dtype = w1.dtype
-        x, w1, w2, w3 = (None if t is None else t.to(dtype) for t in (x, w1, w2, w3))
-        if _use_grouped_mm(x, w1.shape[2], w1.shape[1]):
+            dtype = w_dtype
+        x = x.to(dtype)
+        w1, w2, w3 = (self._weight(name, dtype) for name in ("w1", "w2", "w3"))
+        ranks = [w.a.shape[1] for w in (w1, w2, w3) if isinstance(w, LowRank)]
+        if _use_grouped_mm(x, _base(w1).shape[2], _base(w1).shape[1], *ranks):
             if x.shape[0] == 0:
                 # Nothing routed here (possible under EP): the weight-gradient grouped GEMM would have a zero-length
                 # contraction, which it rejects; keep the weights in the graph (zero gradients) for the collectives.
-                return x.new_zeros(0, w2.shape[1]) + 0 * sum(w.sum() for w in (w1, w2, w3) if w is not None)
+                return x.new_zeros(0, _base(w2).shape[1]) + 0 * sum(t.sum() for t in _tensors(w1, w2, w3))
             return swiglu_grouped_mm(x.contiguous(), w1, w2, w3, num_tokens_per_expert)
         return swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert)
+
+    def _weight(self, name: str, dtype: torch.dtype):
+        """Weight `name` as the expert functions take it: local (EP), its gradient scaled, cast to `dtype`; a LowRank
+        with its adapters when it has some (and they are enabled); None for a missing w3."""
+        def prepared(w: torch.Tensor) -> torch.Tensor:
+            w = _local(w)
+            if self.grad_scale != 1.0:
+                w = _ScaleGrad.apply(w, self.grad_scale)
+            return w.to(dtype)
+
+        w = getattr(self, name)
+        if w is None:
+            return None
+        adapters = self._modules.get("lora_A")
+        if adapters is None or name not in adapters or not self.adapters_enabled:
+            return prepared(w)
+        return LowRank(prepared(w), prepared(adapters[name]), prepared(self.lora_B[name]), self.lora_scaling,
+                       self.lora_dropout if self.training else 0.0)
 
     def init_weights(self, init_std: float) -> None:
         # As models/common/ffn.py: w1/w3 read the residual stream; w2 writes into it and gets the depth-scaled std.

@@ -12,7 +12,8 @@ adapter-only state dict (what lora.save_adapter_only checkpoints) holds exactly 
 Then the Trainer itself (trainer_cfg: a LoRA run of 4 steps): under PP 2 (1F1B, 2 micro-batches) and under FSDP 2,
 which saves adapter-only steps 2 and 4 and is resumed from step 2 by a new Trainer (steps 3-4 repeat exactly); rank 0
 writes their losses and grad norms to ROOT/trainers.json, which test_dist_lora.py holds to a one-process run of the
-same config. Rank 0 prints one "CHECK <name> ok ..." line per case and "ALL CHECKS PASSED".
+same config. Last, the 2-rank supervised fine-tuning runs of sft_worker.py (RUNS[2]) ride in this launch. Rank 0
+prints one "CHECK <name> ok ..." line per case and "ALL CHECKS PASSED".
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.common.lora import LoraLinear, apply_lora, is_adapter_key
 from par_helpers import exit_without_teardown, global_batch, meta_model
 from parallelize import PlanSections, get_plan
+from sft_worker import sft_runs, train
 from titanlike.config.sections import JobConfig, Optimizer
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
@@ -187,72 +189,6 @@ def trainer_cfg(root: str, name: str, parallelism: dict | None = None, local_bat
     return cfg
 
 
-def train(cfg) -> list[dict]:
-    """The run's logged (step, loss, grad_norm); the process group stays for the next Trainer."""
-    from titanlike.optim.container import optimizers_of
-    from titanlike.train.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        for part in trainer.model_parts:  # the base stays frozen through the plan; only adapters in the optimizer
-            assert all(p.requires_grad == is_adapter_key(n) for n, p in part.named_parameters()), cfg.job.run_name
-        held = {id(p) for o in optimizers_of(trainer.optimizer) for g in o.param_groups for p in g["params"]}
-        assert held == {id(p) for part in trainer.model_parts for p in part.parameters() if p.requires_grad}
-        return [{k: h[k] for k in ("step", "loss", "grad_norm")} for h in trainer.train()]
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        trainer.run_lock.release()
-
-
-def sft_cfg(root: str, name: str, parallelism: dict | None = None, local_batch: int = 4):
-    """A 3-step SFT run of a tiny Llama on the shipped chat file (assistant-only labels, packed with document masking,
-    the built-in ChatML template): the data path of docs/post_training.md under each layout."""
-    from titanlike.config.load import config_from_dict
-    from titanlike.config.validate import validate
-
-    chat = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit", "data",
-                        "chat_tiny.jsonl")
-    cfg = config_from_dict({
-        "job": {"dump_folder": root, "run_name": f"sft_{name}"},
-        "model": {"flavor": "debugmodel", "args": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                                                    "multiple_of": 32}},
-        "training": {"steps": 3, "seq_len": 64, "local_batch_size": local_batch, "global_batch_size": 4,
-                     "device": "cpu", "max_norm": 1.0, "gc_freq": 0},
-        "optimizer": {"lr": 1e-2}, "lr_scheduler": {"warmup_steps": 1},
-        "data": {"dataset": "chat", "paths": [chat], "chat_template": "chatml", "sft_layout": "pack",
-                 "document_masking": True, "reset_position_ids": True},
-        "metrics": {"log_freq": 1, "enable_tensorboard": False},
-        "parallelism": {"dp_shard": -1, **(parallelism or {})},
-    })
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return cfg
-
-
-def train_plain(cfg) -> list[dict]:
-    """A run without LoRA: its logged (step, loss, grad_norm)."""
-    from titanlike.train.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        return [{k: h[k] for k in ("step", "loss", "grad_norm")} for h in trainer.train()]
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        trainer.run_lock.release()
-
-
-def sft_cases(root: str) -> None:
-    out = {"fsdp2": train_plain(sft_cfg(root, "fsdp2", {"dp_shard": 2}, local_batch=2)),
-           "tp2": train_plain(sft_cfg(root, "tp2", {"tp": 2, "dp_shard": 1})),
-           "pp2": train_plain(sft_cfg(root, "pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B",
-                                                    "pp_microbatches": 2}))}
-    report("sft_layouts_trainer", " ".join(f"{k}={[round(h['loss'], 6) for h in v]}" for k, v in out.items()))
-    if rank == 0:
-        with open(os.path.join(root, "sft_trainers.json"), "w") as f:
-            json.dump(out, f)
-
-
 def trainer_cases(root: str) -> None:
     out = {"pp2": train(trainer_cfg(root, "pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "1F1B",
                                                   "pp_microbatches": 2}))}
@@ -281,7 +217,7 @@ def main() -> None:
     run_case("lora_tp2", {"tp": 2}, sp=False, lp=False)
     run_case("lora_tp2_sp_lp_sac", {"tp": 2}, sp=True, lp=True, ac="selective")
     trainer_cases(sys.argv[1])
-    sft_cases(sys.argv[1])
+    sft_runs(sys.argv[1], world)  # the SFT layouts of 2 ranks (sft_worker.py)
     dist.barrier()
     if rank == 0:
         print("ALL CHECKS PASSED", flush=True)

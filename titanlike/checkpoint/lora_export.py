@@ -30,21 +30,31 @@ A, B = ".lora_A.weight", ".lora_B.weight"
 
 
 def _is_adapter(key: str) -> bool:
-    return key.endswith(A) or key.endswith(B)
+    return ".lora_A." in key or ".lora_B." in key
 
 
 class ModelReader:
     """The model tensors an export writes, from one step (or, for an adapter-only LoRA step, with its base): `shapes`
-    {fqn: shape} of the plain model, `read(keys, dtype)` full CPU tensors of those keys, adapters merged."""
+    {fqn: shape} of the plain model, `read(keys, dtype)` full CPU tensors of those keys, adapters merged (a LoraLinear's
+    weight, and the routed experts' stacked weights, expert by expert: models/common/lora.py's key rule)."""
 
     def __init__(self, step: str, meta: dict, base: str | None = None):
+        from models.common.lora import adapted_weights
+
         self.step, self.lora = step, meta.get("lora")
         step_shapes = tensor_shapes(read_metadata(step), MODEL)
         self.base_path = None
         if self.lora is None:
             self.shapes = step_shapes
             return
-        if f"{self.lora['modules'][0]}.weight" not in step_shapes or base:  # adapters only (or another base)
+        modules = set(self.lora["modules"])
+        # {adapted weight: (A key, B key)} of the modules meta.json names
+        self.adapted = {w: ab for w, ab in adapted_weights(step_shapes).items() if w.rpartition(".")[0] in modules}
+        missing = sorted(modules - {w.rpartition(".")[0] for w in self.adapted})
+        if missing:
+            raise CheckpointError(f"{step}: meta.json names LoRA modules whose adapters the step lacks ({missing[0]}"
+                                  f"{' ...' if len(missing) > 1 else ''}); the step is not a LoRA run's")
+        if any(w not in step_shapes for w in self.adapted) or base:  # adapters only (or another base)
             base = base or self.lora.get("base")
             if not base:
                 raise CheckpointError(f"{step} holds LoRA adapters only and its run had no "
@@ -53,22 +63,19 @@ class ModelReader:
             self.base_path = resolve_step(base, checksums=True).path
         base_shapes = tensor_shapes(read_metadata(self.base_path), MODEL) if self.base_path else step_shapes
         self.shapes = {k: v for k, v in base_shapes.items() if not _is_adapter(k)}
-        missing = [f"{m}{s}" for m in self.lora["modules"] for s in (A, B) if f"{m}{s}" not in step_shapes]
-        if missing:
-            raise CheckpointError(f"{step}: meta.json names LoRA modules whose adapters the step lacks ({missing[0]}"
-                                  f"{' ...' if len(missing) > 1 else ''}); the step is not a LoRA run's")
         self.scaling = self.lora["alpha"] / self.lora["rank"]
 
     def read(self, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if self.lora is None:
             return full_model_state(self.step, keys=keys, dtype=dtype)
         base = full_model_state(self.base_path or self.step, keys=keys)
-        modules = [k[:-len(".weight")] for k in keys if k[:-len(".weight")] in self.lora["modules"]]
-        adapters = full_model_state(self.step, keys=[f"{m}{s}" for m in modules for s in (A, B)]) if modules else {}
-        for m in modules:
-            w = base[f"{m}.weight"]
-            delta = adapters[f"{m}{B}"].float() @ adapters[f"{m}{A}"].float()
-            base[f"{m}.weight"] = (w.float() + delta * self.scaling).to(w.dtype)
+        merged = [k for k in keys if k in self.adapted]
+        adapters = full_model_state(self.step, keys=[x for k in merged for x in self.adapted[k]]) if merged else {}
+        for k in merged:
+            a, b = self.adapted[k]
+            w = base[k]
+            delta = adapters[b].float() @ adapters[a].float()  # batched over the experts of a stacked weight
+            base[k] = (w.float() + delta * self.scaling).to(w.dtype)
         return {k: v.to(dtype) for k, v in base.items()}
 
 
@@ -123,6 +130,10 @@ def export_peft(ckpt_path: str, out_dir: str, base_model: str = "", dtype: str =
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; nothing is overwritten: choose another folder")
     model, args = model_from_meta(info.path)
+    experts = [m for m in lora["modules"] if not isinstance(model.get_submodule(m), torch.nn.Linear)]
+    if experts:  # PEFT holds LoRA per Linear; HF's experts are per-expert Linears or fused 3-D parameters by version
+        raise CheckpointError(f"PEFT export: {info.path} has adapters on routed experts ({experts[0]}), which this "
+                              f"export does not map to PEFT's modules: export merged weights instead (export)")
     keys = [f"{m}{s}" for m in lora["modules"] for s in (A, B)]
     adapters = full_model_state(info.path, keys=keys, dtype=getattr(torch, dtype))
     tensors, modules, fan_in_fan_out = {}, {}, set()

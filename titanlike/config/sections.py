@@ -181,15 +181,17 @@ class Float8:
 @dataclass
 class Lora:
     """LoRA fine-tuning (docs/post_training.md#lora; models/common/lora.py): the base model frozen, low-rank adapters
-    trained beside the chosen Linear layers, PEFT's init and scaling."""
+    trained beside the chosen Linear layers (and routed experts), PEFT's init and scaling."""
     enable: bool = False
     rank: int = 16  # the adapters' inner dimension r (PEFT's r); at most min(in, out) of every adapted layer
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout); 0 for exact layout parity
     # Module names matched against Linear FQN suffixes as PEFT's target_modules ("wq" matches layers.3.attention.wq;
-    # "layers.0.attention.wq" that one alone); each entry must match at least one Linear of the model
+    # "layers.0.attention.wq" that one alone); each entry must match at least one Linear of the model, or a routed
+    # experts module ("experts": adapters on every expert's w1, w2, w3, needs include_experts)
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
-    # also the Linears inside MoE layers (shared experts); routed experts' stacked weights and router gates never
+    # also what lies inside MoE layers: the shared experts' Linears, the routed experts when a target names them;
+    # router gates never
     include_experts: bool = False
     # checkpoints hold only the trainable parameters (adapters) and their optimizer state; a resume takes the base
     # from checkpoint.initial_load_path again (false: the whole model, base included)

@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from titanlike.config.sections import Optimizer
 from titanlike.optim.container import optimizers_of
@@ -59,23 +60,42 @@ def _placement_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
 
 
 @torch.no_grad()
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm (fp32, a plain tensor, the same on every rank) of one (mesh, placements) group.
+
+    DTensors: the local shards' sum of squares, all-reduced over each mesh dimension that shards them (Shard and
+    FSDP's strided shards: each rank there holds other elements), one dimension at a time; a Partial dimension is
+    reduced to Replicate first (its value is the sum over the dimension, not its shards). Not DTensor's own norm:
+    its reduction merges all sharded dimensions into one collective over their flattened mesh, which torch 2.13 can
+    form only for dimensions in the root mesh's order. The routed experts' mesh under EP with context parallel,
+    (edp, ep), is not (edp holds cp, which lies after ep), and their norm raised "Invalid mesh_dim_names ('edp',
+    'ep') specified. Mesh dim indices should be in ascending order" (tests/multiproc/sft_worker.py, moe_ep2_cp2)."""
+    first = grads[0]
+    if not isinstance(first, DTensor):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float() ** 2
+    mesh, placements = first.device_mesh, first.placements
+    if any(p.is_partial() for p in placements):  # e.g. TP's replicated LoRA adapters (parallelize/lora.py)
+        whole = [Replicate() if p.is_partial() else p for p in placements]
+        grads = [g.redistribute(mesh, whole) for g in grads]
+    sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0, foreach=True).float() ** 2
+    for dim, p in enumerate(placements):
+        if not (p.is_replicate() or p.is_partial()):  # Shard, or FSDP's _StridedShard (not is_shard() in 2.13)
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+    return sq
+
+
+@torch.no_grad()
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of `grads` as a plain tensor, the same on every rank.
+    """Global L2 norm of `grads` as a plain fp32 tensor, the same on every rank.
 
     Grads may be DTensors on different meshes and placements at once: TP-only params on the tp mesh, FSDP x TP
-    params on the 2-D mesh, plain replicated tensors (norms without sequence parallel). A norm reduction over a
-    list mixing those is not defined (DTensor refuses different meshes, and stacking Partial with Replicate norms
-    would redistribute them), so each (mesh, placements) group is reduced on its own, made full (`full_tensor`
-    sums the shards' contributions over that group's mesh; replicated or plain values count once), and the
-    group norms are combined locally.
+    params on the 2-D mesh, experts on (edp, ep), plain replicated tensors (norms without sequence parallel). So each
+    (mesh, placements) group is reduced on its own (`_sum_of_squares`: shards summed over their mesh, replicated or
+    plain values counted once), and the groups' squares are added locally.
     """
     if not grads:
         return torch.zeros(())
-    norms = []
-    for idx in _placement_groups(grads):
-        n = torch.nn.utils.get_total_norm([grads[i] for i in idx], norm_type=2.0, foreach=True)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return torch.stack([_sum_of_squares([grads[i] for i in idx]) for idx in _placement_groups(grads)]).sum().sqrt()
 
 
 def fused_clip_optimizers(optimizer) -> list[torch.optim.Optimizer] | None:
