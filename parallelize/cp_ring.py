@@ -1,10 +1,10 @@
 """Context parallel by a ring (parallelism.cp_method = "ring", Megatron's --cp-comm-type p2p): the keys and values
-travel around the "cp" ranks, one rank's chunks per step, and each step's partial attention is merged into the
-result by its log-sum-exp.
+travel around the "cp" ranks, one rank's chunks per step, and the steps' partial attentions are merged by their
+log-sum-exps.
 
     step 0:  this rank's queries against its own K/V chunks; send them on to rank + 1
-    step s:  the K/V of rank - s arrive (sent during step s-1's compute); send them on; attend; merge
-    after cp steps every query has seen every key of the sequence
+    step s:  the K/V of rank - s arrive (sent during step s-1's compute); send them on; attend
+    after cp steps every query has seen every key of the sequence: merge
 
 The transfer for step s+1 is issued before step s's attention and waited on when step s+1 reads it, so each transfer
 can overlap the previous chunk's compute. Causal load balancing stays as in the all-gather method (rank r holds
@@ -22,9 +22,9 @@ Merge: with out_i and lse_i of partials over disjoint key sets, the attention ov
 (`merge_partials`), exact, summed in float32, once after the last step. The first partial is the rank's own chunks,
 in which every query sees at least itself, so every row's lse is finite and a partial in which a query sees nothing
 (lse -inf or float32's lowest) gets weight 0 with a zero gradient. The merge is an autograd Function of its own
-(`_Merge`) for memory only: it keeps the partials' outputs as the kernels made them (which the kernels keep for
-their own backward anyway) and the merged output in the caller's dtype (which the output projection keeps), where
-autograd through the float32 arithmetic would keep float32 copies of every partial. Its backward is the derivative
+(`_Merge`) for memory only: it keeps the partials' outputs as the kernels made them (FlexAttention keeps them for its
+own backward anyway) and the merged output in the caller's dtype (which the output projection keeps), where autograd
+through the float32 arithmetic would keep float32 copies of every partial. Its backward is the derivative
 written out: d out / d out_i = w_i, d out / d lse_i = w_i (out_i - out), with w_i = exp(lse_i - lse).
 
 Backward: autograd through the forward. Each step's transfer is the autograd-aware functional all-to-all with one
