@@ -36,6 +36,12 @@ class ModelShape:
     cp_a2a_layers: int = 0  # recurrent layers, which exchange heads by all-to-all under CP
     cp_a2a_dim: int = 0  # per token and recurrent layer, the widths its two forward all-to-alls carry: the scan's
     #                      inputs plus its output, all heads (a TP rank holds 1/tp of them)
+    # An attention layer's query and KV heads (0: no attention layers) and the widths of its queries plus its outputs
+    # per token, all heads: parallelism.cp_method="alltoall" cuts the heads over the CP ranks (cp must divide a TP
+    # rank's) and moves q, k, v and the output (qo_dim + kv_dim) where the other methods move K and V.
+    heads: int = 0
+    kv_heads: int = 0
+    qo_dim: int = 0
 
 
 @dataclass(frozen=True)

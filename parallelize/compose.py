@@ -93,7 +93,7 @@ def compose_plans(recipe: Recipe) -> dict[str, Callable]:
         _check(recipe, model, dims, sections.flavor)
         _maybe_tp(recipe, model, dims, sections.parallelism, sections.compile)
         maybe_ep(model, dims)
-        maybe_cp(model, dims)
+        maybe_cp(model, dims, sections.parallelism.cp_method)
         apply_ac(model, sections.activation_checkpoint)
         apply_compile(model, sections.compile)
         maybe_fsdp(model, dims, sections.parallelism, sections.training, *recipe.groups(model))
@@ -106,7 +106,7 @@ def compose_plans(recipe: Recipe) -> dict[str, Callable]:
         _refuse_unimplemented(recipe, dims, allow=("pp", "cp", *ep))
         _check(recipe, model, dims, sections.flavor)
         maybe_ep(model, dims)
-        maybe_cp(model, dims)
+        maybe_cp(model, dims, sections.parallelism.cp_method)
         maybe_fsdp(model, dims, sections.parallelism, sections.training, *recipe.groups(model))
         return model
 

@@ -2,24 +2,33 @@
 
 Layout (causal load balancing): a sequence of S tokens is cut into 2*cp chunks and rank r holds chunks r and
 2*cp-1-r (models.common.masks.load_balanced_chunks), so with causal attention every rank's queries see the same number
-of keys. The trainer cuts the batch this way (titanlike/train/batch.py); the model's Decoder, told its share by
-`apply_cp`, takes its RoPE rows from the global positions of its tokens and builds the mask that places its local
-queries in the whole sequence. Checkpoints carry nothing of this: parameters are FSDP-sharded over dp_shard x cp
-(CP ranks hold the same parameters and see different tokens) and the RoPE table is not saved.
+of keys. The trainer cuts the batch this way (titanlike/train/batch.py), whatever the method below; the model's
+Decoder, told its share and the method by `apply_cp` (its cp_shard, models.common.masks.CPShard), takes its RoPE rows
+from the global positions of its tokens and builds the mask the method needs (models.common.masks.forward_mask).
+Checkpoints carry nothing of this: parameters are FSDP-sharded over dp_shard x cp (CP ranks hold the same parameters
+and see different tokens) and the RoPE table is not saved.
 
-Attention: each layer all-gathers the keys and values of the whole sequence over "cp" (a reduce-scatter of their
-gradients in the backward) and runs its local queries against them with the kernel of models/common/masks.py, the
-same code as one device. With grouped-query attention the keys and values are a fraction of the queries' size
-(n_kv_heads / n_heads), which is what makes gathering them cheap next to passing them around a ring. The gather is
-issued for K and V together and waited on when they are first read, so the two transfers overlap each other (not yet
-the attention compute: that needs a log-sum-exp merge of partial results, which the ring form would bring).
+Attention, by parallelism.cp_method (Megatron's --cp-comm-type), each exact against one device:
+- "allgather" (the default; this file): each layer all-gathers the keys and values of the whole sequence over "cp" (a
+  reduce-scatter of their gradients in the backward) and runs its local queries against them with the kernel of
+  models/common/masks.py, the same code as one device. With grouped-query attention the keys and values are a
+  fraction of the queries' size (n_kv_heads / n_heads), which is what makes gathering them cheap. The gather is
+  issued for K and V together and waited on when they are first read, so the two transfers overlap each other (not
+  the attention compute).
+- "alltoall" (parallelize/cp_alltoall.py, Ulysses): an all-to-all trades the sequence shard of q, k, v for a head
+  shard over the whole sequence, the model's own kernel runs on it as on one device, and an all-to-all brings the
+  output back. cp must divide a TP rank's query and KV heads.
+- "ring" (parallelize/cp_ring.py): the K/V chunks travel around the ranks point to point, each step's partial
+  attention merged by its log-sum-exp, each transfer in flight during the previous chunk's compute.
+All three run with MLA (DeepSeek-V3: its per-head K/V after wkv_b go through them as any attention's), packed
+documents, TP, FSDP, EP and PP. titanlike/planner/cost.py charges each method's traffic.
 
-Under torch.compile the gather and the kernel are part of each block's full graph (functional collectives; checked
-on gloo with torch 2.13, and under per-op selective checkpointing).
+Under torch.compile the collectives and the kernels are part of each block's full graph (functional collectives;
+checked on gloo with torch 2.13, and under per-op selective checkpointing).
 
 Recurrent mixers (the conv + scan of Mamba-2 and of the Gated DeltaNet): an all-to-all turns the sequence shard into
 a head shard around them and back (parallelize/cp_recurrent.py, Megatron's way), so each rank scans the whole
-sequence of a part of the heads.
+sequence of a part of the heads, whatever the attention's method.
 
 MoE layers: the balance losses measure expert loads per sequence (or per local batch), and each rank sees only its
 chunks of them; apply_cp gives every MoE layer a `shard_mean` (the mean over "cp") so those loads are the whole
@@ -38,8 +47,10 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.common.grads import contiguous_grad
-from models.common.masks import load_balanced_chunks
+from models.common.masks import CP_METHODS, CPShard, load_balanced_chunks, sequence_order
+from parallelize.cp_alltoall import ShardHeadsAttention
 from parallelize.cp_recurrent import ShardHeads
+from parallelize.cp_ring import RingAttention
 
 
 # The differentiable all-gather (its backward a reduce-scatter): renamed in torch 2.13, the old name deprecated.
@@ -55,8 +66,7 @@ def _start_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 def _in_sequence_order(gathered: torch.Tensor, degree: int) -> torch.Tensor:
     parts = gathered.chunk(2 * degree, dim=1)
-    order = [2 * j for j in range(degree)] + [2 * (2 * degree - 1 - j) + 1 for j in range(degree, 2 * degree)]
-    return torch.cat([parts[i] for i in order], dim=1)
+    return torch.cat([parts[i] for i in sequence_order(degree)], dim=1)
 
 
 class GatherKV:
@@ -92,22 +102,29 @@ def shard_sequence(x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
     return torch.cat([x[:, a:b] for a, b in load_balanced_chunks(x.shape[1], rank, degree)], dim=1)
 
 
-def apply_cp(model: nn.Module, dims) -> int:
+# parallelism.cp_method -> the attention kernel's wrapper (config validation reads CP_METHODS).
+_ATTENTION = {"allgather": GatherKV, "alltoall": ShardHeadsAttention, "ring": RingAttention}
+assert tuple(_ATTENTION) == CP_METHODS
+
+
+def apply_cp(model: nn.Module, dims, method: str = "allgather") -> int:
     """Shard `model`'s sequence over dims' "cp" axis, in place (after TP/EP, before AC and compile, which trace the
-    attention kernels); returns how many attention modules and recurrent mixers take part. Recurrent mixers (a
-    `sequence_fn` attribute: Mamba-2, Gated DeltaNet) run their conv + scan on whole sequences of a part of the heads
-    (parallelize/cp_recurrent.py)."""
+    attention kernels); `method`: parallelism.cp_method, how attention sees the whole sequence (module doc). Returns
+    how many attention modules and recurrent mixers take part. Recurrent mixers (a `sequence_fn` attribute: Mamba-2,
+    Gated DeltaNet) run their conv + scan on whole sequences of a part of the heads (parallelize/cp_recurrent.py)."""
+    if method not in _ATTENTION:
+        raise ValueError(f"parallelism.cp_method={method!r} is not one of {', '.join(CP_METHODS)}")
     mesh = dims.get_mesh("cp")
     if mesh is None:
         raise RuntimeError("apply_cp: parallelism.cp > 1 needs ParallelDims.build_mesh() first")
     if not hasattr(model, "cp_shard"):
         raise ValueError(f"parallelism.cp={dims.cp}: {type(model).__name__} does not say where its tokens sit in the "
                          f"sequence (models/common/decoder.py's cp_shard); set parallelism.cp=1")
-    model.cp_shard = (mesh.get_local_rank(), mesh.size())
+    model.cp_shard = CPShard(mesh.get_local_rank(), mesh.size(), method)
     n = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
-            module.attention_fn = GatherKV(module.attention_fn, mesh)
+            module.attention_fn = _ATTENTION[method](module.attention_fn, mesh)
             n += 1
         if hasattr(module, "sequence_fn"):
             module.sequence_fn = ShardHeads(mesh)
@@ -121,7 +138,7 @@ def apply_cp(model: nn.Module, dims) -> int:
     return n
 
 
-def maybe_cp(model: nn.Module, dims) -> None:
+def maybe_cp(model: nn.Module, dims, method: str = "allgather") -> None:
     """A plan's CP step: apply_cp when parallelism.cp > 1, nothing otherwise."""
     if dims.cp > 1:
-        apply_cp(model, dims)
+        apply_cp(model, dims, method)

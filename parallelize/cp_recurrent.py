@@ -27,8 +27,8 @@ communication is this file's. The mixer's `sequence_fn(mixer, x, gates, doc_ids)
 
 Each rank's part reads the conv channels and per-head scalars (dt_bias, A_log, D) of its heads only, so their
 gradients come from one rank each and the data-parallel reduction over dp_shard x cp sums them, as it sums the other
-parameters' per-token gradients. Both all-to-alls are the autograd-aware functional collective (its backward the
-reverse all-to-all).
+parameters' per-token gradients. The all-to-alls and the chunk order around them are parallelize/cp_alltoall.py's
+(`to_head_shard`, `to_sequence_shard`), which attention's all-to-all method uses too.
 
 Per layer and rank this moves 2 x (cp-1)/cp of the projections' conv and gate inputs and of the scan's output, against
 the attention's all-gather of K and V; the state never crosses ranks.
@@ -36,18 +36,9 @@ the attention's all-gather of K and V; the state never crosses ranks.
 from __future__ import annotations
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-
-def _natural_order(degree: int) -> list[int]:
-    """Rank-major chunks (rank r's chunks r and 2cp-1-r side by side) -> sequence order: the index of each."""
-    return [2 * j for j in range(degree)] + [2 * (2 * degree - 1 - j) + 1 for j in range(degree, 2 * degree)]
-
-
-def _all_to_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """[cp, ...]: slice i to rank i; returns [cp, ...] with slice i from rank i."""
-    return all_to_all_single_autograd(x.contiguous(), None, None, mesh)
+from parallelize.cp_alltoall import to_head_shard, to_sequence_shard
 
 
 class ShardHeads:
@@ -59,14 +50,10 @@ class ShardHeads:
 
     def __call__(self, mixer, x: torch.Tensor, gates: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         rank, degree = self.mesh.get_local_rank(), self.mesh.size()
-        got = _all_to_all(mixer.head_parts(x, gates, degree), self.mesh)  # [cp (sender), B, S/cp, part]
-        chunks = got.movedim(0, 1).flatten(1, 2).chunk(2 * degree, dim=1)  # rank-major chunks
-        seq = torch.cat([chunks[i] for i in _natural_order(degree)], dim=1)  # [B, S, part]
+        seq = to_head_shard(mixer.head_parts(x, gates, degree), self.mesh)  # [B, S, part], sequence order
         if doc_ids is not None and doc_ids.shape[1] != seq.shape[1]:
             raise ValueError(f"context parallel: the recurrent mixer needs the whole sequence's doc_ids "
                              f"({seq.shape[1]} tokens), got {doc_ids.shape[1]}; pass doc_ids uncut "
                              f"(titanlike/train/batch.py does)")
-        y = mixer.mix_part(seq, doc_ids, rank, degree).chunk(2 * degree, dim=1)  # sequence-order chunks
-        back = torch.stack([torch.cat([y[i], y[2 * degree - 1 - i]], dim=1) for i in range(degree)])
-        out = _all_to_all(back, self.mesh)  # [cp (part), B, S/cp, part's heads * P]
+        out = to_sequence_shard(mixer.mix_part(seq, doc_ids, rank, degree), self.mesh)  # [cp (part), B, S/cp, ...]
         return out.movedim(0, 2).flatten(2)  # parts in head order

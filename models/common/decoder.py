@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from models.common.masks import AttnMask, build_mask, load_balanced_chunks
+from models.common.masks import AttnMask, forward_mask
 from models.common.norms import RMSNorm
 
 # The top-level modules before and after `layers` (ModelSpec.input_modules / output_modules of a Decoder family).
@@ -84,9 +84,9 @@ class Decoder(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
-        # (rank, degree) when context parallel holds this rank's share of every sequence (parallelize/cp.py sets it;
-        # the chunks are models.common.masks.load_balanced_chunks); None: the whole sequence.
-        self.cp_shard: tuple[int, int] | None = None
+        # models.common.masks.CPShard (rank, degree, method) when context parallel holds this rank's share of every
+        # sequence (parallelize/cp.py sets it; the chunks are masks.load_balanced_chunks); None: the whole sequence.
+        self.cp_shard: tuple | None = None
         # The kernel for masked attention (documents, context parallel): models.common.masks.MASK_KERNELS.
         self.mask_kernel = "sdpa"
 
@@ -135,16 +135,9 @@ class Decoder(nn.Module):
 
     def _attention_inputs(self, seqlen: int, doc_ids, positions, device) -> tuple[torch.Tensor, AttnMask | None]:
         """(RoPE rows, AttnMask or None) for one forward: one build for all layers."""
-        chunks, kv_len = None, seqlen
-        if self.cp_shard is not None:
-            rank, degree = self.cp_shard
-            kv_len = seqlen * degree
-            chunks = load_balanced_chunks(kv_len, rank, degree)
-        if chunks is None and doc_ids is None:
-            return (self.rope_cache if positions is None else self.rope_cache[positions]), None
-        mask = build_mask(chunks, doc_ids, kv_len, self.mask_kernel, device)
+        q_index, mask = forward_mask(self.cp_shard, seqlen, doc_ids, self.mask_kernel, device)
         if positions is not None:
-            rope = self.rope_cache[positions if mask.q_index is None else positions[:, mask.q_index]]
+            rope = self.rope_cache[positions if q_index is None else positions[:, q_index]]
         else:
-            rope = self.rope_cache if mask.q_index is None else self.rope_cache[mask.q_index]
+            rope = self.rope_cache if q_index is None else self.rope_cache[q_index]
         return rope, mask

@@ -69,7 +69,9 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
 
 
 def shape(args: ModelArgs) -> ModelShape:
-    """MLA's keys and values per head after wkv_b (what context parallel gathers), not the compressed latent."""
+    """MLA's keys and values per head after wkv_b (what context parallel moves), not the compressed latent: every
+    head has its own K and V there (the shared rope key expanded), so the KV heads are the query heads."""
     per_head = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=args.n_heads * per_head,
-                      moe_topk=args.moe.top_k if args.moe is not None else 0)
+                      moe_topk=args.moe.top_k if args.moe is not None else 0, heads=args.n_heads,
+                      kv_heads=args.n_heads, qo_dim=args.n_heads * per_head)

@@ -40,4 +40,5 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
 
 
 def shape(args: ModelArgs) -> ModelShape:
-    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.dim)
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.dim, heads=args.n_heads,
+                      kv_heads=args.n_heads, qo_dim=2 * args.dim)

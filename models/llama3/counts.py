@@ -38,5 +38,6 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
 
 
 def shape(args: ModelArgs) -> ModelShape:
-    head_dim = args.dim // args.n_heads
-    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * (args.n_kv_heads or args.n_heads) * head_dim)
+    head_dim, kv_heads = args.dim // args.n_heads, args.n_kv_heads or args.n_heads
+    return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * kv_heads * head_dim, heads=args.n_heads,
+                      kv_heads=kv_heads, qo_dim=2 * args.dim)

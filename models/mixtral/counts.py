@@ -44,4 +44,4 @@ def pp_costs(args: MixtralArgs, seq_len: int) -> PipelineCosts:
 
 def shape(args: MixtralArgs) -> ModelShape:
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * (args.dim // args.n_heads),
-                      moe_topk=args.moe.top_k)
+                      moe_topk=args.moe.top_k, heads=args.n_heads, kv_heads=args.n_kv_heads, qo_dim=2 * args.dim)

@@ -107,4 +107,6 @@ def shape(args: HybridArgs) -> ModelShape:
     inner = args.mamba_n_heads * args.mamba_head_dim
     a2a = (inner + 2 * args.n_groups * args.ssm_state_size + args.mamba_n_heads) + inner
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=kv, moe_topk=topk,
-                      kv_layers=pattern.count(ATTENTION), cp_a2a_layers=pattern.count(MAMBA), cp_a2a_dim=a2a)
+                      kv_layers=pattern.count(ATTENTION), cp_a2a_layers=pattern.count(MAMBA), cp_a2a_dim=a2a,
+                      heads=args.n_heads if kv else 0, kv_heads=args.n_kv_heads if kv else 0,
+                      qo_dim=2 * args.n_heads * args.head_dim if kv else 0)

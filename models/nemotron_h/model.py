@@ -28,7 +28,7 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.ffn import ReLU2FeedForward as ReLU2MLP  # NemotronH's "-" layers: w2(relu(w1 x)^2)
 from models.common.mamba2 import Mamba2Mixer
-from models.common.masks import AttnMask, build_mask, load_balanced_chunks
+from models.common.masks import AttnMask, forward_mask
 from models.common.moe import MoE
 from models.common.norms import RMSNorm
 from models.nemotron_h.args import ATTENTION, MAMBA, MLP, MOE, HybridArgs
@@ -136,9 +136,10 @@ class HybridModel(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.has_attention = ATTENTION in pattern
         self.mask_kernel = "sdpa"  # the masked-attention kernel for packed documents (the trainer sets it)
-        # (rank, degree) when context parallel holds this rank's load-balanced chunks of every sequence (set by
-        # parallelize/cp.py, which also swaps the Mamba mixers' sequence_fn); None: the whole sequence.
-        self.cp_shard: tuple[int, int] | None = None
+        # models.common.masks.CPShard (rank, degree, method) when context parallel holds this rank's load-balanced
+        # chunks of every sequence (set by parallelize/cp.py, which also swaps the Mamba mixers' sequence_fn); None:
+        # the whole sequence.
+        self.cp_shard: tuple | None = None
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -156,13 +157,9 @@ class HybridModel(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """doc_ids [B, S_full]: every token's document in the whole sequence (non-decreasing along a row,
         models.common.masks.document_ids). Under context parallel tokens are this rank's chunks (cp_shard)."""
-        mask, chunks, kv_len = None, None, tokens.shape[1]
-        if self.cp_shard is not None:
-            rank, degree = self.cp_shard
-            kv_len *= degree
-            chunks = load_balanced_chunks(kv_len, rank, degree)
-        if (doc_ids is not None or chunks is not None) and self.has_attention:  # one mask for every attention layer
-            mask = build_mask(chunks, doc_ids, kv_len, self.mask_kernel, tokens.device)
+        mask = None
+        if self.has_attention:  # one mask for every attention layer
+            _, mask = forward_mask(self.cp_shard, tokens.shape[1], doc_ids, self.mask_kernel, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, mask, doc_ids)

@@ -62,4 +62,5 @@ def pp_costs(args: Qwen3Args, seq_len: int) -> PipelineCosts:
 
 def shape(args: Qwen3Args) -> ModelShape:
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * args.head_dim,
-                      moe_topk=args.moe.top_k if args.moe is not None else 0)
+                      moe_topk=args.moe.top_k if args.moe is not None else 0, heads=args.n_heads,
+                      kv_heads=args.n_kv_heads, qo_dim=2 * args.n_heads * args.head_dim)

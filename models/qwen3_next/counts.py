@@ -89,4 +89,5 @@ def shape(args: Qwen3NextArgs) -> ModelShape:
     a2a = (2 * key_dim + value_dim + 2 * args.linear_n_v_heads) + value_dim
     return ModelShape(dim=args.dim, n_layers=args.n_layers, kv_dim=2 * args.n_kv_heads * args.head_dim,
                       moe_topk=args.moe.top_k if args.moe else 0, kv_layers=attention,
-                      cp_a2a_layers=args.n_layers - attention, cp_a2a_dim=a2a)
+                      cp_a2a_layers=args.n_layers - attention, cp_a2a_dim=a2a, heads=args.n_heads if attention else 0,
+                      kv_heads=args.n_kv_heads if attention else 0, qo_dim=2 * args.n_heads * args.head_dim)

@@ -3,7 +3,8 @@ checkpoint, and their checkpoints, saved half-way, continue on one GPU with the 
 
   MoE   DeepSeek-V3 debug flavor (MLA, shared expert, group-limited sigmoid routing, expert bias): FSDP 2 x EP 2,
         compiled (the expert-parallel blocks compile part by part: parallelize/compile.py)
-  CP    Llama 3 debug model, seq 2048, packed documents (FlexAttention with each rank's query positions): CP 2
+  CP    Llama 3 debug model, seq 2048, packed documents (FlexAttention with each rank's query positions): CP 2,
+        by each parallelism.cp_method (allgather, ring, alltoall)
 
 fp32 weights and compute (no autocast, no TF32), so the comparison measures the layouts, not bf16 rounding; the
 losses are logged to 4 decimals. Run on a 2-GPU machine: `python -m pytest -q tests/gpu/test_gpu_layouts2.py`.
@@ -31,6 +32,13 @@ CASES = {
     "cp": (["--config", "configs/debug_model.toml", "--training.seq_len=2048", "--data.document_masking=true",
             "--compile.enable=true"],
            ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
+    # the other attention methods (parallelism.cp_method): NCCL transfers, FlexAttention's log-sum-exp (ring)
+    "cp_ring": (["--config", "configs/debug_model.toml", "--training.seq_len=2048", "--data.document_masking=true",
+                 "--compile.enable=true"],
+                ["--parallelism.cp=2", "--parallelism.dp_shard=1", "--parallelism.cp_method=ring"]),
+    "cp_alltoall": (["--config", "configs/debug_model.toml", "--training.seq_len=2048",
+                     "--data.document_masking=true", "--compile.enable=true"],
+                    ["--parallelism.cp=2", "--parallelism.dp_shard=1", "--parallelism.cp_method=alltoall"]),
 }
 
 

@@ -1,6 +1,7 @@
 """torchrun worker for tests/multiproc/test_dist_cp_train.py: context parallel through the real Trainer.
 
-    cp_train_worker.py ROOT pp      4 ranks: CP 2 x PP 2 (1F1B, 2 micro-batches), without and with document masking;
+    cp_train_worker.py ROOT pp      4 ranks: CP 2 x PP 2 (1F1B, 2 micro-batches), without and with document masking
+                                    (with masking also by the ring and the all-to-all, parallelism.cp_method);
                                     CP 2 x FSDP 2, saving a full checkpoint half-way
     cp_train_worker.py ROOT fsdp2   2 ranks: FSDP 2 resuming from CP 2 x FSDP 2's half-way checkpoint
 
@@ -36,6 +37,15 @@ RUNS = {  # name -> (phase, extra flags)
     "cp2pp2_docs": ("pp", ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1",
                            "--parallelism.pp_schedule=1F1B", "--parallelism.pp_microbatches=2",
                            "--training.local_batch_size=4", "--data.document_masking=true"]),
+    # the other attention methods (parallelism.cp_method) through the same pipeline and documents
+    "cp2pp2_docs_ring": ("pp", ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1",
+                                "--parallelism.pp_schedule=1F1B", "--parallelism.pp_microbatches=2",
+                                "--training.local_batch_size=4", "--data.document_masking=true",
+                                "--parallelism.cp_method=ring"]),
+    "cp2pp2_docs_a2a": ("pp", ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1",
+                               "--parallelism.pp_schedule=1F1B", "--parallelism.pp_microbatches=2",
+                               "--training.local_batch_size=4", "--data.document_masking=true",
+                               "--parallelism.cp_method=alltoall"]),
     "cp2dp2": ("pp", ["--parallelism.cp=2", "--parallelism.dp_shard=2", "--training.local_batch_size=2",
                       "--checkpoint.enable=true", f"--checkpoint.interval={HALF}"]),
     "resume_fsdp2": ("fsdp2", ["--parallelism.dp_shard=2", "--training.local_batch_size=2"]),

@@ -17,11 +17,12 @@ over the CP ranks by all-to-all, parallelize/cp_recurrent.py, beside the attenti
 (debugmodel, 4 Mamba-2 layers), both with SSD chunks of 8 tokens; qwen3_next (a Gated DeltaNet layer of 4 key heads
 then a gated attention layer, MoE with the gated shared expert on both: the DeltaNet key heads over the CP ranks by
 all-to-all, delta-rule chunks of 8 tokens).
-Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+sac][+compile]" (rep: dp_replicate; dp: dp_shard;
-docs: data.document_masking; pos: data.reset_position_ids; sac: per-op selective activation checkpointing; compile:
-per-block torch.compile with the aot_eager backend: dynamo's and AOTAutograd's graphs, without Inductor's slow CPU code
-generation). "docs_isolated" checks, in one process, that with documents masked and positions restarted
-every document's logits are those of the document alone.
+Layouts: "[rep<r>x]cp<c>[xdp<d>][xep<e>][xtp<t>][+docs][+pos][+sac][+compile][+a2a|+ring]" (rep: dp_replicate; dp:
+dp_shard; docs: data.document_masking; pos: data.reset_position_ids; sac: per-op selective activation checkpointing;
+compile: per-block torch.compile with the aot_eager backend: dynamo's and AOTAutograd's graphs, without Inductor's slow
+CPU code generation; a2a / ring: parallelism.cp_method "alltoall" / "ring", else "allgather"). "docs_isolated"
+checks, in one process, that with documents masked and positions restarted every document's logits are those of the
+document alone.
 Prints "CP_OK <family>/<layout> loss .. grad .. (worst parameter) expert_bias .." per layout on rank 0.
 """
 from __future__ import annotations
@@ -144,13 +145,18 @@ def check_docs_isolated() -> float:
     return worst
 
 
+METHODS = {"a2a": "alltoall", "ring": "ring"}
+
+
 def parse(layout: str):
     m = re.fullmatch(r"(?:rep(\d+)x)?cp(\d+)(?:xdp(\d+))?(?:xep(\d+))?(?:xtp(\d+))?(\+docs)?(\+pos)?(\+sac)?"
-                     r"(\+compile)?", layout)
+                     r"(\+compile)?(?:\+(a2a|ring))?", layout)
     if m is None:
         raise ValueError(f"bad layout {layout!r}")
     rep, cp, dp, ep, tp = (int(m[i] or 1) for i in range(1, 6))
-    return dict(dp_replicate=rep, cp=cp, dp_shard=dp, ep=ep, tp=tp), *(bool(m[i]) for i in range(6, 10))
+    method = METHODS[m[10]] if m[10] else "allgather"
+    degrees = dict(dp_replicate=rep, cp=cp, dp_shard=dp, ep=ep, tp=tp, cp_method=method)
+    return degrees, *(bool(m[i]) for i in range(6, 10))
 
 
 def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, compile: bool,

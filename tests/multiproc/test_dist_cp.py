@@ -9,6 +9,9 @@ nemotron_h (Mamba-2, attention and MLP layers) under CP 4, CP 2 x FSDP 2 with pa
 them, mamba2 under CP 2 x TP 2 (the Mamba-2 heads over CP by all-to-all: parallelize/cp_recurrent.py); qwen3_next
 (Gated DeltaNet, gated attention, MoE with the gated shared expert) under CP 2 x FSDP 2 and CP 2 x TP 2 with packed
 documents and under CP 4 (the DeltaNet key heads over CP by the same all-to-all).
+The other attention methods (parallelism.cp_method) in the same launch: "+ring" (K/V around the ranks, log-sum-exp
+merges) and "+a2a" (alltoall: q, k, v to a head shard of the whole sequence) with GQA, MLA, packed documents, FSDP,
+TP, EP, the hybrids' attention layers, and the ring in compiled blocks under per-op selective AC.
 Eight processes (with TITANLIKE_TEST_8PROC=1, as the 8-process TP test): the experts' FSDP mesh ("edp") over axes that
 are not neighbours in the device mesh (efsdp and cp on both sides of ep, and dp_replicate too).
 """
@@ -43,7 +46,15 @@ def test_context_parallel_layouts_match_one_process():
              "qwen3_next/cp2xdp2+docs", "qwen3_next/cp2xtp2+docs", "qwen3_next/cp4",
              # Per-op selective AC (the long-context setting), eager and in compiled blocks on gloo (one compiled
              # case: the cold compile is most of this launch's time)
-             "deepseek_v3/cp2xdp2+sac", "llama3/cp2xdp2+sac+compile"], timeout=300)
+             "deepseek_v3/cp2xdp2+sac", "llama3/cp2xdp2+sac+compile",
+             # cp_method="ring": GQA, MLA, documents; FSDP, TP, EP; a hybrid; compiled blocks with per-op AC
+             "llama3/cp4+ring", "llama3/cp2xtp2+docs+ring", "deepseek_v3/cp4+ring",
+             "deepseek_v3/cp2xdp2xep2+docs+ring", "nemotron_h/cp2xtp2+docs+ring",
+             "llama3/cp2xdp2+docs+sac+compile+ring",
+             # cp_method="alltoall": the same families (qwen3_moe's 4 KV heads: 2 per TP rank, 1 per CP 4 rank)
+             "qwen3_moe/cp2xtp2+a2a", "qwen3_moe/cp4+docs+a2a",
+             "qwen3_moe/cp2xdp2xep2+docs+a2a", "deepseek_v3/cp2xtp2+docs+a2a", "qwen3_next/cp2xdp2+docs+a2a"],
+         timeout=300)
 
 
 @pytest.mark.dist

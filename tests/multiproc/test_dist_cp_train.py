@@ -4,6 +4,7 @@
   cp2pp2          4 ranks   CP 2 x PP 2 (1F1B, 2 micro-batches)            = one
   cp2pp2_docs     4 ranks   the same with document masking: the document ids go through the pipeline schedule to
                             every stage (and through the forward-only validation pass)   = one_docs
+  cp2pp2_docs_ring, _a2a    the same by parallelism.cp_method "ring" and "alltoall"     = one_docs
   cp2dp2          4 ranks   CP 2 x FSDP 2, full checkpoint half-way         = one
   resume_one      1 process from cp2dp2's checkpoint                         second half = cp2dp2
   resume_fsdp2    2 ranks   FSDP 2 from cp2dp2's checkpoint                  second half = cp2dp2
@@ -69,6 +70,8 @@ def test_context_parallel_trainer_pipeline_and_resharding(tmp_path):
     full, tail = range(1, STEPS + 1), range(HALF + 1, STEPS + 1)
     assert one["loss"] != one_docs["loss"]  # the documents change the attention: the two references differ
     checks = {"cp2pp2": (runs["cp2pp2"], one, full), "cp2pp2_docs": (runs["cp2pp2_docs"], one_docs, full),
+              "cp2pp2_docs_ring": (runs["cp2pp2_docs_ring"], one_docs, full),
+              "cp2pp2_docs_a2a": (runs["cp2pp2_docs_a2a"], one_docs, full),
               "cp2dp2": (runs["cp2dp2"], one, full), "resume_one": (resume_one, runs["cp2dp2"], tail),
               "resume_fsdp2": (runs["resume_fsdp2"], runs["cp2dp2"], tail)}
     for name, (got, ref, span) in checks.items():

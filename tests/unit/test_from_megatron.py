@@ -235,3 +235,23 @@ def test_model_args_change_the_flavor_and_bad_ones_are_one_line(tmp_path: Path) 
         with pytest.raises(ConfigError, match=re.escape(message)) as e:
             load_config(argv)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, method", [("--cp-comm-type p2p", "ring"), ("--cp-comm-type a2a", "alltoall"),
+                                           ("--cp-comm-type=allgather", "allgather"),
+                                           ("--cp-comm-type p2p p2p", "ring")])  # one value per layer, all alike
+def test_cp_comm_type_is_the_cp_method(flags: str, method: str, tmp_path: Path) -> None:
+    t = translate(parse(tokenize(f"--context-parallel-size 2 --seq-length 64 {flags}")))
+    assert "--cp-comm-type" not in _unmapped(t) and "--cp-comm-type" not in dict(t.notes)
+    cfg = _load(t, tmp_path, world_size=2)
+    assert (cfg.parallelism.cp, cfg.parallelism.cp_method) == (2, method)
+
+
+def test_cp_comm_type_left_out_or_unmappable() -> None:
+    t = translate(parse(tokenize("--context-parallel-size 2")))  # Megatron's default p2p: said, titanlike's kept
+    assert "cp_method" not in t.values["parallelism"] and "default is p2p" in dict(t.notes)["--cp-comm-type"]
+    assert "--cp-comm-type" not in dict(translate(parse(tokenize("--bf16"))).notes)  # no CP: nothing to say
+    un = _unmapped(translate(parse(tokenize("--context-parallel-size 2 --cp-comm-type p2p a2a"))))
+    assert un["--cp-comm-type"].startswith("p2p a2a: one method per layer")
+    un = _unmapped(translate(parse(tokenize("--context-parallel-size 2 --cp-comm-type a2a+p2p"))))
+    assert "hierarchical" in un["--cp-comm-type"]

@@ -61,21 +61,21 @@ def test_cost_terms_move_the_right_way():
 
 def test_cp_cost_by_layer_kind():
     """Context parallel's term: attention layers all-gather the whole sequence's K/V (and reduce-scatter their
-    gradients), recurrent layers all-to-all their scan's inputs and output (forward 2, backward 2; a TP rank's
-    heads), MLP layers nothing. bf16, (cp-1)/cp of each leaves the rank; H100 NVLink 360 GB/s (cp x tp in a node)."""
+    gradients), recurrent layers all-to-all their scan's inputs and output (forward 2, backward 2), MLP layers
+    nothing. A TP rank's heads, bf16, (cp-1)/cp of each leaves the rank; H100 NVLink 360 GB/s (cp x tp in a node)."""
     gpu = gpu_kind("h100")
     lay = Layout(world=16, dp_replicate=1, dp_shard=2, tp=2, pp=2, cp=2, ep=1, local_batch=2, grad_accum=1,
                  seq_len=8192, ac="none", float8=False, reshard_after_forward=True, pp_microbatches=2)
     micro, mb_tokens, ring, bw = 2, 2 / 2 * 8192 / 2, 1 / 2, 360e9
-    # A model without kv_layers (Llama 3 8B: 32 layers of 8 KV heads x 128): the old formula, to the last bit.
+    # A model without kv_layers (Llama 3 8B: 32 layers of 8 KV heads x 128, 4 per TP rank).
     llama, _, _ = model_shape(_base("configs/llama3_8b.toml"))
     assert (llama.kv_layers, llama.cp_a2a_layers, llama.kv_dim) == (None, 0, 2048)
-    old = micro * (32 / 2) * 2 * mb_tokens * 2 * 2048 * 2 * ring / bw
-    assert step_seconds(llama, lay, gpu)["cp"] == old
+    gather = micro * (32 / 2) * 2 * mb_tokens * 2 * (2048 / 2) * 2 * ring / bw
+    assert step_seconds(llama, lay, gpu)["cp"] == pytest.approx(gather, rel=1e-12)
     # Nemotron-H 8B: 24 Mamba-2 layers (x|B|C|dt = 8192 + 2 x 8 x 128 + 128 in, y = 8192 out), 4 attention, 24 MLP.
     nem, _, _ = model_shape(_base("configs/nemotron_h_8b.toml"))
     assert (nem.n_layers, nem.kv_layers, nem.cp_a2a_layers, nem.cp_a2a_dim, nem.kv_dim) == (52, 4, 24, 18560, 2048)
-    attention = micro * (4 / 2) * 2 * mb_tokens * 2 * 2048 * 2 * ring / bw
+    attention = micro * (4 / 2) * 2 * mb_tokens * 2 * (2048 / 2) * 2 * ring / bw
     mamba = micro * (24 / 2) * 2 * mb_tokens * (18560 / 2) * 2 * ring / bw
     assert step_seconds(nem, lay, gpu)["cp"] == pytest.approx(attention + mamba, rel=1e-12)
     # Every layer Mamba-2: all-to-alls only; turning half of them into MLP layers halves the term.
@@ -84,6 +84,53 @@ def test_cp_cost_by_layer_kind():
     half_mlp = dataclasses.replace(nem, kv_layers=0, cp_a2a_layers=26)
     assert step_seconds(half_mlp, lay, gpu)["cp"] == pytest.approx(mamba * 26 / 24, rel=1e-12)
     assert step_seconds(all_mamba, dataclasses.replace(lay, cp=1, dp_shard=4, local_batch=1), gpu)["cp"] == 0.0
+
+
+def test_cp_cost_by_method():
+    """parallelism.cp_method's traffic per attention layer and micro-batch (parallelize/cp.py): allgather moves the
+    whole sequence's K/V (forward) and their gradients (backward), (cp-1)/cp of them from other ranks; alltoall this
+    rank's q, k, v and output each way (qo_dim + kv_dim), (cp-1)/cp of them to other ranks; the ring the allgather's
+    bytes, its forward hops hidden behind the previous step's attention where that is longer. Llama 3 8B, TP 1."""
+    gpu = gpu_kind("h100")
+    llama, _, _ = model_shape(_base("configs/llama3_8b.toml"))
+    assert (llama.heads, llama.kv_heads, llama.qo_dim, llama.kv_dim) == (32, 8, 8192, 2048)
+    micro, bw = 1, 360e9
+    for cp in (2, 8):
+        lay = Layout(world=cp, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=cp, ep=1, local_batch=1, grad_accum=1,
+                     seq_len=65536, ac="full", float8=False, reshard_after_forward=True)
+        mb_tokens, share = 65536 / cp, (cp - 1) / cp
+        cost = {m: step_seconds(llama, dataclasses.replace(lay, cp_method=m), gpu)["cp"]
+                for m in ("allgather", "alltoall", "ring")}
+        assert cost["allgather"] == pytest.approx(32 * micro * 2 * 65536 * 2048 * 2 * share / bw, rel=1e-12)
+        assert cost["alltoall"] == pytest.approx(32 * micro * 2 * mb_tokens * (8192 + 2048) * 2 * share / bw,
+                                                 rel=1e-12)
+        # At 64k tokens attention's compute outlasts every forward hop: the ring pays its backward half only.
+        assert cost["ring"] == pytest.approx(cost["allgather"] / 2, rel=1e-12)
+    # GQA's small K/V against q and o: the all-to-all moves more at cp 2 and less at cp 8 (2 x 2048 x (cp-1) vs
+    # 2 x 10240 x (cp-1)/cp per token).
+    assert cost["alltoall"] < cost["allgather"]
+    short = step_seconds(llama, dataclasses.replace(lay, seq_len=8192, cp=2, world=2), gpu)["cp"]
+    assert short > 0
+
+
+def test_planner_picks_a_cp_method_the_config_check_accepts():
+    """Each CP candidate carries the cost model's fastest method among those the config check accepts (alltoall only
+    where cp divides a TP rank's 32 query and 8 KV heads), in its overrides, its config and its layout."""
+    base = _base("configs/llama3_1b_long.toml")
+    shape, _, _ = model_shape(base)
+    gpu = gpu_kind("h100")
+    cands = [c for c in enumerate_layouts(base, 16, gpu) if c.layout.cp > 1]
+    assert cands
+    chosen = set()
+    for c in cands:
+        lay = c.layout
+        assert c.overrides["parallelism.cp_method"] == c.cfg.parallelism.cp_method == lay.cp_method
+        accepted = {"allgather", "ring"} | ({"alltoall"} if (8 // lay.tp) % lay.cp == 0 else set())
+        cost = {m: step_seconds(shape, dataclasses.replace(lay, cp_method=m), gpu)["step"] for m in accepted}
+        assert lay.cp_method in accepted and cost[lay.cp_method] == min(cost.values()), (c.describe(), cost)
+        assert f"cp_method={lay.cp_method}" in c.describe()
+        chosen.add(lay.cp_method)
+    assert chosen <= {"allgather", "alltoall", "ring"}
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "mamba2", "qwen3_next"])

@@ -93,9 +93,11 @@ _WHY = {  # flags known to have no titanlike equivalent yet -> why
 _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters",
           "--adam-beta1", "--adam-beta2", "--recompute-granularity", "--recompute-num-layers", "--data-path",
           "--make-vocab-size-divisible-by")
+# --cp-comm-type (several values: one per layer) -> parallelism.cp_method; "a2a+p2p" (hierarchical) has none
+_CP_COMM = {"allgather": "allgather", "a2a": "alltoall", "p2p": "ring"}
 VALUED = set(_PLAIN) | set(megatron_model.VALUED) | set(_SCHED) | {"--distributed-backend", "--transformer-impl",
     "--load", "--num-experts", "--moe-router-topk", "--recompute-method", "--tensorboard-dir",
-    "--max-position-embeddings", megatron_model.SPEC}
+    "--max-position-embeddings", megatron_model.SPEC, "--cp-comm-type"}
 # Megatron's defaults where titanlike's differ: set when the block leaves the flag out, so the run is the one Megatron
 # would have trained (flag -> key, Megatron's default; --adam-beta1/2 are read together in _schedule).
 DEFAULTS = {
@@ -140,7 +142,7 @@ def tokenize(text: str) -> list[str]:
 
 
 # flags of several values (a blend: 0.3 prefix_a 0.7 prefix_b; --spec module function); the others take one
-_MULTI = {"--data-path", megatron_model.SPEC}
+_MULTI = {"--data-path", megatron_model.SPEC, "--cp-comm-type"}
 STRAY = "(stray words)"  # parse()'s key for words that follow no flag taking them
 
 
@@ -253,7 +255,7 @@ def translate(flags: dict[str, list[str]]) -> Translation:
             t.notes.append((name, _NOTED[name]))
         elif name in _WHY:
             t.unmapped.append((name, _WHY[name]))
-        elif name not in megatron_model.FLAGS and name not in _SCHED:
+        elif name not in megatron_model.FLAGS and name not in _SCHED and name != "--cp-comm-type":
             t.unmapped.append((name, "turns off a Megatron feature or fusion titanlike has no key for" if
                                name.startswith("--no-") else "unknown to this translator: no titanlike key"))
     # several stages per rank: Megatron's interleaved 1F1B
@@ -265,6 +267,7 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     t.set("metrics.log_format", "megatron")
     _precision(flags, t)
     _vocab_padding(flags, t)
+    _cp_comm_type(flags, t)
     if not any(k in megatron_model.FLAGS and any("$" in x for x in v) for k, v in flags.items()):
         megatron_model.build(flags, t)  # (else the unmapped list names the model flag whose value is unknown)
     _schedule(flags, t)
@@ -308,6 +311,27 @@ def _precision(f: dict[str, list[str]], t: Translation) -> None:
             if flag in f:
                 t.notes.append((flag, "loss scaling only acts with --fp16 (training.mixed_precision_param = "
                                       "\"float16\"); kept, but unused in this run"))
+
+
+def _cp_comm_type(f: dict[str, list[str]], t: Translation) -> None:
+    """--cp-comm-type -> parallelism.cp_method (allgather, a2a = alltoall, p2p = ring). Megatron takes one value per
+    layer; titanlike one method for all. Left out under CP, Megatron uses p2p: said in a note, not set (the methods
+    compute the same; titanlike's default stays)."""
+    given = f.get("--cp-comm-type")
+    if given is None:
+        if t.values.get("parallelism", {}).get("cp", 1) > 1:
+            t.notes.append(("--cp-comm-type", "left out: Megatron's default is p2p (parallelism.cp_method = "
+                                              "\"ring\"); this run keeps titanlike's \"allgather\", which computes "
+                                              "the same (add the flag to choose)"))
+        return
+    if len(set(given)) > 1:
+        t.unmapped.append(("--cp-comm-type", f"{' '.join(given)}: one method per layer; titanlike runs one for every "
+                                             f"layer (parallelism.cp_method): give one of allgather, a2a, p2p"))
+    elif given[0] in _CP_COMM:
+        t.set("parallelism.cp_method", _CP_COMM[given[0]])
+    else:
+        t.unmapped.append(("--cp-comm-type", f"{given[0]!r} has no titanlike method (a2a+p2p is Megatron's "
+                                             f"hierarchical form); give allgather, a2a or p2p"))
 
 
 def _vocab_padding(f: dict[str, list[str]], t: Translation) -> None:

@@ -122,6 +122,10 @@ class Parallelism:
     cp: int = 1
     ep: int = 1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    # Context parallel (cp > 1; parallelize/cp.py), how attention sees the whole sequence: allgather (K/V gathered,
+    # local queries) | alltoall (a head shard over the whole sequence; cp must divide a TP rank's query and KV heads)
+    # | ring (K/V passed around the ranks, partials merged by log-sum-exp). The same result; Megatron's --cp-comm-type
+    cp_method: str = "allgather"
     # Tensor parallel (tp > 1; parallelize/tp.py, the model's plan in parallelize/<model.name>.py)
     enable_sequence_parallel: bool = True  # norms on sequence shards: all-gather/reduce-scatter instead of all-reduce
     enable_loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits (never gathers [tokens, vocab])

@@ -20,6 +20,7 @@ from parallelize.compile import COMPONENTS as COMPILE_COMPONENTS
 from parallelize.fsdp import RESHARD_MODES
 from titanlike.config.errors import ConfigError
 from titanlike.config.sections import JobConfig, Parallelism, Training
+from titanlike.config.validate_cp import check_cp, check_cp_model
 from titanlike.config.validate_data import advise_data, check_data
 from titanlike.config.validate_dpo import check_dpo
 from titanlike.config.validate_eval import check_eval
@@ -339,6 +340,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         errors.append(f"checkpoint.create_seed_checkpoint runs on one process (world size is {world_size}): "
                       f"run `python scripts/train.py ... --checkpoint.create_seed_checkpoint` without torchrun")
     check_pipeline(cfg, errors)
+    check_cp(cfg.parallelism, errors)  # parallelism.cp_method's name
     check_eval(cfg, errors)  # [eval]: task names (lm_eval's index), include_path, perplexity sets
     check_lora(cfg, errors)  # [lora]: its values; the targets against the model in _check_model
     dump = cfg.job.dump_folder
@@ -379,6 +381,8 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     if cfg.model.n_layers > 0:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
+    if not errors:  # (the family's TP rule on heads first)
+        check_cp_model(spec, args, cfg.parallelism, errors)
     check_lora_model(cfg, spec, args, errors)  # [lora] targets and rank against the flavor's model, on meta
 
 
@@ -386,6 +390,8 @@ def validate_model(spec, model_args: Any, par: Parallelism, flavor: str) -> None
     """Rules that need the model's shapes: the family's own checks (ModelSpec.check: heads by TP, ...) and the
     pipeline's stages against its layers. `flavor`: model.flavor, for the messages."""
     errors = list(spec.check(model_args, par, flavor))
+    if not errors:
+        check_cp_model(spec, model_args, par, errors)  # alltoall: cp divides a TP rank's heads
     check_pipeline_model(model_args.n_layers, par, flavor, errors)  # stages (pp x stages per rank) <= n_layers
     if errors:
         raise ConfigError("\n".join(errors))

@@ -20,6 +20,9 @@ CONSTANTS = {
     "moe_overhead": 1.0,  # routed-expert time beyond its GEMMs (permutation, routing), as a factor
     "float8_linear_speedup": 1.2,  # float8 linear layers against bf16 (1B shape: 1.13-1.16x overall, same call)
     "fsdp_overlap": 0.9,  # fraction of compute FSDP's all-gather / reduce-scatter hide behind
+    # fraction of a ring step's attention compute its K/V transfer hides behind (cp_method "ring", forward only): a
+    # first guess, not yet measured
+    "cp_ring_overlap": 0.9,
     "optimizer_bytes_per_param": 16.0,  # AdamW step traffic: fp32 param, grad, two moments, read and written
     # extra compute of each AC mode, as a fraction of the forward (the forward is 1/3 of a training step)
     "recompute": {"none": 0.0, "full": 1.0, "selective_op": 0.1, "selective_attention": 0.7},
@@ -43,6 +46,9 @@ class Shape:
     kv_layers: int | None = None  # layers that gather K/V under CP (None: all n_layers)
     cp_a2a_layers: int = 0  # layers that all-to-all heads under CP instead (recurrent mixers)
     cp_a2a_dim: int = 0  # per token, the widths such a layer's two forward all-to-alls carry (all heads)
+    qo_dim: int = 0  # width of the queries plus the attention outputs per token, all heads (cp_method "alltoall")
+    heads: int = 0  # query and KV heads of an attention layer (0: none); "alltoall" needs cp to divide a TP rank's
+    kv_heads: int = 0
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Layout:
     reshard_after_forward: bool
     pp_microbatches: int = 1
     pp_stages_per_rank: int = 1
+    cp_method: str = "allgather"  # parallelism.cp_method (cp > 1)
 
 
 def _recompute(ac: str) -> float:
@@ -70,6 +77,31 @@ def _recompute(ac: str) -> float:
     if ac.startswith("selective_every:"):
         return 1.0 / int(ac.split(":")[1])
     return CONSTANTS["recompute"][ac]
+
+
+def cp_attention_seconds(shape: Shape, lay: Layout, gpu: GpuKind, mb_tokens: float) -> float:
+    """One attention layer's exposed context-parallel communication for one micro-batch (mb_tokens: this rank's
+    tokens), forward and backward, bf16, a TP rank's heads, by lay.cp_method (parallelize/cp.py):
+    - allgather: the whole sequence's K/V gathered (forward) and their gradients reduce-scattered (backward), (cp-1)/cp
+      of each arriving from other ranks; on the critical path.
+    - alltoall: q, k, v to a head shard and the output back (forward), the same backward; (cp-1)/cp of this rank's
+      tokens' widths leaves it each time; on the critical path.
+    - ring: the allgather's bytes, in cp-1 hops of one rank's K/V point to point (forward), and their gradients back
+      (backward); each forward hop hides behind the previous step's attention (that step's share of a causal
+      attention's FLOPs), the backward's are charged whole."""
+    link = (gpu.nvlink_gbps if lay.cp * lay.tp <= gpu.gpus_per_node else gpu.network_gbps) * 1e9
+    share = (lay.cp - 1) / lay.cp
+    if lay.cp_method == "alltoall":
+        return 2 * mb_tokens * (shape.qo_dim + shape.kv_dim) / lay.tp * 2 * share / link
+    whole = mb_tokens * lay.cp  # the sequence's tokens
+    one_way = whole * shape.kv_dim / lay.tp * 2 * share / link
+    if lay.cp_method != "ring":
+        return 2 * one_way
+    # The forward's attention on this rank: its queries, each against half the sequence on average (causal), 2 FLOPs
+    # per pair and channel of q.k and p.v (qo_dim); cp steps share it, and cp-1 of them have a hop in flight.
+    flops = mb_tokens * whole / 2 * 2 * shape.qo_dim / lay.tp
+    hidden = CONSTANTS["cp_ring_overlap"] * flops * (lay.cp - 1) / lay.cp / (gpu.bf16_tflops * 1e12 * gpu.matmul_eff)
+    return max(0.0, one_way - hidden) + one_way
 
 
 def step_seconds(shape: Shape, lay: Layout, gpu: GpuKind) -> dict[str, float]:
@@ -119,9 +151,8 @@ def step_seconds(shape: Shape, lay: Layout, gpu: GpuKind) -> dict[str, float]:
         tp = micro * layers_here * 8 * act / lay.cp * ring(lay.tp) / bw(lay.tp)
     cp = 0.0
     if lay.cp > 1:
-        # Attention layers: K/V all-gather forward, reduce-scatter of their gradients backward (whole sequence's K/V).
         kv_here = (shape.n_layers if shape.kv_layers is None else shape.kv_layers) / lay.pp
-        cp = micro * kv_here * 2 * mb_tokens * lay.cp * shape.kv_dim * 2 * ring(lay.cp) / bw(lay.cp * lay.tp)
+        cp = micro * kv_here * cp_attention_seconds(shape, lay, gpu, mb_tokens)
         # Recurrent layers: all-to-all of the scan's inputs to a head shard and of its output back, forward, and the
         # same two backward; each of this rank's tokens, its TP rank's heads; (cp-1)/cp of it leaves the rank.
         a2a_here = shape.cp_a2a_layers / lay.pp

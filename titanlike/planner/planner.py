@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import models
+from models.common.masks import CP_METHODS
 from titanlike.config import ConfigError, JobConfig
 from titanlike.config.validate import validate, validate_model
 from titanlike.planner.cost import Layout, Shape, step_seconds
@@ -40,6 +41,7 @@ class Candidate:
         lay = self.layout
         parts = [f"{k}={v}" for k, v in (("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard),
                                           ("tp", lay.tp), ("pp", lay.pp), ("cp", lay.cp), ("ep", lay.ep)) if v > 1]
+        parts += [f"cp_method={lay.cp_method}"] * (lay.cp > 1)
         parts += [f"mbs={lay.local_batch}", f"accum={lay.grad_accum}", f"ac={lay.ac}"]
         parts += ["float8"] * lay.float8 + ["no-reshard"] * (lay.dp_shard > 1 and not lay.reshard_after_forward)
         if lay.pp > 1:
@@ -64,7 +66,7 @@ def model_shape(cfg: JobConfig) -> tuple[Shape, object, object]:
                   kv_dim=widths.kv_dim, moe_topk=topk, flops_per_token=spec.flops_per_token(args, cfg.training.seq_len),
                   float8_active=float8_active, expert_active=expert_active, moe_experts=experts,
                   expert_params=expert_params, kv_layers=widths.kv_layers, cp_a2a_layers=widths.cp_a2a_layers,
-                  cp_a2a_dim=widths.cp_a2a_dim)
+                  cp_a2a_dim=widths.cp_a2a_dim, qo_dim=widths.qo_dim, heads=widths.heads, kv_heads=widths.kv_heads)
     return shape, spec, args
 
 
@@ -120,14 +122,37 @@ def enumerate_layouts(base: JobConfig, world: int, gpu: GpuKind, *, allow_float8
                     "float8.enable": f8,
                     "parallelism.fsdp_reshard_after_forward": "default" if reshard else "never"}
             over.update(_ac_keys(ac))
+            if cp > 1:  # the method that always passes the check; _fastest_cp_method picks among them below
+                over["parallelism.cp_method"] = "allgather"
             if pp > 1:
                 over.update({"parallelism.pp_schedule": "1F1B", "parallelism.pp_microbatches": mbs})
             cand = _checked(base, over, world, spec, args)
             if cand is None:
                 continue
             lay = layout_of(cand, world)
+            if cp > 1:
+                cand, lay = _fastest_cp_method(cand, lay, over, shape, gpu, world, spec, args)
             out.append(Candidate(over, cand, lay, step_seconds(shape, lay, gpu)))
     return out
+
+
+def _fastest_cp_method(cfg: JobConfig, lay: Layout, over: dict[str, object], shape: Shape, gpu: GpuKind, world: int,
+                       spec, args) -> tuple[JobConfig, Layout]:
+    """Under CP: the attention method (parallelism.cp_method) the cost model ranks fastest among those the config
+    check accepts for this layout (alltoall needs cp to divide a TP rank's heads); set in `over` and the config.
+    Ties keep the earlier of CP_METHODS (allgather first)."""
+    best = None
+    for method in CP_METHODS:
+        trial = dataclasses.replace(lay, cp_method=method)
+        seconds = step_seconds(shape, trial, gpu)["step"]
+        if best is not None and seconds >= best[0]:
+            continue
+        checked = cfg if method == cfg.parallelism.cp_method else _checked(
+            cfg, {"parallelism.cp_method": method}, world, spec, args)
+        if checked is not None:
+            best = (seconds, checked, trial)
+    over["parallelism.cp_method"] = best[2].cp_method
+    return best[1], best[2]
 
 
 def layout_of(cfg: JobConfig, world: int) -> Layout:
@@ -148,7 +173,7 @@ def layout_of(cfg: JobConfig, world: int) -> Layout:
                   seq_len=t.seq_len, ac=ac, float8=cfg.float8.enable,
                   reshard_after_forward=p.fsdp_reshard_after_forward != "never",
                   pp_microbatches=micro if p.pp > 1 else 1,
-                  pp_stages_per_rank=max(1, p.pp_stages_per_rank) if p.pp > 1 else 1)
+                  pp_stages_per_rank=max(1, p.pp_stages_per_rank) if p.pp > 1 else 1, cp_method=p.cp_method)
 
 
 def _ac_keys(ac: str) -> dict[str, object]:
