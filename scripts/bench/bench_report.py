@@ -10,6 +10,7 @@ OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?
                   r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?")
 PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
+PAIRS = re.compile(r"pairs/s\s+([\d,.]+)")  # titanlike's DPO step lines: preference pairs per second
 PACK_FILL = re.compile(r"chat data \(train\): [\d,]+ conversations, ([\d,]+) tokens in ([\d,]+) rows of (\d+)")
 
 
@@ -18,6 +19,8 @@ def parse_ours(text: str) -> list[dict]:
     for m in OURS.finditer(ANSI.sub("", text)):
         rows.append({"step": int(m[1]), "loss": float(m[2]), "tps": float(m[3].replace(",", "")),
                      "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None})
+        if (pairs := PAIRS.search(m[0])) is not None:  # (DPO: between the loss and tok/s)
+            rows[-1]["pairs_s"] = float(pairs[1].replace(",", ""))
     return rows
 
 
@@ -37,13 +40,17 @@ def parse_peer(text: str) -> list[dict]:
             for m in PEER.finditer(ANSI.sub("", text))]
 
 
-def summarize(rows: list[dict], warmup: int, tokens_per_step: int, flops_per_token: float | None) -> dict:
-    """Medians over the steps after `warmup`, the first step's time, and the step-time spread."""
+def summarize(rows: list[dict], warmup: int, tokens_per_step: int, flops_per_token: float | None,
+              pairs_per_step: int | None = None) -> dict:
+    """Medians over the steps after `warmup`, the first step's time, and the step-time spread. pairs_per_step: a
+    DPO peer's pairs in each step, for pairs per second from its step times (titanlike logs its own pairs/s)."""
     if not rows:
         return {}
     kept = [r for r in rows if r["step"] > warmup] or rows
+    if pairs_per_step:
+        kept = [{**r, "pairs_s": pairs_per_step * r["tps"] / tokens_per_step} for r in kept]
     out = {}
-    for k in ("tps", "mfu", "mem", "tflops"):
+    for k in ("tps", "mfu", "mem", "tflops", "pairs_s"):
         vals = [r[k] for r in kept if r.get(k) is not None]
         if vals:
             out[k] = statistics.median(vals)
@@ -92,8 +99,8 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'case':<44} {'who':<9} {'tok/s/dev':>10} {'MFU%':>6} {'TFLOP/s':>8} {'mem GiB':>8} {'1st s':>7} "
-            f"{'warm s':>7} {'step ms':>8} {'spread%':>8} {'loss first→last':>16} {'ratio':>6}")
+    head = (f"{'case':<44} {'who':<9} {'tok/s/dev':>10} {'pairs/s':>8} {'MFU%':>6} {'TFLOP/s':>8} {'mem GiB':>8} "
+            f"{'1st s':>7} {'warm s':>7} {'step ms':>8} {'spread%':>8} {'loss first→last':>16} {'ratio':>6}")
     lines = [head, "-" * len(head)]
     for res in results:
         for who in ("titanlike", "peer"):
@@ -102,8 +109,10 @@ def format_table(results: list[dict]) -> str:
                 continue
             ratio = res.get("ratio") if who == "titanlike" else None
             loss = f"{r['loss_first']:.3f}→{r['loss_last']:.3f}" if "loss_first" in r else "failed"
-            lines.append(f"{res['label'] if who == 'titanlike' else '':<44} {who:<9} {_fmt(r.get('tps'), ',.0f'):>10} "
-                         f"{_fmt(r.get('mfu'), '.1f'):>6} {_fmt(r.get('tflops'), '.4g'):>8} "
+            case = res["label"] if who == "titanlike" else ""
+            lines.append(f"{case:<44} {who:<9} {_fmt(r.get('tps'), ',.0f'):>10} "
+                         f"{_fmt(r.get('pairs_s'), ',.2f'):>8} {_fmt(r.get('mfu'), '.1f'):>6} "
+                         f"{_fmt(r.get('tflops'), '.4g'):>8} "
                          f"{_fmt(r.get('mem'), '.1f'):>8} {_fmt(r.get('first_step_s'), '.1f'):>7} "
                          f"{_fmt(r.get('first_step_warm_s'), '.1f'):>7} "
                          f"{_fmt(r.get('step_ms'), '.1f'):>8} {_fmt(r.get('spread_pct'), '.1f'):>8} {loss:>16} "

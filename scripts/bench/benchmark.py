@@ -18,12 +18,15 @@ tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_c
 TOML; default by flavor), post ("" pretraining; sft | lora | dpo: the post-training cases, see below).
 
 Post-training (issue 36): `--peer trl --post sft,lora,dpo` (or `--peer trl-sft` etc.) runs titanlike with chat data
-(packed, document masking), the same plus [lora], or preference pairs, against TRL's SFTTrainer / + PEFT / DPOTrainer
-(scripts/bench/peer_trl.py) on the same records and tokenizer (scripts/bench/post_training_data.py, written into
---post-data once). A DPO step counts 2·batch·seq tokens on both sides (batch = pairs), so the ratio is one of pairs
-per second. SFT/LoRA: the peer counts the real tokens of its padding-free batches, titanlike whole packed rows, so the
-ratio scales titanlike's tok/s by its pack fill (the share of row tokens that are conversation tokens, from its
-start-up log; in the JSON as pack_fill).
+(packed, document masking), the same plus [lora], or preference pairs packed into rows (data.preference_layout=pack,
+document masking), against TRL's SFTTrainer / + PEFT / DPOTrainer (scripts/bench/peer_trl.py) on the same records and
+tokenizer (scripts/bench/post_training_data.py, written into --post-data once). DPO is compared in pairs per second:
+titanlike's from its step lines (pairs/s: the pairs its packed rows held over the time), the peer's as batch pairs per
+step time (its step time from its tok/s over 2·batch·seq tokens per step); --batch is rows of seq tokens for
+titanlike, pairs for TRL (which pads each batch to its longest sequence), so the two steps hold different pair counts.
+In the JSON as pairs_s, the ratio of the two as ratio. SFT/LoRA: the peer counts the real tokens of its padding-free
+batches, titanlike whole packed rows, so the ratio scales titanlike's tok/s by its pack fill (the share of row tokens
+that are conversation tokens, from its start-up log; in the JSON as pack_fill).
 
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
@@ -66,8 +69,10 @@ PEER_TRL = os.path.join(ROOT, "scripts", "bench", "peer_trl.py")  # post-trainin
 # conversations with document masking, as TRL's padding-free "bfd" packing does; LoRA is SFT with [lora] on.
 SFT_FLAGS = ["--data.dataset=chat", "--data.paths={d}/chat.jsonl", "--data.sft_layout=pack",
              "--data.document_masking=true", "--data.reset_position_ids=true"]
+# DPO packs whole pairs into rows the same way (TRL's DPOTrainer pads each batch to its longest pair instead).
 POST_FLAGS = {"sft": SFT_FLAGS, "lora": [*SFT_FLAGS, "--lora.enable=true"],
-              "dpo": ["--data.dataset=preference", "--data.paths={d}/pairs.jsonl"]}
+              "dpo": ["--data.dataset=preference", "--data.paths={d}/pairs.jsonl", "--data.preference_layout=pack",
+                      "--data.document_masking=true", "--data.reset_position_ids=true"]}
 
 def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
@@ -108,12 +113,22 @@ def resolve_peer(peer: str) -> str:
     return {"auto": PEER_LAUNCHER, "hf": PEER_HF, "trl": PEER_TRL}.get(peer, peer)
 
 
-def tokens_per_step(case: dict) -> int:
+def tokens_per_step(case: dict, peer: bool = False) -> int:
     """Tokens each device is credited with per step (both frameworks divide by the model-parallel size: TP/PP/CP ranks
-    of one data-parallel group share the same tokens); a DPO step's batch counts pairs, two sequences each."""
+    of one data-parallel group share the same tokens). DPO: titanlike's batch is packed rows of seq tokens, TRL's
+    (peer) is pairs, two sequences of seq each as peer_trl.py counts them."""
     degrees = parse_layout(case["layout"])
     sharing = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)  # ranks sharing one batch
-    return case["batch"] * case["seq"] * (2 if case["post"] == "dpo" else 1) // max(1, sharing)
+    return case["batch"] * case["seq"] * (2 if peer and case["post"] == "dpo" else 1) // max(1, sharing)
+
+
+def post_training_ratio(case: dict, ours: dict, peer: dict) -> dict:
+    """{"ratio": titanlike over the peer} where both measured: DPO in pairs per second, the rest in tok/s
+    (titanlike's scaled by its pack fill for SFT/LoRA, see the module doc); {} otherwise."""
+    key = "pairs_s" if case["post"] == "dpo" else "tps"
+    if not (ours.get(key) and peer.get(key)):
+        return {}
+    return {"ratio": ours[key] * (1.0 if key == "pairs_s" else ours.get("pack_fill", 1.0)) / peer[key]}
 
 
 def titanlike_cmd(case: dict, opts) -> list[str]:
@@ -274,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
                    "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), 'trl' = "
                    "scripts/bench/peer_trl.py for the post-training cases (--post; 'trl-sft', 'trl-lora', 'trl-dpo' "
-                   "also set --post), or a path; empty (default) = titanlike only")
+                   "also set --post; DPO is compared in pairs per second, --batch counting titanlike's packed rows "
+                   "and TRL's pairs), or a path; empty (default) = titanlike only")
     p.add_argument("--post-data", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_post"),
                    help="post-training cases: the folder of scripts/bench/post_training_data.py (written when missing)")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
@@ -326,13 +342,16 @@ def main(argv: list[str] | None = None) -> dict:
             peer_env = {**env, "NPROC": str(case["nproc"]), "MODEL": case["model"]}
             text, rc, wall = run(cmd, {**peer_env, **cache_env(a, case, "peer", keep=False)},
                                  log and log + ".peer.log", a.timeout)
-            res["peer"] = peer_runs[tuple(cmd)] = {**summarize(parse_peer(text), a.warmup, tokens, fpt), "rc": rc,
-                                                   "wall_s": wall, "compile_cache": a.compile_cache}
+            peer_tokens = tokens_per_step(case, peer=True)
+            pairs = case["batch"] if case["post"] == "dpo" else None  # TRL's DPO step: batch pairs
+            res["peer"] = peer_runs[tuple(cmd)] = {**summarize(parse_peer(text), a.warmup, peer_tokens, fpt,
+                                                               pairs_per_step=pairs),
+                                                   "rc": rc, "wall_s": wall, "compile_cache": a.compile_cache}
             if a.warm and a.compile_cache == "fresh" and rc == 0:
                 res["peer"]["first_step_warm_s"] = warm_first_step(peer_cmd, parse_peer, case, a, peer_env, "peer",
-                                                                    tokens, fpt)
-            if res["titanlike"].get("tps") and res["peer"].get("tps"):
-                res["ratio"] = res["titanlike"]["tps"] * res["titanlike"].get("pack_fill", 1.0) / res["peer"]["tps"]
+                                                                    peer_tokens, fpt)
+        if "peer" in res:
+            res.update(post_training_ratio(case, res["titanlike"], res["peer"]))
         results.append(res)
         print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
         comparisons = compare_to_bf16(results)

@@ -27,8 +27,9 @@ bf16 weights, SDPA attention (no flash-attn on the GPU machine). TRL's settings,
 
 Measured by a TrainerCallback: wall time between the ends of optimizer steps (synchronised at each log line), over
 the tokens of those steps. sft/lora: the tokens in the step's packed batch (padding-free: no padding). dpo: 2·B·seq_len
-per step, the count titanlike's DPO logs (two sequences of seq_len per pair), so the ratio of the two is the ratio of
-pairs per second; the tokens TRL actually ran (it pads each batch to its longest sequence) follow as `real_tps`.
+per step (B pairs, two sequences of seq_len each), from which scripts/bench/benchmark.py takes the step time and
+compares B pairs per step time with titanlike's logged pairs/s; the tokens TRL actually ran (it pads each batch to
+its longest sequence) follow as `real_tps`.
 Prints torchtitan-style lines "step: N loss: X memory: Y GiB tps: Z tflops: T mfu: M%" that scripts/bench/benchmark.py
 parses (--peer trl-sft | trl-lora | trl-dpo); memory is torch.cuda.max_memory_reserved (the process's peak RSS on
 CPU), MFU the model FLOPs (titanlike's spec.flops_per_token: 6·N + attention, also for LoRA) over 989 TFLOP/s.

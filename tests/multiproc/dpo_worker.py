@@ -10,6 +10,9 @@
                       last one on rank 0), 4 micro-batches of one pair
         cp2           context parallel 2 (each rank holds chunks of every sequence), precomputed reference; cp2_lora
                       with LoRA; cp2_frozen with the frozen copy
+        *_pack        packed rows (data.preference_layout="pack", sequences of 24 tokens, 4 rows per step):
+                      fsdp2_pack (2 rows per rank), fsdp2_pack_frozen, tp2_pack, pp2_pack (2 micro-batches of 2 rows),
+                      cp2_pack, against the one-process packed run
 Each run records the step-1 gradients (full tensors, from an explicit forward/backward of the first step's batches;
 under PP through the schedule, every stage's gathered on rank 0), the losses of 3 steps, the final weights and the
 reference table; rank 0 saves them to ROOT/<name>.pt. The pytest side runs `record` in one process on the same pairs
@@ -30,16 +33,20 @@ from titanlike.train.trainer import Trainer
 STEPS = 3
 
 
+PACK = {"preference_layout": "pack", "document_masking": True, "reset_position_ids": True}
+
+
 def make_cfg(root: str, pairs: str, name: str, *, local_batch: int = 4, parallelism: dict | None = None,
-             reference: str = "precompute", lora: bool = False):
-    """4 pairs per step (global), sequences of 16 tokens, fp32 on CPU; lora: rank-4 adapters on every Linear."""
+             reference: str = "precompute", lora: bool = False, packed: bool = False):
+    """4 pairs per step (global), sequences of 16 tokens, fp32 on CPU; lora: rank-4 adapters on every Linear;
+    packed: 4 rows of 24 tokens per step, each holding whole pairs."""
     return config_from_dict({
         "job": {"dump_folder": root, "run_name": name},
         "model": {"flavor": "debugmodel"},
-        "training": {"steps": STEPS, "seq_len": 16, "local_batch_size": local_batch, "device": "cpu",
-                     "deterministic": True, "gc_freq": 0, "max_norm": 0.5},
+        "training": {"steps": STEPS, "seq_len": 24 if packed else 16, "local_batch_size": local_batch,
+                     "device": "cpu", "deterministic": True, "gc_freq": 0, "max_norm": 0.5},
         "data": {"dataset": "preference", "paths": [pairs], "tokenizer_type": "NullTokenizer",
-                 "builtin_vocab_size": 127},
+                 "builtin_vocab_size": 127, **(PACK if packed else {})},
         "optimizer": {"lr": 1e-3},
         "lr_scheduler": {"warmup_steps": 1, "decay_type": "constant"},
         "metrics": {"log_freq": 1, "enable_tensorboard": False},
@@ -112,7 +119,14 @@ def main() -> None:
             "pp2_zbv": make_cfg(root, pairs, "pp2_zbv", parallelism=zbv),
             "cp2": make_cfg(root, pairs, "cp2", parallelism=cp2),
             "cp2_lora": make_cfg(root, pairs, "cp2_lora", parallelism=cp2, lora=True),
-            "cp2_frozen": make_cfg(root, pairs, "cp2_frozen", parallelism=cp2, reference="frozen_copy")}
+            "cp2_frozen": make_cfg(root, pairs, "cp2_frozen", parallelism=cp2, reference="frozen_copy"),
+            "fsdp2_pack": make_cfg(root, pairs, "fsdp2_pack", local_batch=2, parallelism={"dp_shard": 2},
+                                   packed=True),
+            "fsdp2_pack_frozen": make_cfg(root, pairs, "fsdp2_pack_frozen", local_batch=2,
+                                          parallelism={"dp_shard": 2}, reference="frozen_copy", packed=True),
+            "tp2_pack": make_cfg(root, pairs, "tp2_pack", parallelism={"tp": 2, "dp_shard": 1}, packed=True),
+            "pp2_pack": make_cfg(root, pairs, "pp2_pack", parallelism=pp2, packed=True),
+            "cp2_pack": make_cfg(root, pairs, "cp2_pack", parallelism=cp2, packed=True)}
     only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # (a subset, when debugging)
     runs = {k: v for k, v in runs.items() if only is None or k in only}
     for name, cfg in runs.items():

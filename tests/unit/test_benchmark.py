@@ -91,10 +91,13 @@ def test_post_training_cases_against_trl():
     assert {"--data.dataset=chat", "--data.paths=/d/chat.jsonl", "--data.tokenizer=/d/tokenizer",
             "--data.document_masking=true", "--data.sft_layout=pack"} <= set(ours) and "--data.dataset=mock" not in ours
     assert "--lora.enable=true" in bench.titanlike_cmd(lora, opts) and "--lora.enable=true" not in ours
-    assert {"--data.dataset=preference", "--data.paths=/d/pairs.jsonl"} <= set(bench.titanlike_cmd(dpo, opts))
+    assert {"--data.dataset=preference", "--data.paths=/d/pairs.jsonl", "--data.preference_layout=pack",
+            "--data.document_masking=true", "--data.reset_position_ids=true"} <= set(bench.titanlike_cmd(dpo, opts))
     peer = bench.peer_cmd(lora, opts)
     assert peer[1:4] == [bench.PEER_TRL, "lora", "--vocab"] and "8B" in peer and "--data" in peer
-    assert bench.tokens_per_step(dpo) == 2 * 4 * 2048 and bench.tokens_per_step(sft) == 2 * 4096
+    # DPO: titanlike's batch is packed rows of seq tokens, TRL's pairs of two padded sequences
+    assert bench.tokens_per_step(dpo) == 4 * 2048 and bench.tokens_per_step(dpo, peer=True) == 2 * 4 * 2048
+    assert bench.tokens_per_step(sft) == bench.tokens_per_step(sft, peer=True) == 2 * 4096
     assert bench.label(dpo).startswith("dpo 1B s2048 b4")
     assert bench.peer_cmd(bench.expand_matrix({})[0], opts) is None  # pretraining: not TRL's
     assert bench.peer_cmd(sft, OPTS) is None  # post-training: not torchtitan's
@@ -102,6 +105,35 @@ def test_post_training_cases_against_trl():
         bench.expand_matrix({"post": "ppo"})
     log = "12:00:00 INFO chat data (train): 171 conversations, 152,741 tokens in 163 rows of 1025 (pack: 91% filled)"
     assert bench.pack_fill(log) == pytest.approx(152741 / (163 * 1025)) and bench.pack_fill("step 1") is None
+
+
+def test_dpo_is_compared_in_pairs_per_second():
+    """titanlike's pairs/s comes from its DPO step lines; the TRL peer's is its batch of pairs over its step time (from
+    its tok/s over 2·batch·seq tokens); the DPO ratio is theirs, the SFT ratio stays tok/s scaled by the pack fill."""
+    (dpo,) = bench.expand_matrix({"post": "dpo", "seq": "2048", "batch": "2"})
+    lines = []
+    for step, (pairs, tps) in enumerate([(1.0, 100.0), (30.0, 9000.0), (32.0, 9500.0), (31.0, 9400.0)], start=1):
+        m = {"loss": 0.69, "grad_norm": 1.0, "lr": 1e-6, "dpo/reward_accuracy": 0.5, "dpo/reward_margin": 0.01,
+             "throughput/pairs_per_sec": pairs, "throughput/tokens_per_sec_per_device": tps,
+             "throughput/mfu_pct": 40.0, "memory/peak_reserved_gib": 30.0, "memory/peak_reserved_pct": 40}
+        lines.append("12:00:00 INFO " + MetricsLogger.format_line(step, m))
+    rows = bench.parse_ours("\n".join(lines))
+    assert [r["pairs_s"] for r in rows] == [1.0, 30.0, 32.0, 31.0] and rows[1]["tps"] == 9000.0
+    ours = bench.summarize(rows, 1, bench.tokens_per_step(dpo), None)
+    assert ours["pairs_s"] == 31.0 and ours["step_ms"] == pytest.approx(1000 * 2 * 2048 / 9400)
+    assert "pairs_s" not in bench.summarize(bench.parse_ours(lines[0].replace("pairs/s", "x")), 0, 1, None)
+
+    peer_lines = "\n".join(f"step: {s} loss: 0.69 memory: 40.00GiB tps: {tps:,} tflops: 1.0 mfu: 10.00%"
+                           for s, tps in [(1, 1000), (2, 40960), (3, 40960)])  # 2·2·2048 tokens in 0.2 s
+    peer_tokens = bench.tokens_per_step(dpo, peer=True)
+    theirs = bench.summarize(bench.parse_peer(peer_lines), 1, peer_tokens, None, pairs_per_step=2)
+    assert theirs["step_ms"] == pytest.approx(200.0) and theirs["pairs_s"] == pytest.approx(10.0)
+    assert bench.post_training_ratio(dpo, ours, theirs) == {"ratio": pytest.approx(3.1)}
+    (sft,) = bench.expand_matrix({"post": "sft"})
+    assert bench.post_training_ratio(sft, {"tps": 900.0, "pack_fill": 0.9}, {"tps": 810.0}) == {"ratio": 1.0}
+    assert bench.post_training_ratio(dpo, {"tps": 1.0}, theirs) == {}  # (no pairs/s: no DPO ratio)
+    table = bench.format_table([{"label": bench.label(dpo), "titanlike": ours, "peer": theirs, "ratio": 3.1}])
+    assert "pairs/s" in table.splitlines()[0] and "31.00" in table and "10.00" in table
 
 
 def test_post_training_data_is_deterministic_and_loads_in_transformers(tmp_path):

@@ -18,6 +18,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORLD_SIZES = {
     "debug_model.toml": [1, 2],
     "dpo_debug.toml": [1, 2],
+    "dpo_pack_debug.toml": [1, 2],
     "sft_debug.toml": [1, 2],
     "base_gpu.toml": [1],
     "llama3_1b.toml": [1],

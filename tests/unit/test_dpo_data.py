@@ -85,6 +85,95 @@ def test_loader_stacks_pairs_and_keeps_the_data_identity(tmp_path):
         other.load_state_dict(state)
 
 
+def _pairs(n=10, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    words = lambda lo, hi, k: " ".join(str(rng.randrange(lo, hi)) for _ in range(k))  # noqa: E731
+    return [{"prompt": words(1, 50, rng.randrange(1, 6)), "chosen": words(50, 75, rng.randrange(1, 7)),
+             "rejected": words(75, 99, rng.randrange(1, 7))} for _ in range(n)]
+
+
+def test_packed_rows_hold_whole_pairs_with_the_padded_targets(tmp_path, caplog):
+    """Every pair lands whole in one row, chosen then rejected; each sequence's tokens and targets are those of the
+    padded layout, its last position and the padding have none; the rows are fuller than padding."""
+    from titanlike.train.dpo_packed import segment_index
+
+    f = _write(tmp_path / "p.jsonl", _pairs(10))
+    pad = PreferenceDataset([f], TOK, seq_len=31)
+    with caplog.at_level("INFO", logger="titanlike"):
+        pack = PreferenceDataset([f], TOK, seq_len=31, layout="pack")
+    assert pack.num_pairs == pad.num_pairs == 10 and pack.truncated == 0 and 3 <= len(pack) < 10
+    assert f"10 pairs in {len(pack)} rows of 32 (pack: " in caplog.text
+    seen = []
+    for i in range(len(pack)):
+        ids, labels = pack[i]
+        assert ids.shape == labels.shape == (31,)
+        seg = segment_index(labels[None])[0]
+        runs = int(seg.max()) + 1
+        assert runs % 2 == 0 and runs > 0
+        pos = 0
+        for k in range(runs):
+            first = int((seg == k).nonzero().min())
+            pair, side = pack.packed.row_pairs[pack.packed.row_starts[i] + k // 2], k % 2
+            want_ids, want_labels = pad[pair][0][side], pad[pair][1][side]
+            n = int((want_ids != TOK.eos_id).sum()) + 1  # the prompt, the response and its EOS
+            assert ids[pos:pos + n].tolist()[:31 - pos] == want_ids[:n].tolist()[:31 - pos]
+            assert labels[pos:pos + n].tolist()[:31 - pos] == want_labels[:n].tolist()[:31 - pos]
+            assert first - pos == int((want_labels != X).nonzero().min())  # the targets start where padded ones do
+            seen.append((int(pair), side))
+            pos += n  # (each ends with EOS, the end-of-document token: no separator)
+        assert (ids[pos:] == TOK.eod_id).all() and (labels[pos:] == X).all()  # EOD padding, no targets
+    assert sorted(seen) == [(p, s) for p in range(10) for s in (0, 1)]
+    assert pack.fingerprint != pad.fingerprint and pack.sources() == pad.sources()
+
+
+def test_packed_pairs_are_cut_to_fit_a_row_or_dropped(tmp_path, caplog):
+    """A pair longer than a row keeps its starts, both sides capped so it fits (the longer response loses its end);
+    a pair whose prompt leaves no response token for both sides is dropped; both counted."""
+    from titanlike.data.preference_pack import fit_pair
+
+    assert fit_pair([5, 4], [True, True], 2, 12) == ([5, 4], 9)
+    assert fit_pair([9, 4], [True, True], 2, 12) == ([7, 4], 12)  # chosen cut to 7, its separator, then 4
+    assert fit_pair([9, 9], [True, True], 2, 12) == ([5, 5], 12)  # both cut: 5 + 1 + 5 (+ 1 off the row's end)
+    assert fit_pair([9, 9], [True, True], 6, 12) is None  # 7 + 1 + 7 > 12: no room for a response on both sides
+    assert fit_pair([3, 3], [False, False], 1, 8) == ([3, 3], 8)  # separators after both (the last may fall off)
+    f = _write(tmp_path / "p.jsonl", [
+        {"prompt": "1 2", "chosen": "3 4 5 6 7 8", "rejected": "9"},  # 9 + 4 tokens: cut to fit 12
+        {"prompt": "1 2 3 4 5 6", "chosen": "7", "rejected": "8"},  # 8 + 8: dropped
+        {"prompt": "1", "chosen": "2", "rejected": "3"}])
+    with caplog.at_level("INFO", logger="titanlike"):
+        ds = PreferenceDataset([f], TOK, seq_len=11, layout="pack")
+    assert ds.num_pairs == 2 and ds.truncated == 1 and ds.dropped == 1
+    assert "1 of 4 sequences cut so that each pair fits a row of 12 tokens" in caplog.text
+    assert "1 pair(s) dropped, their prompts leave no room for both responses" in caplog.text
+    ids, labels = ds[0]  # (the cut pair, placed first: the longest)
+    assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 100, 1, 2, 9]  # chosen cut to 7 tokens, its separator, rejected
+    assert labels.tolist() == [X, 3, 4, 5, 6, 7, X, X, X, 9, 100]  # (the rejected's EOS: the row's last label)
+
+
+def test_packed_layout_refuses_an_end_of_document_token_inside_a_sequence(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "5 6", "chosen": "7", "rejected": "8"}])
+    with pytest.raises(ValueError) as e:  # NullTokenizer's BOS is its EOS = EOD: add_bos puts one at every start
+        PreferenceDataset([f], TOK, seq_len=16, add_bos=True, layout="pack")
+    msg = str(e.value)
+    assert "\n" not in msg and "2 sequences of data.paths hold it before their end" in msg
+    assert msg.endswith("set data.eod_token to a token the pairs do not use, or use data.preference_layout='pad'")
+
+
+def test_resume_with_another_layout_is_refused(tmp_path):
+    f = _write(tmp_path / "p.jsonl", _pairs(10))
+    cfg = lambda layout: config_from_dict({"data": {"dataset": "preference", "paths": [f],  # noqa: E731
+                                                    "preference_layout": layout}})
+    build = lambda layout: build_dataloader(cfg(layout).data, TOK, dp_rank=0, dp_degree=1,  # noqa: E731
+                                            local_batch_size=2, seq_len=31, seed=0)
+    packed = build("pack")
+    ids, labels = next(iter(packed))
+    assert ids.shape == labels.shape == (2, 31)  # rows, not pairs
+    with pytest.raises(ConfigError, match="data.preference_layout 'pack' -> 'pad'"):
+        build("pad").load_state_dict(packed.state_dict())
+
+
 def test_row_keys_and_table_lookup():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (64, 12), generator=g)
@@ -139,7 +228,12 @@ def _rules(**sections):
     ({"parallelism": {"pp": 2, "pp_microbatches": 3}, "training": {"local_batch_size": 4}},
      "parallelism.pp_microbatches=3 must divide training.local_batch_size=4"),  # (a micro-batch would cut a pair)
     ({"training": {"loss_chunk_tokens": 1024}}, "set training.loss_chunk_tokens=0"),
-    ({"data": {"document_masking": True}}, "turn data.document_masking off"),
+    ({"data": {"document_masking": True}}, "turn data.document_masking off, or pack pairs with "
+                                           "data.preference_layout=\"pack\""),
+    ({"data": {"preference_layout": "pack", "document_masking": True}}, "set data.reset_position_ids=true"),
+    ({"data": {"preference_layout": "packed"}}, "data.preference_layout='packed' is not one of pad, pack"),
+    ({"data": {"preference_layout": "pack", "document_masking": True, "reset_position_ids": True,
+               "eod_mask_loss": True}}, "turn data.eod_mask_loss off"),
     ({"validation": {"enable": True}}, "needs validation.paths"),
     ({"dpo": {"loss_type": "simpo"}}, "dpo.loss_type='simpo' is not one of sigmoid, ipo, length_normalized"),
     ({"dpo": {"reference": "none"}}, "dpo.reference='none' is not one of precompute, frozen_copy"),
@@ -160,9 +254,12 @@ def test_refusal_is_one_line():
     assert "\n" not in msg and msg.startswith("data.dataset=\"preference\" (DPO) needs the logits")
 
 
+@pytest.mark.parametrize("layout", ["pad", "pack"])
 @pytest.mark.parametrize("parallelism", [{"pp": 2, "pp_microbatches": 2}, {"cp": 2}, {"pp": 2, "cp": 2}])
-def test_pipeline_and_context_parallel_are_accepted(parallelism):
-    validate(config_from_dict({"data": {"dataset": "preference", "paths": ["p.jsonl"]},
+def test_pipeline_and_context_parallel_are_accepted(parallelism, layout):
+    packed = {"preference_layout": "pack", "document_masking": True, "reset_position_ids": True}
+    validate(config_from_dict({"data": {"dataset": "preference", "paths": ["p.jsonl"],
+                                        **(packed if layout == "pack" else {})},
                                "training": {"local_batch_size": 4}, "parallelism": parallelism}))
 
 

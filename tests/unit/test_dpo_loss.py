@@ -89,14 +89,14 @@ def test_pair_formulas_in_fp64():
     logps = torch.tensor([-3.0, -5.0, -2.0, -1.5], dtype=torch.float64)
     ref = torch.tensor([-4.0, -4.5, -2.5, -2.0], dtype=torch.float64)
     lengths = torch.tensor([2, 4, 1, 3])
-    c, r = pair_deltas(logps, ref, lengths, normalised=False)
+    c, r, _ = pair_deltas(logps, ref, lengths, normalised=False)
     assert c.tolist() == [1.0, 0.5] and r.tolist() == [-0.5, 0.5]
     delta = c - r
     sig = pair_losses(delta, "sigmoid", 0.1, 0.25)
     want = [-(0.75) * math.log(1 / (1 + math.exp(-0.1 * d))) - 0.25 * math.log(1 / (1 + math.exp(0.1 * d)))
             for d in delta.tolist()]
     assert sig.tolist() == pytest.approx(want, rel=1e-15)
-    c, r = pair_deltas(logps, ref, lengths, normalised=True)
+    c, r, _ = pair_deltas(logps, ref, lengths, normalised=True)
     assert c.tolist() == [0.5, 0.5] and r.tolist() == pytest.approx([-0.5 / 4, 0.5 / 3], rel=1e-15)
     assert pair_losses(c - r, "ipo", 0.5).tolist() == pytest.approx([(d - 1.0) ** 2 for d in (c - r).tolist()])
 
@@ -152,6 +152,85 @@ def test_context_parallel_chunks_sum_to_the_row_logps():
         assert torch.equal(sum(p[1] for p in parts), lengths)
 
 
+# ------------------------------------------------------------------------------------------------- packed rows
+def _pack(logits, labels, ref, rows_of_pairs, width, n_slots):
+    """The padded rows [c0, r0, c1, r1, ...] laid end to end as packed rows (data.preference_layout="pack"): each
+    sequence's positions up to its last target, then one position with no target (its last token), then the next
+    sequence; `rows_of_pairs` the pairs of each packed row. Returns packed logits, labels [R, width, 2] (label,
+    sequence number), reference [R, n_slots] and where each padded row's positions went."""
+    from titanlike.train.dpo_packed import with_segments
+
+    vocab = logits.shape[-1]
+    g = torch.Generator().manual_seed(9)
+    out = torch.randn(len(rows_of_pairs), width, vocab, generator=g, dtype=logits.dtype)  # separators, padding
+    lab = torch.full((len(rows_of_pairs), width), IGNORE_INDEX)
+    refs = torch.zeros(len(rows_of_pairs), n_slots, dtype=ref.dtype)
+    where = {}
+    for r, pairs in enumerate(rows_of_pairs):
+        pos = 0
+        for k, pair in enumerate(pairs):
+            for side in (0, 1):
+                j = 2 * pair + side
+                n = int((labels[j] != IGNORE_INDEX).nonzero().max()) + 1  # through the last target
+                out[r, pos:pos + n], lab[r, pos:pos + n] = logits[j, :n], labels[j, :n]
+                refs[r, 2 * k + side] = ref[j]
+                where[j] = (r, pos, n)
+                pos += n + 1  # (the sequence's last token: no target)
+    packed_labels, pairs_per_row = with_segments(lab)
+    assert pairs_per_row.tolist() == [len(p) for p in rows_of_pairs]
+    return out, packed_labels, refs, where
+
+
+@pytest.mark.parametrize("loss_type,beta,eps", CASES)
+def test_packed_rows_give_the_padded_loss_and_gradients(loss_type, beta, eps):
+    """Three pairs in two packed rows (two pairs in the first, one and empty slots in the second): the segment sums
+    give the padded layout's loss, reward statistics and logit gradients (fp64 logits; log-probs in fp32)."""
+    logits, labels, ref = _tiny(4, rows=6, seq=7)
+    pad_fn, pack_fn = DPOLoss(beta, loss_type, eps), DPOLoss(beta, loss_type, eps, slots=4)
+    x = logits.clone().requires_grad_(True)
+    want = pad_fn(x, labels, ref)
+    want.backward()
+    plogits, plabels, pref, where = _pack(logits, labels, ref, [[0, 1], [2]], width=32, n_slots=4)
+    y = plogits.clone().requires_grad_(True)
+    got = pack_fn(y, plabels, pref)
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-9)
+    for j, (r, pos, n) in where.items():
+        torch.testing.assert_close(y.grad[r, pos:pos + n], x.grad[j, :n], atol=1e-7, rtol=1e-6)
+    assert pack_fn.take_metrics(lambda t: t) == pytest.approx(pad_fn.take_metrics(lambda t: t), rel=1e-6, abs=1e-9)
+    logps, lengths = pack_fn.row_logps(plogits, plabels)
+    assert lengths.tolist() == [[int((labels[j] != IGNORE_INDEX).sum()) for j in range(4)],
+                                [int((labels[j] != IGNORE_INDEX).sum()) for j in (4, 5)] + [0, 0]]
+
+
+def test_segments_are_the_runs_of_targets():
+    from titanlike.train.dpo_packed import segment_index, slot_keys, slots
+
+    X = IGNORE_INDEX
+    labels = torch.tensor([[X, 5, 6, X, X, 7, X, 8, 9, X], [X, X, 3, X, 4, X, X, X, X, X]])
+    assert segment_index(labels).tolist() == [[-1, 0, 0, -1, -1, 1, -1, 2, 2, -1],
+                                              [-1, -1, 0, -1, 1, -1, -1, -1, -1, -1]]
+    keys, there = slot_keys(torch.tensor([11, 12]), labels, 4)
+    assert there.tolist() == [[True, True, True, False], [True, True, False, False]]
+    assert keys.unique().numel() == 8  # every row and slot its own key
+    assert slots(4096) == 2048 and slots(16) == 8 and slots(2) == 2  # pairs take at least 4 of seq_len + 1 tokens
+
+
+def test_context_parallel_chunks_of_packed_rows_sum_to_the_sequences():
+    """The sequence numbers travel with the labels, so each CP rank's chunks sum into the right slots."""
+    from parallelize.cp import shard_sequence
+    from titanlike.train.dpo_packed import segment_logps
+
+    logits, labels, ref = _tiny(5, rows=6, seq=7)
+    plogits, plabels, _, _ = _pack(logits, labels, ref, [[0, 1], [2]], width=36, n_slots=4)
+    whole = segment_logps(plogits, plabels, 4)
+    for degree in (2, 3):
+        parts = [segment_logps(shard_sequence(plogits, r, degree), shard_sequence(plabels, r, degree), 4)
+                 for r in range(degree)]
+        torch.testing.assert_close(sum(p[0] for p in parts), whole[0], atol=1e-5, rtol=1e-6)
+        assert torch.equal(sum(p[1] for p in parts), whole[1])
+
+
 # ------------------------------------------------------------------------------------------------- TRL
 def _trl_loss(per_token, mask, ref, loss_type, beta):
     """TRL >= 1.0's DPOTrainer._compute_loss on per-token log-probs [R, S] (rows [c0, r0, ...]): its model and
@@ -194,7 +273,7 @@ def test_same_loss_as_trl(ours, theirs, beta):
     per_token = -torch.rand(rows, seq, generator=g, dtype=torch.float64) * 3 * mask
     ref = -torch.rand(rows, generator=g, dtype=torch.float64) * 8
     trl = _trl_loss(per_token, mask, ref, theirs, beta)
-    c, r = pair_deltas(per_token.sum(1), ref, mask.sum(1), normalised=ours != "sigmoid")
+    c, r, _ = pair_deltas(per_token.sum(1), ref, mask.sum(1), normalised=ours != "sigmoid")
     mine = pair_losses(c - r, ours, beta).mean()  # TRL: the mean over the batch's pairs
     assert mine.item() == pytest.approx(float(trl), rel=1e-12)
 

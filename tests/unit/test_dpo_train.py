@@ -146,3 +146,61 @@ def test_identical_pairs_exit_2_with_one_line(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     lines = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and f"{f}:2): they carry no preference; remove them from the data" in lines[0], p.stderr
+
+
+PACK = {"preference_layout": "pack", "document_masking": True, "reset_position_ids": True}
+
+
+def _step_and_run(cfg, steps=3):
+    """Step 1's mean loss over its pairs, their count and the gradients (an explicit forward/backward of its
+    batches); then `steps` trained steps' history."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.checkpointer.load()
+        trainer.dpo.start()
+        batches = trainer.next_batches(iter(trainer.dataloader))
+        count = sum(b.target_count() for b in batches).float()
+        loss = sum(trainer.compute.forward_backward(trainer.model, b, 1 / count) for b in batches) / count
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        trainer.model.zero_grad(set_to_none=True)
+        history = trainer.train()
+        rows = len(trainer.dataloader.dataset)
+    finally:
+        trainer.close()
+    return float(loss), float(count), grads, history, rows
+
+
+@pytest.mark.parametrize("loss_type,reference", [("sigmoid", "precompute"), ("length_normalized", "frozen_copy")])
+def test_packed_rows_train_as_padded_pairs(tmp_path, loss_type, reference):
+    """The same 12 pairs in one step, padded (12 pairs) and packed (all their rows): the same pair count, loss and
+    gradients at step 1 (fp32, 1e-5), and the same losses, grad norms and reward metrics over 3 steps (each step
+    all the pairs, so the weights stay equal); pairs per step and pairs/s logged."""
+    from titanlike.data.preference import PreferenceDataset
+    from titanlike.data.tokenizers.null import NullTokenizer
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    rows = len(PreferenceDataset([pairs], NullTokenizer(127), 24, layout="pack"))
+    assert rows < 12  # (several pairs share a row)
+    common = dict(dpo={"loss_type": loss_type, "reference": reference, "beta": 0.5}, optimizer={"lr": 3e-3})
+    pad = _step_and_run(dpo_cfg(tmp_path, "pad", pairs, training={"seq_len": 24, "local_batch_size": 12,
+                                                                  "steps": 3}, **common))
+    pack = _step_and_run(dpo_cfg(tmp_path, "pack", pairs, training={"seq_len": 24, "local_batch_size": rows,
+                                                                    "steps": 3}, data=PACK, **common))
+    assert pad[1] == pack[1] == 12.0 and pack[4] == rows
+    assert pack[0] == pytest.approx(pad[0], abs=1e-5)
+    for k, g in pad[2].items():
+        torch.testing.assert_close(pack[2][k], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad {k}: {m}")
+    for key in ("loss", "grad_norm", "dpo/reward_accuracy", "dpo/reward_margin", "dpo/chosen_reward",
+                "dpo/rejected_reward"):
+        assert [h[key] for h in pack[3]] == pytest.approx([h[key] for h in pad[3]], abs=1e-5), key
+    assert pad[3][-1]["loss"] < pad[3][0]["loss"] - 0.01  # (the compared values move)
+    for h in pack[3] + pad[3]:
+        assert h["dpo/pairs_per_step"] == 12.0 and h["throughput/pairs_per_sec"] > 0
+
+
+def test_pairs_per_second_on_the_log_line():
+    from titanlike.observe.metrics import MetricsLogger
+
+    m = {"loss": 0.69, "dpo/reward_accuracy": 0.5, "dpo/reward_margin": 0.1, "throughput/pairs_per_sec": 1234.5,
+         "throughput/tokens_per_sec_per_device": 1000.0}
+    assert "margin 0.1000  pairs/s 1,234.50  tok/s" in MetricsLogger.format_line(3, m)

@@ -258,6 +258,9 @@ class Data:
     chat_template: str = ""
     sft_layout: str = "pack"  # chat: pack (conversations end to end, EOD between) | pad (one per row, EOD padding)
     sft_truncation: str = "truncate"  # chat: a conversation longer than seq_len+1 tokens: truncate | drop
+    # preference (DPO): pad (a sample is a pair, each sequence padded to a row) | pack (a sample is a row of seq_len + 1
+    # tokens holding several whole pairs; needs document_masking and reset_position_ids; local_batch_size counts rows)
+    preference_layout: str = "pad"
     messages_key: str = "messages"  # chat: the record field holding [{"role", "content"}, ...]
     prompt_key: str = "prompt"  # chat: without messages, a prompt/response pair becomes a user + assistant turn
     response_key: str = "response"

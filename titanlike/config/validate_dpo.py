@@ -7,6 +7,7 @@ from typing import Any
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "length_normalized")  # titanlike/train/dpo_loss.py implements each
 DPO_REFERENCES = ("precompute", "frozen_copy")
+PREFERENCE_LAYOUTS = ("pad", "pack")  # data.preference_layout: titanlike/data/preference.py
 PREFERENCE = "preference"  # the dataset whose samples are (chosen, rejected) pairs: it makes the objective DPO
 
 
@@ -26,6 +27,9 @@ def check_dpo(cfg: Any, errors: list[str]) -> None:
     if val.dataset == PREFERENCE and data.dataset != PREFERENCE:
         errors.append("validation.dataset=\"preference\" scores pairs with the DPO loss, which only a run with "
                       "data.dataset=\"preference\" trains; leave validation.dataset empty")
+    if data.preference_layout not in PREFERENCE_LAYOUTS:  # (checked whatever the dataset: a typo fails early)
+        errors.append(f"data.preference_layout={data.preference_layout!r} is not one of "
+                      f"{', '.join(PREFERENCE_LAYOUTS)}")
     if data.dataset != PREFERENCE:
         return
     what = "data.dataset=\"preference\" (DPO)"
@@ -35,12 +39,24 @@ def check_dpo(cfg: Any, errors: list[str]) -> None:
     if cfg.fault_tolerance.enable:
         errors.append(f"{what} does not run with fault_tolerance.enable yet (the reference pass is not shared "
                       f"between replica groups); turn it off")
-    packing = [k for k, on in (("data.document_masking", data.document_masking),
-                               ("data.reset_position_ids", data.reset_position_ids),
-                               ("data.eod_mask_loss", data.eod_mask_loss)) if on]
-    if packing:
-        errors.append(f"{what}: every sequence is one prompt and response, never packed documents; turn "
-                      f"{' / '.join(packing)} off")
+    if data.preference_layout == "pack":
+        missing = [k for k, on in (("data.document_masking", data.document_masking),
+                                   ("data.reset_position_ids", data.reset_position_ids)) if not on]
+        if missing:
+            fix = " and ".join(f"{k}=true" for k in missing)
+            errors.append(f"data.preference_layout=\"pack\" puts several sequences in a row, and each must attend "
+                          f"only to itself at its own positions (as padded); set {fix}")
+        if data.eod_mask_loss:
+            errors.append(f"{what}: the loss is over the responses only, never on an end-of-document position; turn "
+                          f"data.eod_mask_loss off")
+    else:
+        packing = [k for k, on in (("data.document_masking", data.document_masking),
+                                   ("data.reset_position_ids", data.reset_position_ids),
+                                   ("data.eod_mask_loss", data.eod_mask_loss)) if on]
+        if packing:
+            errors.append(f"{what}: with data.preference_layout=\"pad\" every row is one prompt and response, never "
+                          f"packed documents; turn {' / '.join(packing)} off, or pack pairs with "
+                          f"data.preference_layout=\"pack\"")
     if val.enable and not val.paths:
         errors.append(f"validation.enable with {what} needs validation.paths (JSONL files of held-out pairs): the "
                       f"pairs files have no split")

@@ -62,6 +62,8 @@ def identity(data_cfg, dataset, *, split: str, seq_len: int, seed: int, global_b
     if data_cfg.dataset == "chat":
         keys.update({"data.split": data_cfg.split, "data.chat_template": data_cfg.chat_template,
                      "data.sft_layout": data_cfg.sft_layout, "data.sft_truncation": data_cfg.sft_truncation})
+    if data_cfg.dataset == "preference":
+        keys["data.preference_layout"] = data_cfg.preference_layout  # (samples are pairs, or rows of pairs)
     if data_cfg.dataset == "text":
         keys.update({"data.text_key": data_cfg.text_key, "data.add_bos": bool(data_cfg.add_bos),
                      "data.add_eod": bool(data_cfg.add_eod)})

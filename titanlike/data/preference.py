@@ -10,10 +10,15 @@ between data-parallel ranks or micro-batches.
 Chat-message pairs (a prompt as a list of {role, content} messages, replies as strings or assistant messages) render
 through the run's chat template (data.chat_template, else the tokenizer's own), as SFT data does (`_chat_pair`).
 
-Tokenised once at start-up (every rank reads the whole file, as the sample count and fingerprint need). A pair longer
-than seq_len + 1 tokens keeps its start (TRL's truncation_mode="keep_start": the response is cut at the end); the
-truncations are counted and logged. A pair whose prompt leaves no response token in the window is dropped (counted,
-warned). A pair whose chosen and rejected texts are equal carries no preference: refused at build, naming its lines.
+Tokenised once at start-up (every rank reads the whole file, as the sample count and fingerprint need). A sequence
+longer than seq_len + 1 tokens keeps its start (TRL's truncation_mode="keep_start": the response is cut at the end);
+the truncations are counted and logged. A pair whose prompt leaves no response token in the window is dropped
+(counted, warned). A pair whose chosen and rejected texts are equal carries no preference: refused at build, naming
+its lines.
+
+data.preference_layout = "pack" serves rows instead, each holding several whole pairs end to end
+(titanlike/data/preference_pack.py): sample i is row i, `(input_ids [S], labels [S])`, and the loader stacks B rows
+to [B, S]. There a pair must fit one row, chosen and rejected together, and the same keep-start rule cuts it to fit.
 """
 from __future__ import annotations
 
@@ -27,9 +32,12 @@ import torch
 from torch.utils.data import Dataset
 
 from models.batch import IGNORE_INDEX
+from titanlike.config.validate_dpo import PREFERENCE_LAYOUTS
+from titanlike.data.preference_pack import PackedPairs, eod_inside
 
 logger = logging.getLogger(__name__)
 FIELDS = ("prompt", "chosen", "rejected")
+LAYOUTS = PREFERENCE_LAYOUTS  # data.preference_layout
 
 
 def _open(path: str):
@@ -62,13 +70,20 @@ def _chat_pair(row: dict, where: str, template, tokenizer) -> tuple[list[int], l
 
 class PreferenceDataset(Dataset):
     def __init__(self, files: list[str], tokenizer, seq_len: int, *, add_bos: bool = False, key: str = "data.paths",
-                 dp_rank: int = 0, chat_template=None):
-        """chat_template: a ChatTemplate, or a function returning one (called at the first chat-message row)."""
-        self.files, self.seq_len = list(files), int(seq_len)
+                 dp_rank: int = 0, chat_template=None, layout: str = "pad"):
+        """chat_template: a ChatTemplate, or a function returning one (called at the first chat-message row).
+        layout: "pad" (a sample is a pair) or "pack" (a sample is a row of pairs)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"data.preference_layout={layout!r} is not one of {', '.join(LAYOUTS)}")
+        self.files, self.seq_len, self.layout = list(files), int(seq_len), layout
         self.pad_id = tokenizer.eos_id  # never a target: padding has IGNORE_INDEX labels
         window = self.seq_len + 1  # S inputs + the last label
-        digest = hashlib.sha256(f"preference|{tokenizer.fingerprint}|{self.seq_len}|{add_bos}".encode())
+        ident = f"preference|{tokenizer.fingerprint}|{self.seq_len}|{add_bos}"
+        if layout == "pack":  # (the padded layout's identity stays what it was: its checkpoints still resume)
+            ident += f"|pack|{tokenizer.eod_id}"
+        digest = hashlib.sha256(ident.encode())
         self.sides: list[tuple[np.ndarray, int]] = []  # 2 per pair: (tokens, prompt length), chosen then rejected
+        self.long: list[bool] = []  # per side: cut to the window
         self.file_digests, identical, dropped, cut, rows = [], [], [], 0, 0
         for path in self.files:
             file_digest = hashlib.sha256()
@@ -95,6 +110,7 @@ class PreferenceDataset(Dataset):
                         dropped.append(f"{path}:{n}")
                         continue
                     cut += sum(len(s) > window for s in sides)
+                    self.long += [len(s) > window for s in sides]
                     self.sides += [(s[:window], len(p)) for s in sides]
             self.file_digests.append(file_digest.hexdigest()[:16])
             digest.update(file_digest.digest())
@@ -109,7 +125,10 @@ class PreferenceDataset(Dataset):
                              f"give pairs with shorter prompts")
         self.fingerprint = digest.hexdigest()[:16]  # the sampler's and the DPO reference table's identity of the data
         self.truncated, self.dropped = cut, len(dropped)
-        if cut:
+        self.packed = None
+        if layout == "pack":
+            self._pack(tokenizer.eod_id, key, dp_rank)
+        elif cut:
             logger.info(f"preference data: {cut} of {2 * self.num_pairs} sequences cut to training.seq_len + 1 = "
                         f"{window} tokens (their responses end early)")
         if dropped and dp_rank == 0:
@@ -117,8 +136,37 @@ class PreferenceDataset(Dataset):
                            f"training.seq_len={self.seq_len} window ({', '.join(dropped[:3])}"
                            f"{', ...' if len(dropped) > 3 else ''}); raise training.seq_len to keep them")
 
+    def _pack(self, eod_id: int, key: str, dp_rank: int) -> None:
+        """Rows of whole pairs (titanlike/data/preference_pack.py); logs the fill and what was cut or dropped."""
+        inside = eod_inside(self.sides, eod_id)
+        if inside:
+            raise ValueError(f"data.preference_layout='pack' separates sequences at the end-of-document token (id "
+                             f"{eod_id}), and {inside} sequences of {key} hold it before their end (e.g. a BOS equal "
+                             f"to it with data.add_bos): set data.eod_token to a token the pairs do not use, or use "
+                             f"data.preference_layout='pad'")
+        self.packed = packed = PackedPairs(self.sides, self.seq_len, eod_id, self.long)
+        self.num_pairs, self.truncated = packed.num_pairs, packed.truncated
+        self.dropped += len(packed.dropped)
+        if packed.num_pairs == 0:
+            raise ValueError(f"{key}: no pair fits a row of training.seq_len + 1 = {self.seq_len + 1} tokens with a "
+                             f"response token on both sides; raise training.seq_len")
+        width = self.seq_len + 1
+        if packed.truncated:
+            logger.info(f"preference data: {packed.truncated} of {2 * packed.num_pairs} sequences cut so that each "
+                        f"pair fits a row of {width} tokens (their responses end early)")
+        if packed.dropped and dp_rank == 0:
+            logger.warning(f"preference data: {len(packed.dropped)} pair(s) dropped, their prompts leave no room for "
+                           f"both responses in a row of {width} tokens; raise training.seq_len to keep them")
+        logger.info(f"preference data: {packed.num_pairs:,} pairs in {len(packed):,} rows of {width} (pack: "
+                    f"{packed.fill():.0%} filled, {packed.num_pairs / len(packed):.2f} pairs per row on average, at "
+                    f"most {packed.max_pairs_per_row()})")
+
     def __len__(self) -> int:
-        return self.num_pairs
+        """Samples: pairs ("pad"), rows of pairs ("pack")."""
+        return len(self.packed) if self.packed is not None else self.num_pairs
+
+    def pairs_per_sample(self) -> float:
+        return self.num_pairs / len(self)
 
     def side(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence j (2i: pair i's chosen, 2i + 1: its rejected) as (input_ids [S], labels [S])."""
@@ -132,8 +180,10 @@ class PreferenceDataset(Dataset):
         return ids[:-1], labels
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < self.num_pairs:
-            raise IndexError(f"pair {i} out of range [0, {self.num_pairs})")
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        if self.packed is not None:
+            return self.packed.row(int(i))
         (ci, cl), (ri, rl) = self.side(2 * i), self.side(2 * i + 1)
         return torch.stack([ci, ri]), torch.stack([cl, rl])
 
@@ -142,11 +192,15 @@ class PreferenceDataset(Dataset):
         return [[f, d] for f, d in zip(self.files, self.file_digests)]
 
     def summary_lines(self, label: str, samples: int | None, whose: str) -> list[str]:
-        tokens = sum(len(t) for t, _ in self.sides)
-        epochs = f", {samples / self.num_pairs:,.2f} epochs for {whose} {samples:,} pairs" if samples else ""
-        return [f"{label}: preference pairs, {self.num_pairs:,} pairs from {len(self.files)} file(s), {tokens:,} "
-                f"tokens (prompt + response, both sides), {self.truncated:,} sequences truncated, {self.dropped:,} "
-                f"pairs dropped{epochs}"]
+        if self.packed is not None:
+            tokens, unit = self.packed.tokens, "rows"
+            layout = f" in {len(self):,} rows (pack, {self.packed.fill():.0%} filled)"
+        else:
+            tokens, unit, layout = sum(len(t) for t, _ in self.sides), "pairs", ""
+        epochs = f", {samples / len(self):,.2f} epochs for {whose} {samples:,} {unit}" if samples else ""
+        return [f"{label}: preference pairs, {self.num_pairs:,} pairs from {len(self.files)} file(s){layout}, "
+                f"{tokens:,} tokens (prompt + response, both sides), {self.truncated:,} sequences truncated, "
+                f"{self.dropped:,} pairs dropped{epochs}"]
 
 
 def _read_row(line: str, where: str):
@@ -180,4 +234,5 @@ def build_preference_dataset(data_cfg, tokenizer, *, seq_len: int, split: str, p
     template = (load_chat_template(data_cfg, tokenizer) if data_cfg.chat_template
                 else (lambda: load_chat_template(data_cfg, tokenizer)))
     return PreferenceDataset(expand_files(data_cfg.paths, key=paths_key), tokenizer, seq_len,
-                             add_bos=data_cfg.add_bos, key=paths_key, dp_rank=dp_rank, chat_template=template)
+                             add_bos=data_cfg.add_bos, key=paths_key, dp_rank=dp_rank, chat_template=template,
+                             layout=data_cfg.preference_layout)

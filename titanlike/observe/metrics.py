@@ -126,6 +126,10 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         tps = self._tokens / max(elapsed, 1e-9)
         out = dict(scalars)
+        if "dpo/pairs" in out:  # DPO: the global pairs trained since the last line -> pairs per second, per step
+            pairs = out.pop("dpo/pairs")
+            out["throughput/pairs_per_sec"] = pairs / max(elapsed, 1e-9)
+            out["dpo/pairs_per_step"] = pairs / max(self._steps, 1)
         out["throughput/tokens_per_sec_per_device"] = tps
         out["throughput/tflops_per_device"] = tps * self.flops_per_token / 1e12
         if self.peak:
@@ -162,6 +166,8 @@ class MetricsLogger:
                                                                  if m.get("skipped_iters") else ""))
         if "dpo/reward_accuracy" in m:  # DPO: pairs whose chosen reward beats the rejected one, the mean margin
             parts.append(f"acc {m['dpo/reward_accuracy']:.3f} margin {m['dpo/reward_margin']:.4f}")
+        if "throughput/pairs_per_sec" in m:  # DPO: preference pairs per second, the whole run's (every rank's)
+            parts.append(f"pairs/s {m['throughput/pairs_per_sec']:,.2f}")
         parts.append(f"tok/s {m['throughput/tokens_per_sec_per_device']:>9,.0f}")
         if "throughput/mfu_pct" in m:
             parts.append(f"mfu {m['throughput/mfu_pct']:5.1f}%")

@@ -178,8 +178,10 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
         accum = max(1, global_bs // (t.local_batch_size * dims.dp_degree))
         batch, traced_mb, in_flight = t.local_batch_size, min(accum, 2), 1  # the 2nd micro-batch meets whole grads
         if cfg.data.dataset == "preference":  # DPO: a sample is two sequences (the loss traced as cross-entropy)
-            batch *= 2
-            notes.append("DPO: 2 sequences per sample traced; a dpo.reference=\"frozen_copy\" model is not counted")
+            packed = cfg.data.preference_layout == "pack"  # (then a sample is one row of pairs)
+            batch *= 1 if packed else 2
+            notes.append(f"DPO: {'1 packed row' if packed else '2 sequences'} per sample traced; a "
+                         f"dpo.reference=\"frozen_copy\" model is not counted")
     traced = _inputs(built, cfg, dims, batch, t.seq_len)  # the Batch every traced micro-batch reads
     masters = list(getattr(optimizer, "low_bits", {}).values())
     master_bytes = sum(_nbytes(x) for x in masters)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from models.batch import IGNORE_INDEX
 from titanlike.config.validate_dpo import DPO_LOSS_TYPES
+from titanlike.train.dpo_packed import segment_logps
 from titanlike.train.loss import plain_loss
 
 NORMALISED = ("ipo", "length_normalized")  # the loss types on per-token mean log-probs
@@ -76,35 +77,45 @@ def pair_losses(delta: torch.Tensor, loss_type: str, beta: float, label_smoothin
 
 
 def pair_deltas(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor,
-                normalised: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen log-ratio [P], rejected log-ratio [P]) of rows [c0, r0, c1, r1, ...]; per token when normalised."""
-    if logps.shape[0] % 2:  # (a pipeline's micro-batches hold whole pairs: pp_microbatches divides the local pairs)
-        raise ValueError(f"DPO: {logps.shape[0]} rows do not make whole (chosen, rejected) pairs")
+                normalised: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen log-ratio [P], rejected log-ratio [P], whether each pair is there [P]) of sequences [c0, r0, c1, r1,
+    ...]: rows [2P] (padded layout) or the slots of packed rows [R, 2P/R], whose empty slots (length 0) hold no pair.
+    Per token when normalised."""
+    if logps.shape[-1] % 2:  # (a pipeline's micro-batches hold whole pairs: pp_microbatches divides the local pairs)
+        raise ValueError(f"DPO: {logps.shape[-1]} rows do not make whole (chosen, rejected) pairs")
     ratio = logps - ref_logps.to(logps.dtype)
     if normalised:
         ratio = ratio / lengths.clamp(min=1).to(ratio.dtype)
-    pairs = ratio.view(-1, 2)
-    return pairs[:, 0], pairs[:, 1]
+    pairs = ratio.reshape(-1, 2)
+    there = lengths.reshape(-1, 2)[:, 0] > 0 if logps.ndim == 2 else torch.ones_like(pairs[:, 0], dtype=torch.bool)
+    return pairs[:, 0], pairs[:, 1], there
 
 
 class DPOLoss:
     """The trainer's loss_fn for DPO: (logits [2P, S, V], labels [2P, S], reference_logps [2P]) -> summed loss over
-    the P pairs (its 1/cp share under context parallel). Keeps device sums for the log (only while gradients are on:
-    validation does not mix in). `cp_group`: the CP ranks that share each row, None without context parallel."""
+    the P pairs (its 1/cp share under context parallel); packed rows (titanlike/train/dpo_packed.py): logits
+    [R, S, V], labels [R, S, 2] (label, sequence number), reference_logps [R, slots]. Keeps device sums for the log
+    (only while gradients are on: validation does not mix in). `cp_group`: the CP ranks that share each row, None
+    without context parallel; `slots`: sequence slots per packed row."""
 
-    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0, cp_group=None):
+    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0, cp_group=None, slots: int = 0):
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"dpo.loss_type={loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.logps_fn = sequence_logps  # (compiled by the trainer with compile.components "loss")
+        self.segment_fn = segment_logps  # packed rows (compiled likewise)
+        self.slots = slots
         self.cp_group = cp_group
         self.cp_degree = dist.get_world_size(cp_group) if cp_group is not None else 1
         self._stats: torch.Tensor | None = None  # pairs, correct, margin, chosen reward, rejected reward (sums)
 
     def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """sequence_logps of whole rows: under context parallel the sums of this rank's chunks, summed over the CP
-        ranks (the log-probs differentiably)."""
-        logps, lengths = self.logps_fn(logits, labels)
+        """sequence_logps of whole rows ([R] each), or segment_logps of packed rows ([R, slots] each): under context
+        parallel the sums of this rank's chunks, summed over the CP ranks (the log-probs differentiably)."""
+        if labels.ndim == 3:
+            logps, lengths = self.segment_fn(logits, labels, self.slots)
+        else:
+            logps, lengths = self.logps_fn(logits, labels)
         if self.cp_group is not None:
             logps = SumOverRanks.apply(logps, self.cp_group)
             lengths = lengths.clone()
@@ -113,13 +124,14 @@ class DPOLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, reference_logps: torch.Tensor) -> torch.Tensor:
         logps, lengths = self.row_logps(logits, labels)
-        chosen, rejected = pair_deltas(logps, reference_logps, lengths, self.loss_type in NORMALISED)
+        chosen, rejected, there = pair_deltas(logps, reference_logps, lengths, self.loss_type in NORMALISED)
         losses = pair_losses(chosen - rejected, self.loss_type, self.beta, self.label_smoothing)
+        losses = torch.where(there, losses, torch.zeros_like(losses))  # (packed rows' empty slots)
         if torch.is_grad_enabled():
             with torch.no_grad():
-                rc, rr = self.beta * chosen.detach(), self.beta * rejected.detach()
-                stats = torch.stack([torch.ones_like(rc).sum(), (rc > rr).float().sum(), (rc - rr).sum(), rc.sum(),
-                                     rr.sum()])
+                w = there.float()
+                rc, rr = self.beta * chosen.detach() * w, self.beta * rejected.detach() * w
+                stats = torch.stack([w.sum(), ((rc > rr).float() * w).sum(), (rc - rr).sum(), rc.sum(), rr.sum()])
                 self._stats = stats if self._stats is None else self._stats + stats
         return losses.sum() / self.cp_degree
 

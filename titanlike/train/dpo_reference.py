@@ -4,7 +4,9 @@ Two ways (dpo.reference):
 - "precompute": before step 1, one pass over the pairs (train, and validation's if any) with the policy itself (at
   step 0 it is the reference), no gradients, each data-parallel rank a share, gathered into a ReferenceTable on
   every rank. The table is keyed by a 64-bit hash of each sequence's (input ids, labels), computed on the device:
-  a batch finds its rows with a searchsorted, whatever sampler order, layout or resume brought them. It goes into
+  a batch finds its rows with a searchsorted, whatever sampler order, layout or resume brought them. Packed rows
+  (data.preference_layout = "pack") key each sequence by its row's hash and its slot in the row
+  (titanlike/train/dpo_packed.py). It goes into
   the trainer's checkpointed state, so a resume (whose weights are no longer the initial ones) reloads it.
 - "frozen_copy": a second model built through the same path (build_model, the same plan, the same seeded initial
   weights, then checkpoint.initial_load_path's weights when set), every parameter frozen, run under no_grad on each
@@ -54,9 +56,14 @@ class ReferenceTable:
     def lookup(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The reference log-probs [R] of these rows; NaN for a row the pass never saw (it cannot happen: the loader
         refuses other data on resume; a NaN loss would be caught by the non-finite guard)."""
-        q = row_keys(ids, labels)
-        i = torch.searchsorted(self.keys, q).clamp(max=len(self) - 1)
-        return torch.where(self.keys[i] == q, self.values[i], torch.full_like(self.values[i], float("nan")))
+        return self.lookup_keys(row_keys(ids, labels))
+
+    def lookup_keys(self, q: torch.Tensor) -> torch.Tensor:
+        """The values of keys q (any shape), NaN where a key is not in the table."""
+        flat = q.reshape(-1)
+        i = torch.searchsorted(self.keys, flat).clamp(max=len(self) - 1)
+        found = torch.where(self.keys[i] == flat, self.values[i], torch.full_like(self.values[i], float("nan")))
+        return found.view(q.shape)
 
     def state_dict(self) -> dict:
         return {"keys": self.keys.cpu().numpy(), "values": self.values.cpu().numpy(), "fingerprint": self.fingerprint}
@@ -68,31 +75,51 @@ class ReferenceTable:
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    """x [N] of every rank of `group`, concatenated in rank order (N may differ between ranks)."""
     if group is None:
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    n = torch.tensor([x.numel()], device=x.device)
+    sizes = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    most = int(max(s.item() for s in sizes))
+    padded = torch.cat([x, x.new_zeros(most - x.numel())])
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:int(s.item())] for p, s in zip(parts, sizes)])
+
+
+def _row_keys(ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = row_keys(ids, labels)
+    return keys, torch.ones_like(keys, dtype=torch.bool)
 
 
 @torch.no_grad()
 def precompute(datasets: list, forward_logps, *, batch_pairs: int, dp_rank: int, dp_degree: int, group,
-               device: torch.device) -> ReferenceTable:
-    """One pass over `datasets` (map-style, samples (ids [2, S], labels [2, S])): `forward_logps(ids [R, S],
-    labels [R, S]) -> [R]` on this rank's share (pairs dp_rank, dp_rank + dp_degree, ...; padded with repeats so
-    every rank runs as many forwards: FSDP's collectives need all of them), gathered over the data ranks."""
+               device: torch.device, keys_fn=_row_keys) -> ReferenceTable:
+    """One pass over `datasets` (map-style, samples (ids [2, S], labels [2, S]), or packed rows (ids [S],
+    labels [S])): `forward_logps(ids [R, S], labels [R, S])` -> the log-probs of each row [R] (of each packed row's
+    sequence slots [R, slots]) on this rank's share (samples dp_rank, dp_rank + dp_degree, ...; padded with repeats so
+    every rank runs as many forwards, FSDP's collectives need all of them, and to whole batches of `batch_pairs`
+    samples), gathered over the data ranks.
+    `keys_fn(ids, labels)` -> (the table's keys, shaped as the log-probs; where there is a sequence)."""
     t0 = time.perf_counter()
     keys, values = [], []
     for ds in datasets:
         n = len(ds)
         share = list(range(dp_rank, n, dp_degree))
         share += [share[0] if share else 0] * (-(-n // dp_degree) - len(share))
+        # whole batches only: every forward has the training micro-batch's shape (no recompile, and on CPU the
+        # same kernels, so the policy's log-probs at step 1 equal the table's bit for bit)
+        share += [share[0]] * (-len(share) % batch_pairs)
         for start in range(0, len(share), batch_pairs):
             samples = [ds[i] for i in share[start:start + batch_pairs]]
-            ids = torch.stack([s[0] for s in samples]).flatten(0, 1).to(device)
-            labels = torch.stack([s[1] for s in samples]).flatten(0, 1).to(device)
-            keys.append(row_keys(ids, labels))
-            values.append(forward_logps(ids, labels).float())
+            ids = torch.stack([s[0] for s in samples]).to(device)
+            labels = torch.stack([s[1] for s in samples]).to(device)
+            if ids.ndim == 3:  # pairs: rows [c0, r0, c1, r1, ...]
+                ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
+            k, there = keys_fn(ids, labels)
+            keys.append(k[there])
+            values.append(forward_logps(ids, labels).float()[there])
     local_k, local_v = torch.cat(keys), torch.cat(values)
     all_k, all_v = _gather(local_k, group), _gather(local_v, group)
     uniq, inverse = torch.unique(all_k, return_inverse=True)  # repeats (padding, duplicate pairs): one entry each

@@ -131,7 +131,7 @@ class Trainer:
         self.dp_degree = dp_degree
         global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
-        rows = 2 if self.dpo is not None else 1  # a preference sample is two sequences
+        rows = 2 if self.dpo is not None and not self.dpo.packed else 1  # a preference pair is two sequences
         self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len * rows
         # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
         self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
@@ -295,6 +295,8 @@ class Trainer:
                 self.step -= 1
                 continue
             self.metrics.add_tokens(self.tokens_per_step_device)
+            if self.dpo is not None:
+                self.dpo.count_step(tokens)  # the step's global pairs: pairs/s on the log line
             self.tokens_seen += self.tokens_per_step_local * self.dp_degree
             if log_now:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
