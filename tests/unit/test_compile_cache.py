@@ -83,3 +83,18 @@ def test_resolve_cache_dir(tmp_path):
     assert resolve_cache_dir("", str(tmp_path)) is None  # torch's defaults, unchanged
     assert resolve_cache_dir("auto", str(tmp_path)) == str(tmp_path / "compile_cache")
     assert resolve_cache_dir(str(tmp_path / "x"), "/elsewhere") == str(tmp_path / "x")
+
+
+def test_start_points_every_cache_into_the_folder(tmp_path, monkeypatch):
+    from titanlike.train.compile_cache import CompileCache
+
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
+        monkeypatch.setenv(k, "")  # recorded, so the teardown restores what the process had
+        monkeypatch.delenv(k)
+    CompileCache(str(tmp_path / "cc"), 0, "cpu-world1").start()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cc" / "triton")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"  # fla's @triton.autotune choices survive a restart
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")  # the user's choice wins
+    CompileCache(str(tmp_path / "cc"), 0, "cpu-world1").start()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"

@@ -4,7 +4,8 @@
 A requeued job on another node would compile cold again: torch keeps its FX-graph (Inductor), AOTAutograd and
 Triton caches under the node's /tmp. With compile.cache_dir set, before anything compiles (the Trainer's start):
   - TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into the folder (torch reads them at each compile, so setting
-    them before the first step is enough), the FX-graph and AOTAutograd caches are switched on;
+    them before the first step is enough), the FX-graph and AOTAutograd caches are switched on, and so is the disk
+    cache of Triton's @autotune choices (TRITON_CACHE_AUTOTUNING, for hand-written Triton kernels such as fla's);
   - torch's portable cache artifacts ("mega-cache", torch.compiler.save/load_cache_artifacts) of this rank are loaded
     when present: they refill the local caches even where only the one file survived (a node-local cache folder
     copied away, a cleaned /tmp);
@@ -95,6 +96,11 @@ class CompileCache:
         os.makedirs(os.path.join(self.folder, "artifacts"), exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.folder, "inductor")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(self.folder, "triton")
+        # Triton's own autotuner (@triton.autotune: flash-linear-attention's kernels, torchao's) keeps its choices in
+        # memory only unless this is on; then they land in TRITON_CACHE_DIR too and a restart skips the benchmarking
+        # (which dominated the hybrids' cold first step). Read when an autotuned kernel is defined, i.e. when its
+        # module is imported: the model build, after this. A value the user set wins.
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
         import torch._functorch.config as aot_config
         import torch._inductor.config as inductor_config
 
