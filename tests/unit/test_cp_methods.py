@@ -5,7 +5,6 @@ documents; the merge's backward is its derivative; the chunk order; each method'
 cannot work in one line before any process group. (The methods across processes: tests/multiproc/test_dist_cp.py.)"""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from models.common.masks import (CPShard, RingBlock, allowed, attention_lse, bui
 from parallelize.cp import apply_cp, shard_sequence
 from parallelize.cp_alltoall import head_parts_problem
 from parallelize.cp_ring import merge_partials
+from tests.unit.test_masks import reference_attention
 
 torch.set_num_threads(1)
 EOD, S = 0, 32
@@ -25,15 +25,6 @@ def _docs() -> torch.Tensor:
     tokens = torch.ones(2, S, dtype=torch.long)
     tokens[0, [2, 3, 9, 16, 17, 27]] = EOD
     return document_ids(tokens, EOD)
-
-
-def _reference(q, k, v, ok):
-    """Attention by its definition, float64: [B, S, H, D] q over [B, S, Hkv, D(v)] k/v, ok [B|1, 1, Sq, Skv]."""
-    rep = q.shape[2] // k.shape[2]
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    return (scores.masked_fill(~ok, float("-inf")).softmax(-1) @ v).transpose(1, 2)
 
 
 def _ring_rank(q, k, v, rank: int, degree: int, doc_ids) -> torch.Tensor:
@@ -112,10 +103,10 @@ def test_ring_partials_merge_to_whole_sequence_attention(n_kv, dv, documents):
     q, k, v = torch.randn(2, S, 4, 8, generator=g), torch.randn(2, S, n_kv, 8, generator=g), \
         torch.randn(2, S, n_kv, dv, generator=g)
     doc_ids = _docs() if documents else None
-    full = _reference(q, k, v, allowed(None, doc_ids, S, "cpu"))
+    full = reference_attention(q, k, v, allowed(None, doc_ids, S, "cpu"))
     w = torch.randn(2, S, 4, dv, generator=g)
     ref = [t.clone().double().requires_grad_() for t in (q, k, v)]
-    (_reference(*ref, allowed(None, doc_ids, S, "cpu")) * w.double()).sum().backward()
+    (reference_attention(*ref, allowed(None, doc_ids, S, "cpu")) * w.double()).sum().backward()
     for degree in (2, 4):
         ring = [t.clone().requires_grad_() for t in (q, k, v)]
         for rank in range(degree):
@@ -127,7 +118,7 @@ def test_ring_partials_merge_to_whole_sequence_attention(n_kv, dv, documents):
             torch.testing.assert_close(b.grad.double(), a.grad, atol=1e-5, rtol=1e-5)
 
 
-def _lse_reference(parts):
+def _lsereference_attention(parts):
     """The merge by autograd through its float64 arithmetic (the rule, written out)."""
     rows = parts[0][1].shape[1]
     lses = torch.stack([torch.nn.functional.pad(l, (0, 0, q0, 0), value=float("-inf")) for q0, _, l in parts])
@@ -151,14 +142,14 @@ def test_merge_partials_is_the_log_sum_exp_rule_forward_and_backward():
              for idx, q0 in zip(sets, q0s)]
     merged = merge_partials(parts, torch.float64)
     # The rows every partial covers are whole attention over all keys; the others over the keys they saw.
-    torch.testing.assert_close(merged[:, 7:], _reference(q, k, v, everything)[:, 7:])
+    torch.testing.assert_close(merged[:, 7:], reference_attention(q, k, v, everything)[:, 7:])
     torch.testing.assert_close(merge_partials([parts[0], parts[2], parts[1]], torch.float64), merged)
 
     leaves = [t.detach().clone().requires_grad_() for _, o, l in parts for t in (o, l)]
     mine = [(q0, leaves[2 * i], leaves[2 * i + 1]) for i, q0 in enumerate(q0s)]
     w = torch.randn(merged.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((merge_partials(mine, torch.float64) * w).sum(), leaves)
-    want = torch.autograd.grad((_lse_reference(mine) * w).sum(), leaves)
+    want = torch.autograd.grad((_lsereference_attention(mine) * w).sum(), leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
 

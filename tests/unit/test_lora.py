@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import models
-from models.common.lora import LoraLinear, apply_lora, init_adapters, merge_state_dict
+from models.common.lora import LoraLinear, merge_state_dict
+from tests.unit.lora_helpers import lora_model, randomise_b
 from titanlike.config.errors import ConfigError
 from titanlike.config.load import config_from_dict
 from titanlike.config.validate import validate
@@ -23,24 +24,7 @@ TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 
 def _tiny(seed: int = 0, rank: int = 4, alpha: float = 8.0, targets=TARGETS, lora: bool = True) -> torch.nn.Module:
     spec = models.get_spec("llama3")
     args = spec.args_cls(**TINY, vocab_size=128, rope_theta=10000.0, max_seq_len=16)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    if lora:
-        apply_lora(model, targets, rank=rank, alpha=alpha)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    init_adapters(model)
-    return model
-
-
-def _randomise_b(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lora_model(spec, args, targets, lora=lora, seed=seed, rank=rank, alpha=alpha)
 
 
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -65,7 +49,7 @@ def test_merge_equals_unmerged_and_only_adapters_get_gradients():
     """W + alpha/rank * B @ A in a plain model gives the LoRA model's logits (fp32, 1e-5); a backward leaves
     gradients on the 28 adapters only, and the output with B = 0 moves with B (the adapters take effect)."""
     lora = _tiny()
-    _randomise_b(lora)
+    randomise_b(lora)
     plain = _tiny(lora=False)
     plain.load_state_dict(merge_state_dict(lora.state_dict(), scaling=8.0 / 4))
     out = lora(TOKENS)
@@ -84,7 +68,7 @@ def test_lora_block_compiles_whole():
     """A LoRA block compiles as one graph (fullgraph=True, as parallelize/compile.py asks) and computes the eager
     forward and backward (1e-5)."""
     lora = _tiny()
-    _randomise_b(lora)
+    randomise_b(lora)
     block = lora.layers["0"]
     x = torch.randn(2, 16, 64, requires_grad=True)
     args = (x, lora.rope_cache[:16])

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import models
-from models.common.lora import adapters_disabled, apply_lora, has_lora, init_adapters, merge_state_dict
+from models.common.lora import adapters_disabled, has_lora, merge_state_dict
 from models.common.moe import GroupedExperts, LowRank, swiglu_expert_loop, swiglu_grouped_mm
+from tests.unit.lora_helpers import lora_model, randomise_b
 from titanlike.config.errors import ConfigError
 from titanlike.config.load import config_from_dict
 from titanlike.config.validate import validate
@@ -31,24 +32,7 @@ def _moe(lora: bool = True, seed: int = 0) -> torch.nn.Module:
     """Qwen3's MoE debug flavor at 2 blocks (8 experts, top 2, hidden 256), adapters on wq, wo and the experts."""
     spec = models.get_spec("qwen3")
     args = dataclasses.replace(spec.flavor_args("debugmodel_moe", SMALL), vocab_size=128, max_seq_len=16)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    if lora:
-        apply_lora(model, TARGETS, rank=4, alpha=8.0, include_experts=True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    init_adapters(model)
-    return model
-
-
-def _randomise_b(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lora_model(spec, args, TARGETS, lora=lora, seed=seed, rank=4, alpha=8.0, include_experts=True)
 
 
 def test_fresh_expert_adapters_change_nothing_and_init_as_peft():
@@ -115,7 +99,7 @@ def test_merged_state_dict_computes_the_adapted_model_and_only_adapters_learn():
     """merge_state_dict (batched B @ A per expert) into a plain model gives the LoRA model's logits (1e-5); a backward
     reaches every adapter and nothing else; adapters_disabled gives the base's logits."""
     lora, plain = _moe(), _moe(lora=False)
-    _randomise_b(lora)
+    randomise_b(lora)
     assert has_lora(lora) and not has_lora(plain)
     merged = _moe(lora=False)
     merged.load_state_dict(merge_state_dict(lora.state_dict(), scaling=8.0 / 4))
@@ -135,7 +119,7 @@ def test_moe_block_with_expert_adapters_compiles_whole():
     """A MoE block with adapters on attention and the routed experts compiles as one graph (fullgraph, as
     parallelize/compile.py asks; the experts' masked loop) and computes the eager forward and backward (1e-5)."""
     lora = _moe()
-    _randomise_b(lora)
+    randomise_b(lora)
     block = lora.layers["0"]
     args = (torch.randn(2, 16, 64, requires_grad=True), lora.rope_cache[:16])
     eager = block(*args)

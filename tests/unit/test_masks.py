@@ -139,8 +139,9 @@ def test_decoder_takes_rope_rows_of_its_positions():
 
 # ------------------------------------------------------------------------------------ the sdpa kernel's runs
 
-def _reference(q, k, v, ok):
-    """Attention by its definition, in float64: [B, S, H, D] q over [B, S, Hkv, D] k/v, ok [B|1, 1, Sq, Skv]."""
+def reference_attention(q, k, v, ok):
+    """Attention by its definition, in float64: [B, S, H, D] q over [B, S, Hkv, D(v)] k/v, ok [B|1, 1, Sq, Skv]
+    (tests/unit/test_cp_methods.py uses it too)."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -178,7 +179,7 @@ def test_local_queries_over_full_kv_equal_full_attention(n_kv, repeat, documents
     KV heads passed once or repeated."""
     q, k, v = _qkv(n_kv)
     doc_ids = _docs() if documents else None
-    full = _reference(q, k, v, _loop_mask(doc_ids, 2, 32))
+    full = reference_attention(q, k, v, _loop_mask(doc_ids, 2, 32))
     for degree in (2, 4):
         for rank in range(degree):
             mask = build_mask(load_balanced_chunks(32, rank, degree), doc_ids, 32, "sdpa", torch.device("cpu"))
