@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.masks import AttnMask, masked_attention
+from models.common.masks import AttnMask, grouped_heads, masked_attention
 from models.common.norms import RMSNorm, ZeroCenteredRMSNorm
 from models.common.rope import apply_rotary_emb
 
@@ -38,7 +38,7 @@ def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, repea
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
     out = F.scaled_dot_product_attention(
         xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True,
-        enable_gqa=not repeat_kv_heads and n_rep > 1,
+        enable_gqa=not repeat_kv_heads and grouped_heads(xq.shape[2], xk.shape[2]),  # a bool, never a SymBool
     )
     return out.transpose(1, 2)
 

@@ -249,18 +249,32 @@ def _ensure_flex() -> None:
         _FLEX.append(_compiled_flex())
 
 
+def grouped_heads(n_heads, n_kv_heads) -> bool:
+    """Whether query heads share KV heads (SDPA's and FlexAttention's `enable_gqa`), as a Python bool.
+
+    Those kernels take a bool, and a head count read off a tensor is a SymInt whenever dynamo traces with q/k/v's head
+    dims dynamic: torch.compile(dynamic=True) of a region they enter, or the recompile that automatic dynamic shapes
+    makes after a call with other head counts (another layout's TP- or CP-local heads). The comparison is then a
+    SymBool, which the kernel refuses ("enable_gqa must be bool, not SymBool"); dynamo traces bool() of it as one more
+    SymBool. A branch on it is what specialises it: dynamo guards on the head counts being equal or not (which the
+    kernel choice depends on anyway) and the constant reaches the kernel."""
+    if n_heads != n_kv_heads:
+        return True
+    return False
+
+
 def masked_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttnMask,
                      repeat_kv_heads: bool = False) -> torch.Tensor:
     """Attention of [B, Sq, H, D] queries over [B, Skv, Hkv, D] keys/values under `mask`; returns [B, Sq, H, Dv]."""
     n_rep = xq.shape[2] // xk.shape[2]
     q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
     if mask.kernel == "flex":
-        out = _FLEX[0](q, k, v, block_mask=mask.block_mask, enable_gqa=n_rep > 1)
+        out = _FLEX[0](q, k, v, block_mask=mask.block_mask, enable_gqa=grouped_heads(q.shape[1], k.shape[1]))
         return out.transpose(1, 2)
     if n_rep > 1 and (repeat_kv_heads or q.device.type == "cuda"):
         # (with a mask the GPU's SDPA runs the memory-efficient kernel, which has no grouped-query support)
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    gqa = k.shape[1] != q.shape[1]
+    gqa = grouped_heads(q.shape[1], k.shape[1])  # after any repeat: equal counts then
     outs = [F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], attn_mask=ok, enable_gqa=gqa)
             for q0, q1, k1, ok in mask.sdpa_calls]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -281,7 +295,7 @@ def attention_lse(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, block: R
     q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
     n_rep = q.shape[1] // k.shape[1]
     if kernel == "flex":
-        out, lse = _flex_lse(q, k, v, block.block_mask, n_rep > 1)
+        out, lse = _flex_lse(q, k, v, block.block_mask, grouped_heads(q.shape[1], k.shape[1]))
         return out.transpose(1, 2), lse.float().transpose(1, 2)
     b, h, sq, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)

@@ -3,7 +3,9 @@
 2 processes: PP 2 with every schedule (single-stage, looped, zero-bubble, V-shaped), activation checkpointing,
 gradient accumulation, uneven splits and explicit split points; the hybrid families under PP 2 1F1B through their own
 plans and spec.pp_costs split: nemotron_h's debug model (pattern "M*M-": Mamba-2, attention, MLP) and qwen3_next's
-(Gated DeltaNet + full attention, MoE with the balance loss off, since under PP it is per micro-batch).
+(Gated DeltaNet + full attention, MoE with the balance loss off, since under PP it is per micro-batch); and the
+trainer's logged MoE metrics under PP 2 (qwen3_next, balance losses on) against one process running the same
+micro-batches: the aux loss and loads of every stage's layers, on every pp rank.
 4 processes: PP 2 x FSDP 2 (1F1B and Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through
 titanlike.train.pipeline.PipelineRunner (the trainer's own PP path: schedule, last-stage loss normalised by the global
 token count, grad-norm clipping over all stages) and compares the loss, the grad norm and, after the steps, every
@@ -31,6 +33,7 @@ from titanlike.config.sections import JobConfig
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.optim.container import OptimizersContainer
+from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 
 TOL = 1e-5
@@ -164,6 +167,56 @@ def pp_case(name: str, family: str = "llama3", n_layers: int = 4, dims_kw: dict 
                  f"stages={len(runner.pipeline.layout)}")
 
 
+def moe_metrics_case(name: str, family: str = "qwen3_next") -> None:
+    """The trainer's logged MoE metrics (titanlike.train.moe.MoEBookkeeping) under PP 2 against one process: every
+    stage's layers, not only those of rank 0 (which logs). The balance loss is on (and with it the aux metric); under
+    PP it is per micro-batch, so the one-process reference runs the same micro-batches one after another, as
+    gradient accumulation would."""
+    dims = ParallelDims(pp=2, world_size=world)
+    dims.build_mesh(DEVICE)
+    cfg = JobConfig()
+    cfg.training.seq_len, cfg.training.local_batch_size = SEQ, LOCAL_BATCH
+    cfg.parallelism.pp, cfg.parallelism.pp_schedule = 2, "1F1B"
+    args = models.get_spec(family).flavors["debugmodel"]
+    args = dataclasses.replace(args, vocab_size=VOCAB, max_seq_len=SEQ, n_layers=4,
+                               moe=dataclasses.replace(args.moe, aux_loss_coeff=0.01, seq_aux_loss_coeff=0.001,
+                                                       bias_update_rate=0.001))
+    spec = models.get_spec(family)
+    torch.manual_seed(0)
+    ref = spec.model_cls(args).to(DEVICE)
+    ref.init_weights()
+    with torch.device("meta"):
+        meta = spec.model_cls(args)
+    runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), torch.device(DEVICE),
+                            get_plan(family, "default"), ce_sum)
+    ref_sd = ref.state_dict()
+    for part in runner.model_parts:
+        part.to_empty(device=DEVICE)
+        part.init_weights()
+        set_model_state_dict(part, {k: ref_sd[k] for k in part.state_dict()},
+                             options=StateDictOptions(full_state_dict=True))
+    n_mb = runner.pipeline.n_microbatches
+    book = MoEBookkeeping(runner.model_parts, dims, n_mb)
+    ref_book = MoEBookkeeping([ref], ParallelDims(world_size=1), n_mb)
+    assert book.layers and len(book.layers) < len(ref_book.layers), f"{name}: rank {rank} holds every MoE layer"
+    for step in range(2):  # the second step's loads follow the first one's bias update
+        inputs, labels = (t.to(DEVICE) for t in global_batch(step, LOCAL_BATCH))
+        for x, y in zip(inputs.chunk(n_mb), labels.chunk(n_mb)):
+            ce_sum(ref(x), y).backward()
+        runner.step([Batch({"tokens": inputs}, labels)], torch.tensor(1.0 / labels.numel()))
+        got, want = book.after_step(log=True), ref_book.after_step(log=True)
+        assert set(got) == set(want), f"{name}: metrics {sorted(set(got) ^ set(want))} missing on rank {rank}"
+        for key, value in want.items():
+            assert abs(got[key] - value) <= 1e-6 * max(1.0, abs(value)), f"{name} step {step}: {key} {got[key]} " \
+                                                                             f"vs one process {value} (rank {rank})"
+    assert want["moe/aux_loss"] > 0
+    local_aux = sum(float(m.last_aux_loss) for _, m in book.layers)
+    assert abs(local_aux - want["moe/aux_loss"]) > 1e-4, f"{name}: one stage's aux alone would pass"
+    dist.barrier()
+    report(name, f"aux={got['moe/aux_loss']:.6f} (one process {want['moe/aux_loss']:.6f}) "
+                 f"layers={sum(k.startswith('moe/load/') for k in got)}")
+
+
 def tp_available() -> bool:
     """PP x TP runs once the llama3 plan implements TP (it raises 'do not implement TP' before)."""
     import parallelize.llama3 as plans
@@ -200,6 +253,7 @@ def main() -> None:
         pp_case("DualPipeV", schedule="DualPipeV")
         pp_case("nemotron_h_1F1B", family="nemotron_h", schedule="1F1B")
         pp_case("qwen3_next_1F1B", family="qwen3_next", schedule="1F1B")
+        moe_metrics_case("qwen3_next_moe_metrics")
     if world == 4:
         pp_case("pp2_fsdp2_1F1B", dims_kw={"dp_shard": 2}, schedule="1F1B")
         pp_case("pp2_fsdp2_Interleaved1F1B", dims_kw={"dp_shard": 2}, schedule="Interleaved1F1B")
