@@ -32,7 +32,9 @@ models.MODELS.update(FAMILIES)  # the only registration: no library file lists t
 # activation checkpointing, so its plan (AC -> FSDP) and its doc_ids path are held to the one-process run too.
 FAMILIES["nemotron_h"] = models.get_spec("nemotron_h")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
-                        "activation_checkpoint": {"mode": "full"}}}
+                        "activation_checkpoint": {"mode": "full"}},
+         # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
+         "toy_encoder": {"model": {"vocab_size": 2056}}}
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
