@@ -153,8 +153,8 @@ class MaskedLM:
         has = f"whose mask token is {own}" if own is not None else f"which has no mask token ({'/'.join(MASK_TOKENS)})"
         return (f"model.args.mask_token_id: the masked_lm objective would mask with token {self.mask_id}, a real "
                 f"token of the tokenizer ({tokenizer.vocab_size} tokens) {has}; set model.args.mask_token_id to "
-                f"{own if own is not None else -1}" + ("" if own is not None else
-                                                       " with model.vocab_size above the tokenizer's, a spare row"))
+                + (f"{own}" if own is not None else f"-1 and model.vocab_size above {tokenizer.vocab_size} (a "
+                   f"spare row)"))
 
 
 MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's and RoBERTa's mask token texts, looked up in the run's tokenizer

@@ -148,7 +148,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
         raise ValueError("model.args.binary_head / pre_ln with RoBERTa positions: RobertaForMaskedLM has neither; "
                          "set both to false")
     prefix = "MegatronBert" if args.pre_ln else "Bert"
-    arch = "RobertaForMaskedLM" if roberta else f"{prefix}ForPreTraining" if args.binary_head else f"{prefix}ForMaskedLM"
+    head = "ForPreTraining" if args.binary_head else "ForMaskedLM"
+    arch = "RobertaForMaskedLM" if roberta else prefix + head
     model_type = "roberta" if roberta else "megatron-bert" if args.pre_ln else "bert"
     return {
         "architectures": [arch], "model_type": model_type, "hidden_act": "gelu",

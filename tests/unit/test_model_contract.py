@@ -207,9 +207,9 @@ def assert_logits_match(ours, theirs) -> torch.Tensor:
 @pytest.mark.parametrize("name,flavor", WITH_HF)
 def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, flavor, tmp_path):
     """spec.hf both ways on random weights: to_hf + hf_config written as a folder load in transformers'
-    AutoModelForCausalLM (or the adapter's AUTO_CLASS: AutoModelForMaskedLM for BERT), which has the same parameter count and computes our logits (1e-4, or 3e-5 of the largest
-    logit); from_hf gives our state dict back exactly, from to_hf's names and from transformers' own state dict. Then
-    the checkpoint tools' path
+    AutoModelForCausalLM (or the adapter's AUTO_CLASS: AutoModelForMaskedLM for BERT), which has the same
+    parameter count and computes our logits (1e-4, or 3e-5 of the largest logit); from_hf gives our state dict
+    back exactly, from to_hf's names and from transformers' own state dict. Then the checkpoint tools' path
     (titanlike/checkpoint/hf.py, scripts/convert_hf.py): a titanlike step exported by export_hf loads in transformers
     alike, and import_hf of that folder (args_from_hf_config of the written config.json) gives a step whose model
     computes the same logits bitwise, a tie kept."""
