@@ -108,15 +108,21 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MaskedLM:
-    """BERT-style masked LM: a `rate` share of the positions get `mask_id` as input and their own token as target;
-    every other position has no target. The loader's next-token labels are unused.
+    """BERT-style masked LM: a `rate` share of the positions get a target (their own token); of those, a `random`
+    share gets a random token of the vocabulary as input, a `keep` share keeps its token, and the rest get `mask_id`
+    (BERT's 80/10/10 is random = keep = 0.1; the default 0, 0 masks them all). Every other position has no target.
+    The loader's next-token labels are unused.
 
-    Which positions: a hash of (seed, step, the row's tokens, the position), on the device, with no generator: the
-    same rows at the same step give the same mask on any layout (a row's place in the batch or the rank holding it
-    does not enter) and after a resume. Two identical rows in one step get the same mask."""
+    Which positions, and what they get: a hash of (seed, step, the row's tokens, the position), on the device, with
+    no generator: the same rows at the same step give the same inputs and targets on any layout (a row's place in
+    the batch or the rank holding it does not enter) and after a resume. Two identical rows in one step get the
+    same mask."""
     mask_id: int
     rate: float = 0.15
     loss: str = "cross_entropy"
+    random: float = 0.0
+    keep: float = 0.0
+    vocab_size: int = 0  # the random tokens' range (needed when random > 0)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
         s = input_ids.shape[1]
@@ -124,14 +130,43 @@ class MaskedLM:
         row = _mix(input_ids * (2 * pos + 1)).sum(dim=1, keepdim=True)  # depends on every token of the row
         key = _mix(row + _mix(pos + (ctx.seed << 32) + ctx.step * 0x9E3779B9))
         masked = (key & 0xFFFFFF).double() < self.rate * (1 << 24)
-        return Batch(inputs={"tokens": input_ids.masked_fill(masked, self.mask_id)},
-                     labels=input_ids.masked_fill(~masked, IGNORE_INDEX))
+        inputs = input_ids.masked_fill(masked, self.mask_id)
+        if self.random or self.keep:
+            # Independent bits of the same key: 24 more for the 80/10/10 draw, the rest for the random token.
+            u = ((key >> 24) & 0xFFFFFF).double() / (1 << 24)
+            rand = masked & (u < self.random)
+            keep = masked & (u >= self.random) & (u < self.random + self.keep)
+            token = ((key >> 48) & 0x7FFF) % self.vocab_size if self.vocab_size <= 0x8000 else \
+                _mix(key) % self.vocab_size
+            inputs = torch.where(rand, token, torch.where(keep, input_ids, inputs))
+        return Batch(inputs={"tokens": inputs}, labels=input_ids.masked_fill(~masked, IGNORE_INDEX))
+
+    def tokenizer_problem(self, tokenizer: Any) -> str | None:
+        """Why this mask id cannot work with `tokenizer`, or None: it must be the tokenizer's own mask token, or a
+        row past its vocabulary (model.vocab_size / model.vocab_pad_multiple leave spare rows); any other id is a
+        real token, which masking would make ambiguous."""
+        if self.mask_id >= tokenizer.vocab_size:
+            return None
+        own = next((i for i in (tokenizer.token_to_id(t) for t in MASK_TOKENS) if i is not None), None)
+        if own == self.mask_id:
+            return None
+        has = f"whose mask token is {own}" if own is not None else f"which has no mask token ({'/'.join(MASK_TOKENS)})"
+        return (f"model.args.mask_token_id: the masked_lm objective would mask with token {self.mask_id}, a real "
+                f"token of the tokenizer ({tokenizer.vocab_size} tokens) {has}; set model.args.mask_token_id to "
+                + (f"{own}" if own is not None else f"-1 and model.vocab_size above {tokenizer.vocab_size} (a "
+                   f"spare row)"))
+
+
+MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's and RoBERTa's mask token texts, looked up in the run's tokenizer
 
 
 def masked_lm(args: Any) -> MaskedLM:
-    """The args' mask_token_id (negative: counted from the end of the vocabulary, a padding row no text uses)."""
+    """The args' mask_token_id (negative: counted from the end of the vocabulary, a padding row no text uses),
+    mask_rate and, where the args have them, mask_random / mask_keep (BERT's 80/10/10)."""
     mask_id = getattr(args, "mask_token_id", -1)
-    return MaskedLM(mask_id=mask_id % args.vocab_size, rate=getattr(args, "mask_rate", 0.15))
+    return MaskedLM(mask_id=mask_id % args.vocab_size, rate=getattr(args, "mask_rate", 0.15),
+                    random=getattr(args, "mask_random", 0.0), keep=getattr(args, "mask_keep", 0.0),
+                    vocab_size=args.vocab_size)
 
 
 OBJECTIVES: dict[str, Callable[[Any], Objective]] = {

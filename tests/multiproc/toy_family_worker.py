@@ -31,8 +31,15 @@ models.MODELS.update(FAMILIES)  # the only registration: no library file lists t
 # A registered library family rides along: the hybrid Mamba-2 / attention / MLP model, on packed documents with full
 # activation checkpointing, so its plan (AC -> FSDP) and its doc_ids path are held to the one-process run too.
 FAMILIES["nemotron_h"] = models.get_spec("nemotron_h")
+# BERT (masked-LM, tied MLM decoder) under FSDP 2 and, in the same 2-process launch, TP 2 + sequence parallel.
+FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
-                        "activation_checkpoint": {"mode": "full"}}}
+                        "activation_checkpoint": {"mode": "full"}},
+         # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
+         "toy_encoder": {"model": {"vocab_size": 2056}},
+         "bert": {"model": {"flavor": "debugmodel", "vocab_size": 2056}},
+         "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}}}
+TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's layout under 2 processes
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -62,7 +69,9 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
         "parallelism": {"dp_shard": -1},
         "checkpoint": checkpoint or {},
     }
-    for section, values in EXTRA.get(family, {}).items():
+    extra = {**EXTRA.get(family, {}), **(TP_ONLY if family == "bert_tp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+                                         else {})}
+    for section, values in extra.items():
         base[section] = {**base.get(section, {}), **values}
     cfg = config_from_dict(base)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the config loader's rules, as load_config applies them
@@ -115,7 +124,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         assert trainer.spec is spec and type(args) is spec.args_cls, (trainer.spec, type(args))
         assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
         assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
-        assert trainer.dims.fsdp_enabled == expect_fsdp
+        assert trainer.dims.fsdp_enabled == (expect_fsdp and family != "bert_tp")
         if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
         history = trainer.train()
@@ -181,7 +190,10 @@ def saved_keys(step_dir: str) -> list[str]:
 
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
-    for family, seeded in (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False)):
+    runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False))
+    if fsdp:
+        runs += (("bert_tp", False),)
+    for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
         run, trainer = train(root, name, expect_fsdp=fsdp, family=family, seeded=seeded, checkpoint=save)

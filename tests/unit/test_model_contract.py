@@ -132,7 +132,8 @@ def test_flops_per_token_and_pp_costs_match_the_flop_counter(name, flavor):
         assert long - short == spec.flops_per_token(args, SEQ) - spec.flops_per_token(args, SEQ // 2)
     costs = spec.pp_costs(args, SEQ)
     assert sorted(costs.layers, key=int) == sorted(model.layers, key=int)
-    out_1d = sum(p.numel() for m in spec.output_modules for p in getattr(model, m).parameters() if p.ndim == 1)
+    out_1d = sum(p.numel() for m in spec.output_modules if getattr(model, m) is not None  # (absent in a layout)
+                 for p in getattr(model, m).parameters() if p.ndim == 1)
     total = sum(costs.layers.values()) + costs.embedding + costs.output
     assert total == spec.flops_per_token(args, SEQ) - 6 * out_1d, (total, out_1d)
 
@@ -206,9 +207,9 @@ def assert_logits_match(ours, theirs) -> torch.Tensor:
 @pytest.mark.parametrize("name,flavor", WITH_HF)
 def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, flavor, tmp_path):
     """spec.hf both ways on random weights: to_hf + hf_config written as a folder load in transformers'
-    AutoModelForCausalLM, which has the same parameter count and computes our logits (1e-4, or 3e-5 of the largest
-    logit); from_hf gives our state dict back exactly, from to_hf's names and from transformers' own state dict. Then
-    the checkpoint tools' path
+    AutoModelForCausalLM (or the adapter's AUTO_CLASS: AutoModelForMaskedLM for BERT), which has the same
+    parameter count and computes our logits (1e-4, or 3e-5 of the largest logit); from_hf gives our state dict
+    back exactly, from to_hf's names and from transformers' own state dict. Then the checkpoint tools' path
     (titanlike/checkpoint/hf.py, scripts/convert_hf.py): a titanlike step exported by export_hf loads in transformers
     alike, and import_hf of that folder (args_from_hf_config of the written config.json) gives a step whose model
     computes the same logits bitwise, a tie kept."""
@@ -232,8 +233,8 @@ def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, f
     save_file({k: v.contiguous() for k, v in exported.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    auto = getattr(transformers, getattr(spec.hf, "AUTO_CLASS", "AutoModelForCausalLM"))  # an encoder's: masked-LM
+    theirs = auto.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
     assert type(theirs).__name__ == config["architectures"][0]
     assert sum(p.numel() for p in theirs.parameters()) == spec.param_counts(args).total
     logits = assert_logits_match(ours, theirs)
@@ -243,8 +244,7 @@ def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, f
     step = str(tmp_path / "step")
     write_model_step(step, name, args, sd, {}, "test", "test", "test")
     out = export_hf(step, str(tmp_path / "exported"), dtype="float32", progress=False, with_tokenizer=False)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    theirs = auto.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     assert_logits_match(ours, theirs)
     imported = import_hf(out, str(tmp_path / "imported"), progress=False)
     assert imported["model"] == name

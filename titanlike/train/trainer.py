@@ -18,7 +18,7 @@ import torch
 from models.batch import Batch, StepContext
 from parallelize import PlanSections, get_plan
 from titanlike.checkpoint import CheckpointManager
-from titanlike.config import JobConfig, config_to_toml
+from titanlike.config import ConfigError, JobConfig, config_to_toml
 from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.data.tokenizers import build_tokenizer
 from titanlike.distributed.init import destroy_distributed, init_distributed, pick_device
@@ -77,6 +77,10 @@ class Trainer:
         compile_chunk = cfg.compile.enable and "loss" in cfg.compile.components
         mb = build_model(BuildSections.of(cfg), self.dims, self.device, run_vocab(cfg.model, self.tokenizer.vocab_size),
                          self.tokenizer.eod_id, compile_loss_chunk=compile_chunk)
+        # An objective that uses ids of the tokenizer (masked-LM's mask id) checks them against it, at start-up.
+        problem = getattr(mb.objective, "tokenizer_problem", lambda tokenizer: None)(self.tokenizer)
+        if problem:
+            raise ConfigError(problem)
         self.spec = spec = mb.spec
         self.model_args, model = mb.model_args, mb.model
         self.objective, self.batch_layout = mb.objective, mb.batch_layout

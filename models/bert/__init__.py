@@ -1,0 +1,52 @@
+"""BERT / RoBERTa family (HF's BertForPreTraining / BertForMaskedLM / RobertaForMaskedLM, Megatron's BERT): the
+model, flavors, counts, checks and HF adapter, as one ModelSpec trained by the masked_lm objective."""
+from __future__ import annotations
+
+from models.bert import hf
+from models.bert.args import ModelArgs
+from models.bert.counts import flops_per_token, param_counts, pp_costs, shape
+from models.bert.flavors import bert_flavors
+from models.bert.model import Attention, Bert, TransformerBlock
+from models.common.checks import attention_head_checks, dense_checks, ffn_checks
+from models.spec import ModelSpec
+
+# Modules that are None in a layout (emb_norm under pre-LN, norm under post-LN, the binary head when off) are
+# skipped by the pipeline split and FSDP's groups, as another stage's modules are. `output` (the tied decoder) last.
+INPUT_MODULES = ("tok_embeddings", "pos_embeddings", "type_embeddings", "emb_norm")
+OUTPUT_MODULES = ("norm", "pooler", "binary", "mlm_dense", "mlm_norm", "output")
+
+
+def check(args: ModelArgs, par, flavor: str) -> list[str]:
+    """What the parallel degrees of `par` require of `args`, and what the data cannot give yet."""
+    problems = attention_head_checks(args.n_heads, args.n_heads, par, flavor) or ffn_checks(args.hidden_dim, par,
+                                                                                            flavor)
+    if args.binary_head:
+        problems.append("model.args.binary_head=true: the next-sentence/sentence-order loss needs sentence-pair data "
+                        "with its label, which no data.dataset provides yet; set model.args.binary_head=false")
+    if par.cp > 1:
+        problems.append(f"parallelism.cp={par.cp}: bert's bidirectional attention has no context-parallel path; "
+                        f"set parallelism.cp=1")
+    if par.pp > 1:
+        problems.append(f"parallelism.pp={par.pp}: the bert plan does not split the tied MLM decoder from the word "
+                        f"table across pipeline stages yet; set parallelism.pp=1")
+    return problems + dense_checks(par, "bert")
+
+
+SPEC = ModelSpec(
+    name="bert",
+    model_cls=Bert,
+    args_cls=ModelArgs,
+    flavors=bert_flavors,
+    plans="parallelize.bert",
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    pp_costs=pp_costs,
+    shape=shape,
+    check=check,
+    input_modules=INPUT_MODULES,
+    output_modules=OUTPUT_MODULES,
+    hf=hf,
+    objective="masked_lm",
+)
+
+__all__ = ["SPEC", "Attention", "Bert", "ModelArgs", "TransformerBlock", "bert_flavors"]
