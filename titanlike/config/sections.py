@@ -270,7 +270,7 @@ class Data:
     mask_prob: float = 0.15  # bert: share of the tokens masked (80% [MASK], 10% random, 10% kept)
     short_seq_prob: float = 0.1  # bert/t5: a sample's target length is drawn uniformly from [2, max] this often
     whole_word_masking: bool = False  # bert/t5: mask whole words ("##" pieces with the piece before them)
-    binary_head: bool = True  # bert: sentence pairs and the sentence-order label (False: Megatron's --bert-no-binary-head)
+    binary_head: bool = True  # bert: sentence pairs + the sentence-order label (False: --bert-no-binary-head)
     noise_density: float = 0.15  # t5: share of the encoder tokens replaced by sentinel spans
     mean_span_length: float = 5.0  # t5: spans' length is geometric with this mean (p = 1/mean), cut at 10 tokens
     decoder_seq_length: int = 128  # t5: decoder length (training.seq_len is the encoder's)

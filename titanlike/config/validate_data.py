@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5")  # titanlike.data.dataset.DATASETS
+# titanlike.data.dataset.DATASETS
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
 

@@ -49,7 +49,8 @@ def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
     if kind is None:
         raise ValueError(f"{knob(data_cfg, 'tokenizer_type')}={type_name!r} is not known; use one of auto, builtin, "
                          "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
-                         "SentencePieceTokenizer (Llama2Tokenizer), BertWordPieceLowerCase, BertWordPieceCase, NullTokenizer")
+                         "SentencePieceTokenizer (Llama2Tokenizer), BertWordPieceLowerCase, BertWordPieceCase, "
+                         "NullTokenizer")
     if kind in ("bert_lower", "bert_case"):
         return kind, None
     spec = data_cfg.tokenizer_model or data_cfg.tokenizer
@@ -82,7 +83,8 @@ def _file_knob(data_cfg) -> str:
     return knob(data_cfg, "tokenizer_model" if data_cfg.tokenizer_model else "tokenizer")
 
 
-_FORMATS = {"bert_lower": "a BERT vocab.txt", "bert_case": "a BERT vocab.txt", "hf": "a Hugging Face tokenizer.json", "tiktoken": "a tiktoken rank file",
+_FORMATS = {"bert_lower": "a BERT vocab.txt", "bert_case": "a BERT vocab.txt",
+            "hf": "a Hugging Face tokenizer.json", "tiktoken": "a tiktoken rank file",
             "sentencepiece": "a sentencepiece model", "gpt2": "GPT-2 vocab.json + merges.txt"}
 
 
