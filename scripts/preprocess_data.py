@@ -19,7 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, nargs="+", help="JSONL file(s) (.gz too), globs or folders")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output per key")
-    g.add_argument("--split-sentences", action="store_true", help="(Megatron) not supported: documents only")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence, grouped by document (BERT/T5 data): <prefix>_<key>_sentence")
+    g.add_argument("--sentence-splitter", default="punkt", choices=["punkt", "rules"],
+                   help="punkt: NLTK's trained model (needs `python -m nltk.downloader punkt_tab`); rules: NLTK's "
+                        "untrained Punkt (no download, no abbreviation list)")
     g.add_argument("--keep-newlines", action="store_true", help="(Megatron, with --split-sentences) accepted")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="auto",
@@ -27,13 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "SentencePieceTokenizer | Llama2Tokenizer | GPTSentencePieceTokenizer | NullTokenizer | "
                         "builtin | auto")
     g.add_argument("--tokenizer-model", default="", help="tokenizer.json / tokenizer.model file or folder")
-    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
+    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json, or BertWordPiece*'s vocab.txt")
+    g.add_argument("--vocab-extra-ids", type=int, default=0, help="BertWordPiece*: T5 sentinels <extra_id_N> to add")
     g.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
     g.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids are below this")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     g.add_argument("--prepend-bos", action="store_true", help="prepend the BOS token to every document")
     g.add_argument("--eod-token", default="", help="text of the EOD token (default: the tokenizer's EOS)")
-    g.add_argument("--lang", default="english", help="(Megatron, sentence splitting) accepted, unused")
+    g.add_argument("--lang", default="english", help="punkt's language, with --split-sentences")
     g.add_argument("--cache-dir", default="", help="builtin tokenizer cache (default ~/.cache/titanlike)")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="path prefix; writes <prefix>_<key>_document.bin/.idx")

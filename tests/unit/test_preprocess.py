@@ -110,8 +110,7 @@ def test_cli_and_bad_arguments(tmp_path, tokdir, jsonl):
     assert "docs/s" in p.stderr and "tokens/s" in p.stderr
     assert _run("--input", tmp_path / "nope*.jsonl", "--output-prefix", tmp_path / "x",
                 "--tokenizer-model", tokdir) == 2
-    assert _run("--input", jsonl, "--output-prefix", tmp_path / "x", "--tokenizer-model", tokdir,
-                "--split-sentences") == 1
+    # --split-sentences: tests/unit/test_bert_data.py
 
 
 def test_indexed_bad_files(tmp_path):

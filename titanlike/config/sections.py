@@ -264,6 +264,16 @@ class Data:
     messages_key: str = "messages"  # chat: the record field holding [{"role", "content"}, ...]
     prompt_key: str = "prompt"  # chat: without messages, a prompt/response pair becomes a user + assistant turn
     response_key: str = "response"
+    # bert / t5 (Megatron's BERT and T5 data over sentence-split .bin/.idx, titanlike/data/bert_dataset.py and
+    # t5_dataset.py; docs/data.md): the tokenizer is a BERT vocab.txt (tokenizer_type = BertWordPieceLowerCase)
+    vocab_extra_ids: int = 0  # sentinel tokens <extra_id_0..N-1> added after the vocabulary (t5 needs them)
+    mask_prob: float = 0.15  # bert: share of the tokens masked (80% [MASK], 10% random, 10% kept)
+    short_seq_prob: float = 0.1  # bert/t5: a sample's target length is drawn uniformly from [2, max] this often
+    whole_word_masking: bool = False  # bert/t5: mask whole words ("##" pieces with the piece before them)
+    binary_head: bool = True  # bert: sentence pairs + the sentence-order label (False: --bert-no-binary-head)
+    noise_density: float = 0.15  # t5: share of the encoder tokens replaced by sentinel spans
+    mean_span_length: float = 5.0  # t5: spans' length is geometric with this mean (p = 1/mean), cut at 10 tokens
+    decoder_seq_length: int = 128  # t5: decoder length (training.seq_len is the encoder's)
 
 
 @dataclass

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference")  # titanlike.data.dataset.DATASETS
+# titanlike.data.dataset.DATASETS
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
 
@@ -20,6 +21,7 @@ TOKENIZER_TYPES = {
     "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
     "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece",
     "nulltokenizer": "null", "null": "null",
+    "bertwordpiecelowercase": "bert_lower", "bertwordpiececase": "bert_case",  # a BERT vocab.txt (vocab_file)
 }
 
 VALIDATION_SPLITS = ("train", "valid", "test")
@@ -70,9 +72,11 @@ def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] 
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
-    if dataset in ("indexed", "text", "chat", "preference") and not paths:
+    if dataset in ("indexed", "text", "chat", "preference", "bert", "t5") and not paths:
         what = {"indexed": "Megatron .bin/.idx prefixes, optionally weighted: "
                            "\"0.3 /data/a_text_document 0.7 /data/b\"",
+                "bert": "sentence-split .bin/.idx prefixes (scripts/preprocess_data.py --split-sentences)",
+                "t5": "sentence-split .bin/.idx prefixes (scripts/preprocess_data.py --split-sentences)",
                 "text": "JSONL/Parquet/text files, globs or folders",
                 "chat": "JSONL/Parquet conversation files, globs, or folders saved by datasets' save_to_disk",
                 "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs"}[dataset]
@@ -85,7 +89,7 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
             parse_split(split)
         except ValueError as e:
             errors.append(str(e))
-    elif dataset == "indexed":
+    elif dataset in ("indexed", "bert", "t5"):
         for fn, arg in ((parse_blend, (paths, key)), (parse_split, (split,))):
             try:
                 fn(*arg)
@@ -106,9 +110,11 @@ def check_data(cfg: Any, errors: list[str]) -> None:
     if d.tokenizer_model and d.tokenizer not in ("builtin", d.tokenizer_model):
         errors.append(f"data.tokenizer={d.tokenizer!r} and data.tokenizer_model={d.tokenizer_model!r} name "
                       "different files; set only one")
-    if bool(d.vocab_file) != bool(d.merge_file):
+    bert_vocab = TOKENIZER_TYPES.get(d.tokenizer_type.lower(), "").startswith("bert")  # vocab.txt, no merges
+    if bool(d.vocab_file) != bool(d.merge_file) and not bert_vocab:
         errors.append("GPT-2 BPE needs both data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
     _check_chat(d, errors)
+    _check_masked(d, errors)
     if v.split not in VALIDATION_SPLITS:
         errors.append(f"validation.split={v.split!r} is not one of {', '.join(VALIDATION_SPLITS)}")
     v_dataset = v.dataset or d.dataset
@@ -134,6 +140,27 @@ def _check_chat(d: Any, errors: list[str]) -> None:
             errors.append(f"data.{key} is empty: name the record field (default {key.split('_')[0]!r})")
     if d.dataset == "chat" and d.prompt_key == d.response_key:
         errors.append(f"data.prompt_key and data.response_key are both {d.prompt_key!r}: name two different fields")
+
+
+def _check_masked(d: Any, errors: list[str]) -> None:
+    """The bert / t5 keys (titanlike/data/bert_dataset.py, t5_dataset.py); checked whatever the dataset."""
+    for key in ("mask_prob", "noise_density"):
+        if not 0 < getattr(d, key) < 1:
+            errors.append(f"data.{key}={getattr(d, key)} must be in (0, 1) (the share of tokens masked, e.g. 0.15)")
+    if not 0 <= d.short_seq_prob <= 1:
+        errors.append(f"data.short_seq_prob={d.short_seq_prob} must be in [0, 1] (e.g. 0.1)")
+    if d.mean_span_length < 1:
+        errors.append(f"data.mean_span_length={d.mean_span_length} must be >= 1 (tokens per span, e.g. 5)")
+    if d.decoder_seq_length < 2:
+        errors.append(f"data.decoder_seq_length={d.decoder_seq_length} must be >= 2 (t5's decoder length, e.g. 128)")
+    if d.vocab_extra_ids < 0:
+        errors.append(f"data.vocab_extra_ids={d.vocab_extra_ids} must be >= 0 (sentinels to add, e.g. 100 for t5)")
+    if d.dataset in ("bert", "t5") and not TOKENIZER_TYPES.get(d.tokenizer_type.lower(), "").startswith("bert"):
+        errors.append(f"data.dataset={d.dataset!r} needs a BERT WordPiece vocabulary: set data.tokenizer_type="
+                      "BertWordPieceLowerCase (or BertWordPieceCase) and data.vocab_file=<vocab.txt>")
+    elif d.dataset in ("bert", "t5") and not d.vocab_file:
+        errors.append(f"data.dataset={d.dataset!r} with data.tokenizer_type={d.tokenizer_type} needs "
+                      "data.vocab_file (the BERT vocab.txt)")
 
 
 def advise_data(cfg: Any) -> list[str]:

@@ -149,10 +149,46 @@ def _build_chat(data_cfg, tokenizer, **kw):
     return build_chat_dataset(data_cfg, tokenizer, **kw)
 
 
+def _build_masked(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, paths_key="data.paths", **_):
+    """bert / t5: Megatron's masked-LM samples over sentence-split .bin/.idx prefixes (blends as for indexed)."""
+    from titanlike.data.bert_dataset import BertDataset
+    from titanlike.data.gpt_dataset import SPLIT_NAMES, BlendedDataset, parse_blend, split_document_ranges
+    from titanlike.data.indexed import IndexedDataset
+    from titanlike.data.t5_dataset import T5Dataset
+
+    name = data_cfg.dataset
+    if not hasattr(tokenizer, "require"):
+        raise ValueError(f"data.dataset={name!r} needs a BERT WordPiece vocabulary ([CLS] [SEP] [MASK] [PAD]"
+                         f"{', sentinels' if name == 't5' else ''}), not {tokenizer!r}: set data.tokenizer_type="
+                         "BertWordPieceLowerCase (or BertWordPieceCase) and data.vocab_file=<vocab.txt>")
+    prefixes, weights = parse_blend(data_cfg.paths, paths_key)
+    parts = []
+    for prefix in prefixes:
+        indexed = IndexedDataset(prefix)
+        indexed.check_vocab(tokenizer.vocab_size)
+        lo, hi = split_document_ranges(indexed.num_documents, data_cfg.split)[SPLIT_NAMES.index(split)]
+        if hi <= lo:
+            raise ValueError(f"{prefix}: the {split} split of data.split={data_cfg.split!r} has no documents (of "
+                             f"{indexed.num_documents}); give it a share, or set validation.paths")
+        common = dict(seed=seed, shuffle=split == "train", cache_dir=data_cfg.cache_dir, name=f"{prefix} [{split}]",
+                      short_seq_prob=data_cfg.short_seq_prob, whole_word=data_cfg.whole_word_masking)
+        if name == "bert":
+            parts.append(BertDataset(indexed, (lo, hi), seq_len, tokenizer, mask_prob=data_cfg.mask_prob,
+                                     binary_head=data_cfg.binary_head, **common))
+        else:
+            parts.append(T5Dataset(indexed, (lo, hi), seq_len, tokenizer, noise_density=data_cfg.noise_density,
+                                   mean_span_length=data_cfg.mean_span_length,
+                                   decoder_seq_length=data_cfg.decoder_seq_length, **common))
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, weights or [float(len(p.groups)) for p in parts])  # plain prefixes: by samples
+
+
+# bert / t5: masked-LM samples from sentence-split .bin/.idx (titanlike/data/bert_dataset.py, t5_dataset.py)
 # chat: conversations for SFT (titanlike/data/sft.py); preference: (chosen, rejected) pairs for DPO
 # (titanlike/data/preference.py)
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
-            "chat": _build_chat, "preference": _build_preference}
+            "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked}
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
@@ -164,10 +200,10 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
         raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
-    if data_cfg.dataset in ("indexed", "text", "chat", "preference") and not data_cfg.paths:
+    if data_cfg.dataset in ("indexed", "text", "chat", "preference", "bert", "t5") and not data_cfg.paths:
         raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
                          "weighted, for indexed; JSONL/Parquet/text files or globs for text; conversation files or "
-                         "saved HF datasets for chat; JSONL pairs for preference)")
+                         "saved HF datasets for chat; JSONL pairs for preference; sentence-split prefixes for bert/t5)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
                                       dp_degree=dp_degree, paths_key=paths_key)

@@ -68,17 +68,26 @@ class IndexedDatasetWriter:
         self.num_sequences = self.num_tokens = 0
         self.max_token_id = -1
 
-    def add_documents(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
-        """Many one-sequence documents at once: `tokens` concatenated, `doc_lengths` their sizes (no empty ones)."""
+    def add_documents(self, tokens: np.ndarray, doc_lengths: np.ndarray, doc_sequences: np.ndarray | None = None
+                      ) -> None:
+        """Many documents at once: `tokens` concatenated, `doc_lengths` the sizes of their sequences (no empty ones).
+        One sequence per document, or with `doc_sequences` that many consecutive sequences per document (sentences:
+        the document index then points at the sentence boundaries, as Megatron's --split-sentences writes)."""
         tokens = np.asarray(tokens, dtype=self.dtype)
         doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
         if doc_lengths.size == 0:
             return
         if int(doc_lengths.sum()) != tokens.size or int(doc_lengths.min()) < 1:
             raise ValueError("add_documents: doc_lengths must be positive and sum to len(tokens)")
+        if doc_sequences is None:
+            ends = np.arange(1, doc_lengths.size + 1, dtype=np.int64)
+        else:
+            ends = np.cumsum(np.asarray(doc_sequences, dtype=np.int64))
+            if ends.size and (ends[-1] != doc_lengths.size or int(np.min(doc_sequences)) < 1):
+                raise ValueError("add_documents: doc_sequences must be positive and sum to len(doc_lengths)")
         self._bin.write(tokens.tobytes(order="C"))
         self._lengths.append(doc_lengths.astype(np.int32))
-        self._doc_ends.append(self.num_sequences + np.arange(1, doc_lengths.size + 1, dtype=np.int64))
+        self._doc_ends.append(self.num_sequences + ends)
         self.num_sequences += int(doc_lengths.size)
         self.num_tokens += int(tokens.size)
         self.max_token_id = max(self.max_token_id, int(tokens.max()))

@@ -3,7 +3,9 @@
     python scripts/preprocess_data.py --input data.jsonl[.gz] --output-prefix out/my --json-keys text \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 8
 
-writes out/my_text_document.{bin,idx} (one pair per json key, as Megatron names them) plus .stats.json. The main
+writes out/my_text_document.{bin,idx} (one pair per json key, as Megatron names them) plus .stats.json. With
+--split-sentences (titanlike/data/sentences.py) every sentence is a sequence and the document index groups them:
+out/my_text_sentence.{bin,idx}, what Megatron's BERT and T5 datasets read. The main
 process reads lines and writes output in input order; `--workers` processes parse JSON and tokenise chunks of lines,
 so the output is byte-identical for any worker count. Bad lines (invalid JSON, missing key, non-UTF-8, empty
 document) are skipped, counted and listed with file:line at the end; `--strict` stops at the first one and leaves
@@ -36,7 +38,8 @@ _SHOWN_BAD = 20
 # The flag that sets each [data] field here (tokenizer and tokenizer_model are both --tokenizer-model).
 _FLAGS = {"tokenizer": "--tokenizer-model", "tokenizer_model": "--tokenizer-model",
           "tokenizer_type": "--tokenizer-type", "vocab_file": "--vocab-file", "merge_file": "--merge-file",
-          "eod_token": "--eod-token", "builtin_vocab_size": "--vocab-size"}
+          "eod_token": "--eod-token", "builtin_vocab_size": "--vocab-size",
+          "vocab_extra_ids": "--vocab-extra-ids"}
 
 
 @dataclass
@@ -58,7 +61,8 @@ def tokenizer_config(args) -> FlagNamedData:
                    tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
                    cache_dir=args.cache_dir,
                    builtin_vocab_size=args.vocab_size if null and args.vocab_size else Data.builtin_vocab_size,
-                   bos_token="", eos_token="", eod_token=args.eod_token)
+                   bos_token="", eos_token="", eod_token=args.eod_token,
+                   vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -66,13 +70,32 @@ def tokenizer_config(args) -> FlagNamedData:
 _W: dict = {}
 
 
-def _init_worker(tok_cfg, keys, append_eod, prepend_bos, dtype) -> None:
+def _init_worker(tok_cfg, keys, append_eod, prepend_bos, dtype, splitter=None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
     from titanlike.data.tokenizers import build_tokenizer
 
     tok = build_tokenizer(tok_cfg)
+    split = None
+    if splitter is not None:
+        from titanlike.data.sentences import build_splitter
+
+        split = build_splitter(*splitter)[0]
     _W.update(tok=tok, keys=keys, post=[tok.eod_id] if append_eod else [], pre=[tok.bos_id] if prepend_bos else [],
-              dtype=dtype)
+              dtype=dtype, split=split)
+
+
+def _encode_sentences(texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Documents -> (token ids, sentence lengths) per document, as Megatron's --split-sentences: each sentence
+    encoded alone, empty ones dropped, --prepend-bos / --append-eod joined to the first / last sentence."""
+    split, tok, pre, post = _W["split"], _W["tok"], _W["pre"], _W["post"]
+    ids, lens = [], []
+    for text in texts:
+        sents = [s for s in (tok.encode(t) for t in split(text)) if s]
+        if sents:
+            sents[0], sents[-1] = pre + sents[0], sents[-1] + post
+        ids.append([t for s in sents for t in s])
+        lens.append([len(s) for s in sents])
+    return ids, lens
 
 
 def _encode_chunk(chunk: list[tuple[int, int, bytes]]):
@@ -95,7 +118,14 @@ def _encode_chunk(chunk: list[tuple[int, int, bytes]]):
                 texts[k].append(got[k])
     # One encode per document: with the Rust thread pool off (one core per worker) this beats encode_batch. A huge
     # document (a JSONL line of megabytes) is encoded in pieces, into an array (Tokenizer.encode_array).
-    ids = {k: [tok.encode(t) if len(t) <= LONG_TEXT_CHARS else tok.encode_array(t) for t in texts[k]] for k in keys}
+    sentence_lens = {}
+    if _W["split"] is not None:
+        encoded = {k: _encode_sentences(texts[k]) for k in keys}
+        ids, sentence_lens = {k: e[0] for k, e in encoded.items()}, {k: e[1] for k, e in encoded.items()}
+        pre, post = [], []  # joined to the sentences already
+    else:
+        ids = {k: [tok.encode(t) if len(t) <= LONG_TEXT_CHARS else tok.encode_array(t) for t in texts[k]]
+               for k in keys}
     kept = []
     for i, (f, lineno) in enumerate(good):
         if any(not len(ids[k][i]) for k in keys):  # e.g. whitespace that a tokenizer drops: as empty as ""
@@ -111,7 +141,12 @@ def _encode_chunk(chunk: list[tuple[int, int, bytes]]):
         else:
             flat = np.fromiter(itertools.chain.from_iterable(pre + d + post for d in docs), dtype=_W["dtype"],
                                count=int(lengths.sum()))
-        out[k] = (flat, lengths)
+        if k in sentence_lens:  # (tokens, sentence lengths, sentences per document)
+            sent = [sentence_lens[k][i] for i in kept]
+            out[k] = (flat, np.fromiter(itertools.chain.from_iterable(sent), dtype=np.int64),
+                      np.fromiter((len(x) for x in sent), dtype=np.int64, count=len(sent)))
+        else:
+            out[k] = (flat, lengths)
     bad.sort(key=lambda b: (b[0], b[1]))
     return out, bad, len(kept)
 
@@ -171,8 +206,6 @@ def run(args) -> dict:
 
     from titanlike.data.tokenizers import build_tokenizer
 
-    if args.split_sentences:
-        raise SystemExit("error: --split-sentences is not supported (it needs NLTK); preprocess whole documents")
     if args.workers < 1:
         raise SystemExit(f"error: --workers={args.workers} must be >= 1")
     files = expand_files(args.input, key="--input")
@@ -180,8 +213,16 @@ def run(args) -> dict:
     tok = build_tokenizer(tok_cfg)
     dtype = optimal_dtype(tok.vocab_size)
     keys = list(args.json_keys)
-    writers = {k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype) for k in keys}
-    init = (tok_cfg, keys, args.append_eod, args.prepend_bos, dtype)
+    splitter, how_split = None, "documents"
+    if args.split_sentences:  # fails here, before any output, when the splitter's data is missing
+        from titanlike.data.sentences import build_splitter
+
+        splitter = (getattr(args, "sentence_splitter", "punkt"), args.lang)
+        how_split = build_splitter(*splitter)[1]
+        print(f"splitting documents into sentences with {how_split}", file=sys.stderr)
+    level = "sentence" if splitter else "document"  # Megatron's output names: <prefix>_<key>_<level>.bin/.idx
+    writers = {k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_{level}", dtype) for k in keys}
+    init = (tok_cfg, keys, args.append_eod, args.prepend_bos, dtype, splitter)
     bad_counts: collections.Counter = collections.Counter()
     first_bad: dict[str, str] = {}  # reason -> its first "file:line: why", for the no-document error
     shown: list[str] = []
@@ -228,7 +269,8 @@ def run(args) -> dict:
                    "docs_per_s": docs / max(elapsed, 1e-9), "tokens_per_s": tokens / max(elapsed, 1e-9),
                    "workers": args.workers, "inputs": files}
         meta = {"tokenizer": repr(tok), "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                "append_eod": args.append_eod, "eod_id": tok.eod_id, "bad_lines": summary["bad_lines"]}
+                "append_eod": args.append_eod, "eod_id": tok.eod_id, "bad_lines": summary["bad_lines"],
+                "split": how_split}
         summary["outputs"] = [writers[k].finalize({**meta, "json_key": k}) for k in keys]
     except BaseException:
         for w in writers.values():

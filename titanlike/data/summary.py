@@ -56,6 +56,9 @@ def describe(dataset, *, split: str, seq_len: int, samples: int | None, data_cfg
     validation, one pass)."""
     label = "data train" if split == "train" else f"data validation ({split})"
     whose = "the run's" if split == "train" else "one validation pass's"  # validation restarts every pass
+    if isinstance(dataset, BlendedDataset) and hasattr(dataset.datasets[0], "summary_lines"):  # bert / t5 blends
+        return [f"{label}: a blend of {len(dataset.datasets)}, weights {[round(w, 4) for w in dataset.weights]}:"] + [
+            line for d in dataset.datasets for line in d.summary_lines("  ", None, whose)]
     if isinstance(dataset, (GPTDataset, BlendedDataset)):
         parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
         docs, tokens, per_epoch = (sum(c) for c in zip(*(_gpt_counts(p) for p in parts)))

@@ -9,6 +9,9 @@
     special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
   * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model`
     (titanlike/data/tokenizers/sentencepiece_model.py).
+  * BertWordPieceLowerCase / BertWordPieceCase: a BERT `vocab.txt` (data.vocab_file), as Megatron's BERT and T5
+    read it, with [CLS] [SEP] [MASK] [PAD] and data.vocab_extra_ids T5 sentinels
+    (titanlike/data/tokenizers/bert_wordpiece.py).
   * NullTokenizer: text of space-separated integer ids (Megatron's, for pre-tokenised data and tests).
 "auto" picks one from the files given. Every tokenizer exposes bos_id, eos_id and eod_id (the separator appended
 after each document; by default the EOS token), each overridable by token name in the config.
@@ -46,7 +49,10 @@ def resolve_tokenizer_kind(data_cfg) -> tuple[str, Path | None]:
     if kind is None:
         raise ValueError(f"{knob(data_cfg, 'tokenizer_type')}={type_name!r} is not known; use one of auto, builtin, "
                          "HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer (Llama3Tokenizer), "
-                         "SentencePieceTokenizer (Llama2Tokenizer), NullTokenizer")
+                         "SentencePieceTokenizer (Llama2Tokenizer), BertWordPieceLowerCase, BertWordPieceCase, "
+                         "NullTokenizer")
+    if kind in ("bert_lower", "bert_case"):
+        return kind, None
     spec = data_cfg.tokenizer_model or data_cfg.tokenizer
     if kind == "builtin" or (kind == "auto" and spec == "builtin" and not data_cfg.vocab_file):
         return "builtin", None
@@ -77,7 +83,8 @@ def _file_knob(data_cfg) -> str:
     return knob(data_cfg, "tokenizer_model" if data_cfg.tokenizer_model else "tokenizer")
 
 
-_FORMATS = {"hf": "a Hugging Face tokenizer.json", "tiktoken": "a tiktoken rank file",
+_FORMATS = {"bert_lower": "a BERT vocab.txt", "bert_case": "a BERT vocab.txt",
+            "hf": "a Hugging Face tokenizer.json", "tiktoken": "a tiktoken rank file",
             "sentencepiece": "a sentencepiece model", "gpt2": "GPT-2 vocab.json + merges.txt"}
 
 
@@ -94,7 +101,7 @@ def build_tokenizer(data_cfg, *, max_train_bytes: int | None = TOKENIZER_TRAIN_M
         auto = TOKENIZER_TYPES[data_cfg.tokenizer_type.lower()] == "auto"
         how = f"; {type_knob}=auto took it for {_FORMATS[kind]}" if auto else ""
         files = (f"{knob(data_cfg, 'vocab_file')} / {knob(data_cfg, 'merge_file')}" if kind == "gpt2"
-                 else _file_knob(data_cfg))
+                 else knob(data_cfg, "vocab_file") if kind.startswith("bert") else _file_knob(data_cfg))
         raise ValueError(f"{e}{how}: point {files} at the tokenizer file(s) the data and model use, or set "
                          f"{type_knob} to the file's format (HuggingFaceTokenizer, TikTokenizer, "
                          "SentencePieceTokenizer, GPT2BPETokenizer)") from None
@@ -118,6 +125,14 @@ def _load(kind: str, path: Path | None, data_cfg, max_train_bytes: int | None) -
                 raise FileNotFoundError(f"{key}={str(f)!r}: no such file; GPT2BPETokenizer needs GPT-2's vocab.json "
                                         f"and merges.txt (set {v_knob} and {m_knob})")
         tok = gpt2_bpe_tokenizer(vocab, merges)
+    elif kind in ("bert_lower", "bert_case"):
+        from titanlike.data.tokenizers.bert_wordpiece import BertWordPieceTokenizer
+
+        v_knob = knob(data_cfg, "vocab_file")
+        if not data_cfg.vocab_file:
+            raise ValueError(f"{data_cfg.tokenizer_type} needs {v_knob}: the BERT vocab.txt (one token a line)")
+        tok = BertWordPieceTokenizer(data_cfg.vocab_file, lower_case=kind == "bert_lower",
+                                     vocab_extra_ids=getattr(data_cfg, "vocab_extra_ids", 0))
     elif kind == "tiktoken":
         from titanlike.data.tokenizers.tiktoken_bpe import TiktokenTokenizer
 
