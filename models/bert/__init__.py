@@ -7,6 +7,7 @@ from models.bert.args import ModelArgs
 from models.bert.counts import flops_per_token, param_counts, pp_costs, shape
 from models.bert.flavors import bert_flavors
 from models.bert.model import Attention, Bert, TransformerBlock
+from models.bert.objective import BertPretraining, bert_objective
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.spec import ModelSpec
 
@@ -17,12 +18,13 @@ OUTPUT_MODULES = ("norm", "pooler", "binary", "mlm_dense", "mlm_norm", "output")
 
 
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
-    """What the parallel degrees of `par` require of `args`, and what the data cannot give yet."""
+    """What the parallel degrees of `par` require of `args`. (Whether the data has the binary head's label is the
+    objective's data_problem: models/bert/objective.py.)"""
     problems = attention_head_checks(args.n_heads, args.n_heads, par, flavor) or ffn_checks(args.hidden_dim, par,
                                                                                             flavor)
-    if args.binary_head:
-        problems.append("model.args.binary_head=true: the next-sentence/sentence-order loss needs sentence-pair data "
-                        "with its label, which no data.dataset provides yet; set model.args.binary_head=false")
+    if args.binary_head and par.tp > 1:
+        problems.append(f"model.args.binary_head=true with parallelism.tp={par.tp}: the pooler reads the first token, "
+                        f"which sequence parallel leaves on one rank only (not planned yet); set parallelism.tp=1")
     if par.cp > 1:
         problems.append(f"parallelism.cp={par.cp}: bert's bidirectional attention has no context-parallel path; "
                         f"set parallelism.cp=1")
@@ -46,7 +48,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
-    objective="masked_lm",
+    objective=bert_objective,  # masked-LM on plain tokens; Megatron's MLM + sentence order on data.dataset="bert"
 )
 
-__all__ = ["SPEC", "Attention", "Bert", "ModelArgs", "TransformerBlock", "bert_flavors"]
+__all__ = ["SPEC", "Attention", "Bert", "BertPretraining", "ModelArgs", "TransformerBlock", "bert_flavors"]

@@ -113,8 +113,9 @@ def test_refusals_are_one_line_naming_the_key():
     args = SPEC.flavors["bert-base"]
     (heads,) = SPEC.check(args, _par(tp=5), "bert-base")
     assert "n_heads=12" in heads and "parallelism.tp=5" in heads and "use tp in {1,2,3,4,6,12}" in heads
-    (binary,) = SPEC.check(dataclasses.replace(args, binary_head=True), _par(), "bert-base")
-    assert "model.args.binary_head" in binary and "binary_head=false" in binary
+    assert SPEC.check(dataclasses.replace(args, binary_head=True), _par(), "bert-base") == []  # the data's call
+    (binary,) = SPEC.check(dataclasses.replace(args, binary_head=True), _par(tp=2), "bert-base")
+    assert "model.args.binary_head" in binary and "set parallelism.tp=1" in binary
     for key in ("cp", "pp", "ep"):
         (line,) = SPEC.check(args, _par(**{key: 2}), "bert-base")
         assert f"parallelism.{key}=2" in line and f"set parallelism.{key}=1" in line

@@ -381,6 +381,11 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     if cfg.model.n_layers > 0:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
+    from models.batch import build_objective
+
+    problem = getattr(build_objective(spec.objective, args), "data_problem", lambda data: None)(cfg.data)
+    if problem:  # what the family's objective needs of the data (BERT: the binary head's label)
+        errors.append(problem)
     if not errors:  # (the family's TP rule on heads first)
         check_cp_model(spec, args, cfg.parallelism, errors)
     check_lora_model(cfg, spec, args, errors)  # [lora] targets and rank against the flavor's model, on meta

@@ -80,6 +80,9 @@ def build_model(sections: BuildSections, dims, device: torch.device, vocab: int,
     model_args = dataclasses.replace(flavor, **run)
     validate_model(spec, model_args, sections.parallelism, m.flavor)
     objective = build_objective(spec.objective, model_args)
+    problem = getattr(objective, "data_problem", lambda data: None)(data)  # a head the data has no label for
+    if problem:
+        raise ConfigError(problem)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     # Packed documents and context parallel: what each rank's model call takes (titanlike/train/batch.py), and the

@@ -154,7 +154,10 @@ LOSSES = {"cross_entropy": cross_entropy_sum}  # an Objective's `loss` -> fn(out
 
 
 def objective_loss(objective) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The summed loss an objective (models/batch.py) names; ValueError naming the choices."""
+    """The summed loss an objective (models/batch.py) names, or its own function (a family's objective: BERT's MLM +
+    sentence-order loss, models/bert/objective.py); ValueError naming the choices."""
+    if callable(objective.loss):
+        return objective.loss
     if objective.loss not in LOSSES:
         raise ValueError(f"objective {type(objective).__name__}: loss {objective.loss!r} unknown; choose one of "
                          f"{sorted(LOSSES)} (titanlike/train/loss.py)")
