@@ -1,5 +1,8 @@
 """The BERT parallelization plans: its TP dict, the re-tie after TP and the FSDP groups of the tied MLM decoder,
-composed by parallelize/compose.py (TP -> CP -> AC -> compile -> FSDP; CP and PP are refused by the family's check).
+composed by parallelize/compose.py (TP -> CP -> AC -> compile -> FSDP; CP is refused by the family's check). PP: the
+generic split (embeddings on the first stage; pooler, binary head and MLM head on the last), the tied decoder's copy
+synced with the word table by parallelize/tied.py as GPT's; token types and the padding mask reach every stage as
+named inputs.
 
 - TP + sequence parallel: attention heads (wq/wk/wv column-, wo row-parallel) and the FFN (w1 column-, w2 row-)
   sharded as GPT's; the residual stream between them is cut along the sequence. Post-LN makes the LayerNorms' output

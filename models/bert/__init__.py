@@ -28,9 +28,6 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
     if par.cp > 1:
         problems.append(f"parallelism.cp={par.cp}: bert's bidirectional attention has no context-parallel path; "
                         f"set parallelism.cp=1")
-    if par.pp > 1:
-        problems.append(f"parallelism.pp={par.pp}: the bert plan does not split the tied MLM decoder from the word "
-                        f"table across pipeline stages yet; set parallelism.pp=1")
     return problems + dense_checks(par, "bert")
 
 

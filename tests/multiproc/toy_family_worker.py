@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,9 @@ models.MODELS.update(FAMILIES)  # the only registration: no library file lists t
 FAMILIES["nemotron_h"] = models.get_spec("nemotron_h")
 # BERT (masked-LM, tied MLM decoder) under FSDP 2 and, in the same 2-process launch, TP 2 + sequence parallel.
 FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
+# BERT on Megatron's BERT data (token types, padding mask, MLM + sentence order), 1 process and PP 2 (the 2-process
+# launch): the data is preprocessed by the reference phase into ROOT/bert_data (tests/unit/masked_data_helpers.py).
+FAMILIES["bert_sop"] = FAMILIES["bert_pp"] = models.get_spec("bert")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
                         "activation_checkpoint": {"mode": "full"}},
          # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
@@ -40,6 +44,16 @@ EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_ma
          "bert": {"model": {"flavor": "debugmodel", "vocab_size": 2056}},
          "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}}}
 TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's layout under 2 processes
+PP_ONLY = {"parallelism": {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}}  # bert_pp's
+
+
+def bert_data(root: str) -> dict:
+    """The BERT-data runs' model and data sections (ROOT/bert_data, written by the reference phase)."""
+    folder = os.path.join(root, "bert_data")
+    return {"model": {"name": "bert", "flavor": "debugmodel", "args": {"binary_head": True, "mask_token_id": 5}},
+            "data": {"dataset": "bert", "paths": [os.path.join(folder, "c_text_sentence")],
+                     "tokenizer_type": "BertWordPieceLowerCase", "vocab_file": os.path.join(folder, "vocab.txt"),
+                     "vocab_extra_ids": 100, "binary_head": True}}
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -71,6 +85,8 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
     }
     extra = {**EXTRA.get(family, {}), **(TP_ONLY if family == "bert_tp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
                                          else {})}
+    if family in ("bert_sop", "bert_pp"):
+        extra = {**bert_data(root), **(PP_ONLY if family == "bert_pp" else {})}
     for section, values in extra.items():
         base[section] = {**base.get(section, {}), **values}
     cfg = config_from_dict(base)
@@ -122,9 +138,10 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         args = trainer.model_args
         # The trainer read the family only through its spec: the spec, its args class and its counts.
         assert trainer.spec is spec and type(args) is spec.args_cls, (trainer.spec, type(args))
-        assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
+        if family != "bert_pp":  # (PP: no whole model, its stages in model_parts)
+            assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
         assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
-        assert trainer.dims.fsdp_enabled == (expect_fsdp and family != "bert_tp")
+        assert trainer.dims.fsdp_enabled == (expect_fsdp and family not in ("bert_tp", "bert_pp"))
         if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
         history = trainer.train()
@@ -132,7 +149,8 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         finish(trainer)
         logging.getLogger("titanlike").removeHandler(lines)
     counts = spec.param_counts(args)
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainer.model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for part in trainer.model_parts
+                for p in part.parameters())
     return {
         "history": history,
         "args": {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")},
@@ -191,8 +209,7 @@ def saved_keys(step_dir: str) -> list[str]:
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
     runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False))
-    if fsdp:
-        runs += (("bert_tp", False),)
+    runs += (("bert_tp", False), ("bert_pp", False)) if fsdp else (("bert_sop", False),)
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
@@ -234,6 +251,10 @@ def main() -> None:
                 seed.checkpointer.save_seed()
             finally:
                 finish(seed)
+        from tests.unit.masked_data_helpers import preprocess
+
+        os.makedirs(os.path.join(root, "bert_data"))
+        preprocess(Path(root) / "bert_data")  # the BERT-data runs' sentence-split corpus and vocab.txt
         out["runs"] = run_families(root, phase, fsdp=False)
     elif phase == "fsdp":
         assert world == 2, world

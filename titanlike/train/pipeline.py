@@ -82,7 +82,7 @@ class PipelineRunner:
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._metadata_pass:
-            loss = output.sum() * 0
+            loss = sum(o.sum() for o in (output if isinstance(output, tuple) else (output,))) * 0
         else:
             labels, extras = unpack_targets(target, self._target_layout)
             loss = self.loss_fn(output, labels, **extras)
