@@ -35,6 +35,11 @@ class Batch:
     row_targets: [B] how many terms of the summed loss each row holds, where that is not its count of labels !=
     IGNORE_INDEX (DPO sums over pairs: 1 on each pair's chosen row, 0 on its rejected row); what the trainer adds up
     over ranks and micro-batches to normalise the loss (target_count).
+    row_aux: [B] the terms each row holds of a second, per-sample part of the loss (BERT's sentence-order term) that
+    must be a mean over the step's samples rather than its targets: the trainer sums it over ranks and micro-batches
+    in the same all-reduce as the target count and hands every micro-batch's loss `extras["aux_scale"]` (per row,
+    all equal) = global targets / global samples (titanlike/train/batch.py: per_sample_scale), so that part comes out
+    the same on any layout.
     """
     inputs: dict[str, torch.Tensor]
     labels: torch.Tensor
@@ -42,6 +47,7 @@ class Batch:
     sequence: tuple[str, ...] = ("tokens", "labels")
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     row_targets: torch.Tensor | None = None
+    row_aux: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor]:
         return (self.inputs[self.primary],)
@@ -58,13 +64,18 @@ class Batch:
             return (self.labels != IGNORE_INDEX).sum()
         return self.row_targets.sum()
 
+    def aux_count(self) -> torch.Tensor | None:
+        """The samples of the per-sample part of the loss (row_aux), or None where the loss has none."""
+        return None if self.row_aux is None else self.row_aux.sum()
+
     def split(self, n: int) -> list[Batch]:
         """n batches along dim 0 (the pipeline's micro-batches): inputs, labels, extras and row targets alike."""
         parts = {k: v.tensor_split(n) for k, v in self.inputs.items()}
         extras = {k: v.tensor_split(n) for k, v in self.extras.items()}
         rows = self.row_targets.tensor_split(n) if self.row_targets is not None else [None] * n
+        aux = self.row_aux.tensor_split(n) if self.row_aux is not None else [None] * n
         return [self.replace(inputs={k: p[i] for k, p in parts.items()}, labels=y,
-                             extras={k: p[i] for k, p in extras.items()}, row_targets=rows[i])
+                             extras={k: p[i] for k, p in extras.items()}, row_targets=rows[i], row_aux=aux[i])
                 for i, y in enumerate(self.labels.tensor_split(n))]
 
 

@@ -9,13 +9,12 @@ Two loader layouts, told apart by the batch's rank:
   already, so nothing is drawn here. The Batch: tokens primary, `token_types` and `attention_mask` named inputs
   (every pipeline stage gets them), the labels as they are.
 
-Normalisation (Megatron's pretrain_bert.py: MLM mean over the micro-batch's masked tokens + SOP mean over its
-samples). The trainer divides one summed loss by one global count, so: the count (`row_targets`) is each row's
-masked tokens, the MLM term is the summed cross-entropy over them, and each sample's SOP cross-entropy is weighted by
-m / n, the masked tokens per labelled sample of the micro-batch the objective sees (`extras["sop_weight"]`, fixed
-here so a pipeline's cut of that micro-batch changes nothing). On one micro-batch the step's loss is then exactly
-mlm_mean + sop_mean; over several (accumulation, data ranks) it is their average weighted by masked tokens, where
-Megatron averages them uniformly (equal when the micro-batches hold as many masked tokens).
+Normalisation: the MLM term is a mean over the step's masked tokens and the sentence-order term a mean over its
+samples, on any layout. The trainer divides one summed loss by one global count (the masked tokens, `row_targets`);
+the sentence-order labels are the Batch's `row_aux`, whose global count the trainer takes in the same all-reduce and
+hands back as `extras["aux_scale"]` = masked tokens / samples (titanlike/train/batch.py: per_sample_scale), by which
+each sample's cross-entropy is multiplied. Megatron's pretrain_bert.py takes both means per micro-batch and averages
+the micro-batches uniformly; the two agree when the micro-batches hold as many masked tokens and samples.
 """
 from __future__ import annotations
 
@@ -28,10 +27,12 @@ import torch.nn.functional as F
 from models.batch import IGNORE_INDEX, Batch, MaskedLM, StepContext, masked_lm
 
 
-def bert_loss(output, labels: torch.Tensor, sop_weight: torch.Tensor | None = None) -> torch.Tensor:
+def bert_loss(output, labels: torch.Tensor, aux_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Summed loss of a micro-batch: MLM cross-entropy over its targets (fp32) + the sentence-order cross-entropy of
-    each sample times its `sop_weight` (when the model has the binary head and the labels carry the order label).
-    output: MLM logits [B, S, V] or (them, binary logits [B, 2]); labels [B, S] (plain data) or [B, S + 1]."""
+    each sample times `aux_scale` (when the model has the binary head and the labels carry the order label).
+    output: MLM logits [B, S, V] or (them, binary logits [B, 2]); labels [B, S] (plain data) or [B, S + 1].
+    Without aux_scale (a caller outside the trainer's step, e.g. the memory estimate's trace) the micro-batch's own
+    masked tokens per sample stand in for the step's."""
     logits, binary = output if isinstance(output, tuple) else (output, None)
     s = logits.shape[1]
     mlm = F.cross_entropy(logits.flatten(0, 1).float(), labels[:, :s].flatten(), reduction="sum",
@@ -39,7 +40,11 @@ def bert_loss(output, labels: torch.Tensor, sop_weight: torch.Tensor | None = No
     if binary is None or labels.shape[1] == s:
         return mlm
     sop = F.cross_entropy(binary.float(), labels[:, s], reduction="none", ignore_index=IGNORE_INDEX)
-    return mlm + (sop * sop_weight).sum()
+    if aux_scale is None:
+        aux_scale = (labels[:, :s] != IGNORE_INDEX).sum().float() / (labels[:, s] != IGNORE_INDEX).sum().clamp(min=1)
+    else:
+        aux_scale = aux_scale[0] if aux_scale.ndim else aux_scale  # per row, all equal (a pipeline may cut the rows)
+    return mlm + sop.sum() * aux_scale
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,12 @@ class BertPretraining:
                              f"{tuple(labels.shape)}")
         s = input_ids.shape[2]
         targets = (labels[:, :s] != IGNORE_INDEX).sum(dim=1)  # the MLM terms of each row: the trainer's count
-        extras = {}
-        if self.binary_head:
-            m, n = targets.sum(), (labels[:, s] != IGNORE_INDEX).sum()
-            extras["sop_weight"] = (m.float() / n.clamp(min=1).float()).expand(input_ids.shape[0]).contiguous()
+        # the sentence-order labels: the per-sample part of the loss (the trainer's aux_scale makes it a mean)
+        samples = (labels[:, s] != IGNORE_INDEX).long() if self.binary_head else None
         return Batch(inputs={"tokens": input_ids[:, 0], "token_types": input_ids[:, 1],
                              "attention_mask": input_ids[:, 2]},
-                     labels=labels, sequence=("tokens", "token_types", "attention_mask"), extras=extras,
-                     row_targets=targets)
+                     labels=labels, sequence=("tokens", "token_types", "attention_mask"),
+                     row_targets=targets, row_aux=samples)
 
     def tokenizer_problem(self, tokenizer: Any) -> str | None:
         return self.masked.tokenizer_problem(tokenizer)

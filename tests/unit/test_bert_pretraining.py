@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import models
+from titanlike.train.batch import per_sample_scale
 from models.batch import IGNORE_INDEX, StepContext, build_objective
 from tests.unit.masked_data_helpers import preprocess
 from titanlike.config.errors import ConfigError
@@ -94,9 +95,10 @@ def test_training_lowers_the_loss(tmp_path, prefix):
     assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0], losses
 
 
-def test_sop_weight_survives_a_cut_of_the_micro_batch():
-    """The pipeline cuts a micro-batch into smaller ones: the SOP weight (masked tokens per sample) was fixed on the
-    whole one, so the pieces' summed losses add up to the whole's."""
+def test_sentence_order_is_a_mean_over_the_steps_samples_however_the_rows_are_cut():
+    """MLM mean over the step's masked tokens + SOP mean over its samples, whether the rows arrive as one micro-batch
+    or as pieces of other sizes (micro-batches, data ranks: per_sample_scale sums both counts over all of them; a
+    pipeline's cut of a micro-batch keeps its aux_scale), with uneven masked counts per row."""
     args = dataclasses.replace(SPEC.flavors["debugmodel"], vocab_size=50, binary_head=True)
     obj = build_objective(SPEC.objective, args)
     g = torch.Generator().manual_seed(0)
@@ -106,16 +108,22 @@ def test_sop_weight_survives_a_cut_of_the_micro_batch():
     for row, n in enumerate((1, 2, 4, 5)):  # uneven masked counts per row
         labels[row, :n] = 7
     labels[:, 12] = torch.tensor([0, 1, 1, 0])
-    batch = obj(ids, labels, StepContext(0, 0))
-    assert torch.allclose(batch.extras["sop_weight"], torch.full((4,), 12 / 4))
     logits, binary = torch.randn(4, 12, 50, generator=g), torch.randn(4, 2, generator=g)
-    whole = obj.loss((logits, binary), batch.labels, **batch.extras)
-    parts = sum(obj.loss((logits[i:i + 2], binary[i:i + 2]), p.labels, **p.extras)
-                for i, p in zip((0, 2), batch.split(2)))
-    torch.testing.assert_close(whole, parts)
-    assert whole / batch.target_count() == pytest.approx(
-        float(F.cross_entropy(logits[:, :12][labels[:, :12] != -100], labels[:, :12][labels[:, :12] != -100])
-              + F.cross_entropy(binary, labels[:, 12])), rel=1e-6)
+    masked = labels[:, :12] != -100
+    expected = float(F.cross_entropy(logits[masked], labels[:, :12][masked]) + F.cross_entropy(binary, labels[:, 12]))
+    for cut in ((4,), (1, 3), (3, 1), (2, 2)):  # rows per micro-batch (or per rank: the sum is the same)
+        starts = [sum(cut[:i]) for i in range(len(cut))]
+        batches = [obj(ids[a:a + n], labels[a:a + n], StepContext(0, 0)) for a, n in zip(starts, cut)]
+        batches, targets = per_sample_scale(batches, lambda x: x)
+        assert int(targets) == 12
+        total = sum(obj.loss((logits[a:a + n], binary[a:a + n]), b.labels, **b.extras)
+                    for a, n, b in zip(starts, cut, batches))
+        assert float(total / targets) == pytest.approx(expected, rel=1e-6), cut
+        if len(cut) == 1:  # a pipeline's cut of one micro-batch: the pieces keep the step's scale
+            halves = batches[0].split(2)
+            parts = sum(obj.loss((logits[i:i + 2], binary[i:i + 2]), h.labels, **h.extras)
+                        for i, h in zip((0, 2), halves))
+            torch.testing.assert_close(parts, total)
 
 
 def test_binary_head_refusals_are_one_line(tmp_path, prefix):

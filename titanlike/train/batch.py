@@ -91,3 +91,19 @@ class BatchLayout:
                 f"of this rank: every sequence is one document, so {verb} nothing; add EOD tokens to the data "
                 f"(scripts/preprocess_data.py --append-eod; data.add_eod for text data), set data.eod_token to the "
                 f"token that ends your documents, or turn {keys} off (unless your documents are longer than that)")
+
+
+def per_sample_scale(batches: list[Batch], sum_over_data) -> tuple[list[Batch], torch.Tensor]:
+    """The step's global target count (the loss's divisor) and, where the loss has a per-sample part (Batch.row_aux:
+    BERT's sentence order), the micro-batches with `extras["aux_scale"]` = global targets / global samples, both
+    counts from one all-reduce (`sum_over_data`). The trainer divides the summed loss by the targets, so that part
+    becomes a mean over the step's samples: the same on any layout and any split into micro-batches."""
+    targets = sum(b.target_count() for b in batches).float()
+    if all(b.row_aux is None for b in batches):
+        return batches, sum_over_data(targets)
+    zero = torch.zeros((), device=targets.device)
+    samples = sum((b.aux_count() if b.row_aux is not None else zero) for b in batches).float()
+    counts = sum_over_data(torch.stack([targets, samples]))
+    ratio = counts[0] / counts[1].clamp(min=1)
+    return [b if b.row_aux is None else b.replace(extras={**b.extras, "aux_scale": ratio.expand(len(b.labels))})
+            for b in batches], counts[0]

@@ -12,6 +12,7 @@ import torch
 from titanlike.config.sections import Validation
 from titanlike.config.validate_eval import parse_perplexity_set
 from titanlike.data import build_validation_dataloader
+from titanlike.train.batch import per_sample_scale
 
 logger = logging.getLogger("titanlike")
 
@@ -23,6 +24,8 @@ def mean_loss(trainer, loader, steps: int) -> float:
     tokens = torch.zeros((), device=trainer.device)
     for _, (inputs, labels) in zip(range(steps), loader):
         batch = trainer.make_batch(inputs, labels, step=0)  # step 0: an objective's draws are the same every pass
+        if batch.row_aux is not None:  # a per-sample loss term: its mean over this batch's samples on all ranks
+            (batch,), _ = per_sample_scale([batch], trainer.sum_over_data)
         with trainer.amp, trainer.attention_kernels(), trainer.loss_context():
             if trainer.pp is not None:  # forward-only schedule; the loss is summed on the last stage
                 loss_sum += trainer.pp.eval_loss(batch)

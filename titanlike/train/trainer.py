@@ -30,6 +30,7 @@ from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
+from titanlike.train.batch import per_sample_scale
 from titanlike.train.compile_cache import CompileCache, resolve_cache_dir, world_layout
 from titanlike.train.construct import BuildSections, build_model, lora_checkpointing, materialise, run_vocab
 from titanlike.train.dpo import PreferenceTuning
@@ -231,8 +232,8 @@ class Trainer:
     def train_step(self, batches: list[Batch], log: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over all micro-batches. Returns device tensors (loss sum, target count, grad norm):
         nothing here waits for the GPU. `log`: a log step (the MoE load statistics are read then)."""
-        local_tokens = sum(b.target_count() for b in batches)  # tokens, or what the objective sums over (pairs)
-        global_tokens = self.sum_over_data(local_tokens.float())
+        # tokens, or what the objective sums over (pairs), over all ranks; a per-sample loss term's scale beside it
+        batches, global_tokens = per_sample_scale(batches, self.sum_over_data)
         scale = self.grad_divide_factor / global_tokens
         if self.update.loss_scale is not None:  # fp16: divided out again in the clip
             scale = scale * self.update.loss_scale
