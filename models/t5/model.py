@@ -55,17 +55,23 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.inner_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.inner_dim, bias=False)
         self.wo = nn.Linear(args.inner_dim, args.dim, bias=False)
-        self.kv_cache = None  # generation: a callable (k, v) -> (k, v) over the whole cached sequence
+        # generation (models/t5/generate.py): (k, v) -> (k, v) over the whole cached sequence, or `static` with the
+        # cross-attention's k, v of the encoder output
+        self.kv_cache = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv: torch.Tensor | None = None):
         bs, seqlen, _ = x.shape
         src = x if kv is None else kv
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(src).view(bs, src.shape[1], -1, self.head_dim).transpose(1, 2)
-        v = self.wv(src).view(bs, src.shape[1], -1, self.head_dim).transpose(1, 2)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache(k, v)
+        cache = self.kv_cache
+        if cache is not None and cache.static:  # generation's cross-attention: the encoder's keys, projected once
+            k, v = cache.k, cache.v
+        else:
+            k = self.wk(src).view(bs, src.shape[1], -1, self.head_dim).transpose(1, 2)
+            v = self.wv(src).view(bs, src.shape[1], -1, self.head_dim).transpose(1, 2)
+            if cache is not None:
+                k, v = cache(k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 

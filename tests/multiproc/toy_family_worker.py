@@ -33,13 +33,19 @@ models.MODELS.update(FAMILIES)  # the only registration: no library file lists t
 FAMILIES["nemotron_h"] = models.get_spec("nemotron_h")
 # BERT (masked-LM, tied MLM decoder) under FSDP 2 and, in the same 2-process launch, TP 2 + sequence parallel.
 FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
+# T5 (encoder-decoder, span corruption): the same two layouts, cross-attention included under TP.
+FAMILIES["t5"] = FAMILIES["t5_tp"] = models.get_spec("t5")
+TP_FAMILIES = ("bert_tp", "t5_tp")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
                         "activation_checkpoint": {"mode": "full"}},
          # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
          "toy_encoder": {"model": {"vocab_size": 2056}},
          "bert": {"model": {"flavor": "debugmodel", "vocab_size": 2056}},
-         "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}}}
-TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's layout under 2 processes
+         "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}},
+         # 100 sentinel rows past the builtin tokenizer's 2048 tokens (the flavor's sentinel_top -1)
+         "t5": {"model": {"flavor": "debugmodel", "vocab_size": 2148}},
+         "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}}}
+TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's layout under 2 processes
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -69,7 +75,7 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
         "parallelism": {"dp_shard": -1},
         "checkpoint": checkpoint or {},
     }
-    extra = {**EXTRA.get(family, {}), **(TP_ONLY if family == "bert_tp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    extra = {**EXTRA.get(family, {}), **(TP_ONLY if family in TP_FAMILIES and int(os.environ.get("WORLD_SIZE", "1")) > 1
                                          else {})}
     for section, values in extra.items():
         base[section] = {**base.get(section, {}), **values}
@@ -124,7 +130,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         assert trainer.spec is spec and type(args) is spec.args_cls, (trainer.spec, type(args))
         assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
         assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
-        assert trainer.dims.fsdp_enabled == (expect_fsdp and family != "bert_tp")
+        assert trainer.dims.fsdp_enabled == (expect_fsdp and family not in TP_FAMILIES)
         if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
         history = trainer.train()
@@ -190,9 +196,10 @@ def saved_keys(step_dir: str) -> list[str]:
 
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
-    runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False))
+    runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
+            ("t5", False))
     if fsdp:
-        runs += (("bert_tp", False),)
+        runs += (("bert_tp", False), ("t5_tp", False))
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
