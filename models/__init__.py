@@ -2,7 +2,7 @@
 adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
-from models import bert, deepseek_v3, gpt, llama3
+from models import bert, deepseek_v3, gpt, llama3, t5
 from models import mamba2, mixtral, nemotron_h, qwen3, qwen3_next
 from models.spec import ModelSpec
 
@@ -19,6 +19,7 @@ MODELS: dict[str, ModelSpec] = {
     mamba2.SPEC.name: mamba2.SPEC,
     qwen3_next.SPEC.name: qwen3_next.SPEC,
     bert.SPEC.name: bert.SPEC,
+    t5.SPEC.name: t5.SPEC,
 }
 
 

@@ -37,13 +37,19 @@ FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
 # BERT on Megatron's BERT data (token types, padding mask, MLM + sentence order), 1 process and PP 2 (the 2-process
 # launch): the data is preprocessed by the reference phase into ROOT/bert_data (tests/unit/masked_data_helpers.py).
 FAMILIES["bert_sop"] = FAMILIES["bert_pp"] = models.get_spec("bert")
+# T5 (encoder-decoder, span corruption): the same two layouts, cross-attention included under TP.
+FAMILIES["t5"] = FAMILIES["t5_tp"] = models.get_spec("t5")
+TP_FAMILIES = ("bert_tp", "t5_tp")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
                         "activation_checkpoint": {"mode": "full"}},
          # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
          "toy_encoder": {"model": {"vocab_size": 2056}},
          "bert": {"model": {"flavor": "debugmodel", "vocab_size": 2056}},
-         "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}}}
-TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's layout under 2 processes
+         "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}},
+         # 100 sentinel rows past the builtin tokenizer's 2048 tokens (the flavor's sentinel_top -1)
+         "t5": {"model": {"flavor": "debugmodel", "vocab_size": 2148}},
+         "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}}}
+TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's layout under 2 processes
 PP_ONLY = {"parallelism": {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}}  # bert_pp's
 
 
@@ -83,7 +89,7 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
         "parallelism": {"dp_shard": -1},
         "checkpoint": checkpoint or {},
     }
-    extra = {**EXTRA.get(family, {}), **(TP_ONLY if family == "bert_tp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    extra = {**EXTRA.get(family, {}), **(TP_ONLY if family in TP_FAMILIES and int(os.environ.get("WORLD_SIZE", "1")) > 1
                                          else {})}
     if family in ("bert_sop", "bert_pp"):
         extra = {**bert_data(root), **(PP_ONLY if family == "bert_pp" else {})}
@@ -141,7 +147,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         if family != "bert_pp":  # (PP: no whole model, its stages in model_parts)
             assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
         assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
-        assert trainer.dims.fsdp_enabled == (expect_fsdp and family not in ("bert_tp", "bert_pp"))
+        assert trainer.dims.fsdp_enabled == (expect_fsdp and family not in (*TP_FAMILIES, "bert_pp"))
         if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
         history = trainer.train()
@@ -208,8 +214,9 @@ def saved_keys(step_dir: str) -> list[str]:
 
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
-    runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False))
-    runs += (("bert_tp", False), ("bert_pp", False)) if fsdp else (("bert_sop", False),)
+    runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
+            ("t5", False))
+    runs += (("bert_tp", False), ("t5_tp", False), ("bert_pp", False)) if fsdp else (("bert_sop", False),)
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
