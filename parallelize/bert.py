@@ -7,7 +7,9 @@ named inputs.
 - TP + sequence parallel: attention heads (wq/wk/wv column-, wo row-parallel) and the FFN (w1 column-, w2 row-)
   sharded as GPT's; the residual stream between them is cut along the sequence. Post-LN makes the LayerNorms' output
   the residual stream, so every norm hands back a plain (local) tensor, pre- and post-LN alike. The MLM transform
-  (dense + GELU + LayerNorm) is per token: replicated weights on the sequence shards, like a norm. The decoder is
+  (dense + GELU + LayerNorm) is per token: replicated weights on the sequence shards, like a norm. The binary head's
+  `first_token` gathers the sequence shards (the pooler reads token 0, on rank 0's shard only); the pooler and the
+  2-way classifier then run replicated. The decoder is
   column-parallel over the vocabulary and its weight is the word table, vocabulary-sharded (Shard(0)) too: one
   placement, re-tied after TP as GPT's tied output.
 - FSDP: a parameter belongs to one group, so the word table joins the head's group (GPT's rule, parallelize/gpt.py).
@@ -49,6 +51,13 @@ def bert_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) 
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
         "norm": per_token,
+        # The binary head: the pooler reads token 0, which sequence parallel leaves on rank 0 only. Its input is
+        # gathered from the shards first (Megatron's Pooler does the same all-gather); the gradient of a replicated
+        # input is the same on every rank, so backward just keeps this rank's slice (no communication).
+        "first_token": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True),
+        "pooler": ReplicateParallel(),
+        "binary": ReplicateParallel(),
         "mlm_dense": per_token,
         "mlm_norm": per_token,
         "output": SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else

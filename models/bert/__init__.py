@@ -14,7 +14,7 @@ from models.spec import ModelSpec
 # Modules that are None in a layout (emb_norm under pre-LN, norm under post-LN, the binary head when off) are
 # skipped by the pipeline split and FSDP's groups, as another stage's modules are. `output` (the tied decoder) last.
 INPUT_MODULES = ("tok_embeddings", "pos_embeddings", "type_embeddings", "emb_norm")
-OUTPUT_MODULES = ("norm", "pooler", "binary", "mlm_dense", "mlm_norm", "output")
+OUTPUT_MODULES = ("norm", "first_token", "pooler", "binary", "mlm_dense", "mlm_norm", "output")
 
 
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
@@ -22,9 +22,11 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
     objective's data_problem: models/bert/objective.py.)"""
     problems = attention_head_checks(args.n_heads, args.n_heads, par, flavor) or ffn_checks(args.hidden_dim, par,
                                                                                             flavor)
-    if args.binary_head and par.tp > 1:
-        problems.append(f"model.args.binary_head=true with parallelism.tp={par.tp}: the pooler reads the first token, "
-                        f"which sequence parallel leaves on one rank only (not planned yet); set parallelism.tp=1")
+    if args.binary_head and par.tp > 1 and getattr(par, "enable_loss_parallel", False):
+        # (the plan gathers the pooler's input; but the sentence-order loss on plain logits cannot share a backward
+        # with loss parallel's vocabulary-sharded MLM loss: torch's loss_parallel takes every nll_loss as sharded)
+        problems.append(f"model.args.binary_head=true with parallelism.tp={par.tp} needs "
+                        f"parallelism.enable_loss_parallel=false (the sentence-order loss is not vocabulary-sharded)")
     if par.cp > 1:
         problems.append(f"parallelism.cp={par.cp}: bert's bidirectional attention has no context-parallel path; "
                         f"set parallelism.cp=1")

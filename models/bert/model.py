@@ -3,14 +3,16 @@ bidirectional encoder with a masked-LM head, FQNs in titanlike's style:
 
     tok_embeddings, pos_embeddings, type_embeddings, emb_norm,
     layers.<i>.{attention_norm, attention.{wq, wk, wv, wo}, ffn_norm, feed_forward.{w1, w2}},
-    norm, pooler, binary, mlm_dense, mlm_norm, output
+    norm, first_token, pooler, binary, mlm_dense, mlm_norm, output
 
 Post-LN blocks (the original; `emb_norm` after the embedding sum, no final `norm`) or pre-LN (args.pre_ln,
 Megatron's: no `emb_norm`, a final `norm`); the absent one is None, as modules of other pipeline stages are, so the
 plans and FSDP's groups skip it. The MLM head is dense + exact GELU + LayerNorm, then `output` (its own bias) whose
 weight is `tok_embeddings.weight` (one Parameter; `tied_parameters` names the pair as GPT does). `pooler` + `binary`
 (the next-sentence / sentence-order head) exist only with args.binary_head; the forward then returns (MLM logits,
-binary logits [B, 2]).
+binary logits [B, 2]). The pooler's input is taken by `first_token`, a module without parameters, so a plan can give
+it the whole sequence (parallelize/bert.py gathers it from the sequence-parallel shards there) while this file stays
+free of distributed code.
 """
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ from models.bert.args import ModelArgs
 
 def _layer_norm(args: ModelArgs) -> nn.LayerNorm:
     return nn.LayerNorm(args.dim, eps=args.norm_eps)
+
+
+class FirstToken(nn.Module):
+    """h [B, S, D] -> h[:, 0] [B, D]: the token the pooler reads ([CLS]). A module of its own only so a plan can
+    hook its input (no parameters: nothing in a checkpoint)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, 0]
 
 
 class Attention(nn.Module):
@@ -108,6 +118,7 @@ class Bert(nn.Module):
         # String keys: a pipeline split deletes entries without renumbering, so FQNs stay those of one process.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = _layer_norm(args) if args.pre_ln else None
+        self.first_token = FirstToken() if args.binary_head else None
         self.pooler = nn.Linear(args.dim, args.dim) if args.binary_head else None
         self.binary = nn.Linear(args.dim, 2) if args.binary_head else None
         self.mlm_dense = nn.Linear(args.dim, args.dim)
@@ -196,7 +207,7 @@ class Bert(nn.Module):
             h = self.norm(h)
         binary = None
         if self.binary is not None:
-            binary = self.binary(torch.tanh(self.pooler(h[:, 0])))
+            binary = self.binary(torch.tanh(self.pooler(self.first_token(h))))
         if self.mlm_dense is not None:
             h = self.mlm_norm(F.gelu(self.mlm_dense(h)))
         if self.output is not None:

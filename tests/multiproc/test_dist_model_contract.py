@@ -17,7 +17,7 @@ debugmodel (masked-LM with 80/10/10, tied MLM decoder) under FSDP 2 and, in the 
 parallel ("bert_tp"), both held to the one-process run; T5's debugmodel (encoder-decoder, span corruption) the same
 way ("t5", "t5_tp": TP 2 + SP over both stacks and the cross-attention); and BERT on Megatron's BERT data (token
 types, padding mask, MLM + sentence order; "bert_sop", data preprocessed by the reference phase) under PP 2
-("bert_pp", 1F1B).
+("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards).
 
 Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
 families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
@@ -90,6 +90,9 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     # BERT on Megatron's data (token types and padding mask to both stages, MLM + sentence order, the tied decoder's
     # copy on the last stage) under PP 2 follows the one-process run too.
     _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_pp"]["history"])
+    # ... and under TP 2 + SP with the binary head: the pooler reads token 0, on rank 0's sequence shard only, so
+    # the plan gathers its input (a wrong token on rank 1 or a double-counted gradient would show here).
+    _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_sop_tp"]["history"])
     ref_run, fsdp_run = ref["runs"]["toy"], fsdp["runs"]["toy"]
 
     # It learns: finite throughout, and clearly lower at the end (real text; ~7.64 -> ~7.06 here).

@@ -37,9 +37,11 @@ FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
 # BERT on Megatron's BERT data (token types, padding mask, MLM + sentence order), 1 process and PP 2 (the 2-process
 # launch): the data is preprocessed by the reference phase into ROOT/bert_data (tests/unit/masked_data_helpers.py).
 FAMILIES["bert_sop"] = FAMILIES["bert_pp"] = models.get_spec("bert")
+# ... and TP 2 + sequence parallel with the binary head (the pooler's first token gathered from the shards).
+FAMILIES["bert_sop_tp"] = models.get_spec("bert")
 # T5 (encoder-decoder, span corruption): the same two layouts, cross-attention included under TP.
 FAMILIES["t5"] = FAMILIES["t5_tp"] = models.get_spec("t5")
-TP_FAMILIES = ("bert_tp", "t5_tp")
+TP_FAMILIES = ("bert_tp", "t5_tp", "bert_sop_tp")
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
                         "activation_checkpoint": {"mode": "full"}},
          # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
@@ -50,6 +52,8 @@ EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_ma
          "t5": {"model": {"flavor": "debugmodel", "vocab_size": 2148}},
          "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}}}
 TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's layout under 2 processes
+# bert_sop_tp's: the sentence-order loss does not go with loss parallel (models/bert/__init__.py's check)
+TP_SOP = {"parallelism": {"dp_shard": 1, "tp": 2, "enable_loss_parallel": False}}
 PP_ONLY = {"parallelism": {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}}  # bert_pp's
 
 
@@ -91,8 +95,9 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
     }
     extra = {**EXTRA.get(family, {}), **(TP_ONLY if family in TP_FAMILIES and int(os.environ.get("WORLD_SIZE", "1")) > 1
                                          else {})}
-    if family in ("bert_sop", "bert_pp"):
-        extra = {**bert_data(root), **(PP_ONLY if family == "bert_pp" else {})}
+    if family in ("bert_sop", "bert_pp", "bert_sop_tp"):
+        layout = {"bert_pp": PP_ONLY, "bert_sop_tp": TP_SOP}.get(family, {})
+        extra = {**bert_data(root), **layout}
     for section, values in extra.items():
         base[section] = {**base.get(section, {}), **values}
     cfg = config_from_dict(base)
@@ -216,7 +221,8 @@ def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
     runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
             ("t5", False))
-    runs += (("bert_tp", False), ("t5_tp", False), ("bert_pp", False)) if fsdp else (("bert_sop", False),)
+    runs += ((("bert_tp", False), ("t5_tp", False), ("bert_pp", False), ("bert_sop_tp", False)) if fsdp else
+             (("bert_sop", False),))
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None

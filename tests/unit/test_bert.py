@@ -114,8 +114,12 @@ def test_refusals_are_one_line_naming_the_key():
     (heads,) = SPEC.check(args, _par(tp=5), "bert-base")
     assert "n_heads=12" in heads and "parallelism.tp=5" in heads and "use tp in {1,2,3,4,6,12}" in heads
     assert SPEC.check(dataclasses.replace(args, binary_head=True), _par(), "bert-base") == []  # the data's call
-    (binary,) = SPEC.check(dataclasses.replace(args, binary_head=True), _par(tp=2), "bert-base")
-    assert "model.args.binary_head" in binary and "set parallelism.tp=1" in binary
+    # the binary head under TP: planned (parallelize/bert.py gathers the pooler's input from the sequence shards)
+    (binary,) = SPEC.check(dataclasses.replace(args, binary_head=True), _par(tp=2, enable_loss_parallel=True),
+                           "bert-base")
+    assert "model.args.binary_head" in binary and "parallelism.enable_loss_parallel=false" in binary
+    assert SPEC.check(dataclasses.replace(args, binary_head=True), _par(tp=2, enable_loss_parallel=False),
+                      "bert-base") == []
     assert SPEC.check(args, _par(pp=2), "bert-base") == []  # PP: the tied decoder's copy on the last stage
     for key in ("cp", "ep"):
         (line,) = SPEC.check(args, _par(**{key: 2}), "bert-base")

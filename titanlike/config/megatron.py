@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from titanlike.config import megatron_model
+from titanlike.config import megatron_encoder, megatron_model
 from titanlike.config.load import _toml_value
 from titanlike.config.megatron_model import number
 from titanlike.config.megatron_shell import MegatronError, read_launch
@@ -95,7 +95,8 @@ _SCHED = ("--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-frac
           "--make-vocab-size-divisible-by")
 # --cp-comm-type (several values: one per layer) -> parallelism.cp_method; "a2a+p2p" (hierarchical) has none
 _CP_COMM = {"allgather": "allgather", "a2a": "alltoall", "p2p": "ring"}
-VALUED = set(_PLAIN) | set(megatron_model.VALUED) | set(_SCHED) | {"--distributed-backend", "--transformer-impl",
+VALUED = set(_PLAIN) | set(megatron_model.VALUED) | set(_SCHED) | megatron_encoder.VALUED
+VALUED |= {"--distributed-backend", "--transformer-impl",
     "--load", "--num-experts", "--moe-router-topk", "--recompute-method", "--tensorboard-dir",
     "--max-position-embeddings", megatron_model.SPEC, "--cp-comm-type"}
 # Megatron's defaults where titanlike's differ: set when the block leaves the flag out, so the run is the one Megatron
@@ -117,7 +118,7 @@ FLAG_TABLE = {**{k: v[0] for k, v in _PLAIN.items()}, **{k: v[0] for k, v in _SW
 # are no flag: a placeholder like `[... other args ...]`): a TOML can still be written and edited by hand, but
 # `scripts/train.py --megatron-args` refuses to train without them.
 _REQUIRED = megatron_model.FLAGS | {"--num-experts", "--moe-router-topk", "--data-path", "--save"}
-_REQUIRED_WHY = ("shell variable", "stray words")
+_REQUIRED_WHY = ("shell variable", "stray words", "a pretrain_bert.py / pretrain_t5.py flag")
 
 
 @dataclass
@@ -230,7 +231,9 @@ def _schedule(f: dict[str, list[str]], t: Translation) -> None:
         t.notes.append(("--save", "checkpoints go to <job.dump_folder>/<run name>/<checkpoint.folder>"))
 
 
-def translate(flags: dict[str, list[str]]) -> Translation:
+def translate(flags: dict[str, list[str]], family: str | None = None) -> Translation:
+    """`family`: "bert" / "t5" for pretrain_bert.py / pretrain_t5.py blocks (megatron_encoder.py), None for
+    pretrain_gpt.py's (the family then follows the model flags)."""
     t = Translation()
     for name, vals in flags.items():
         if name.startswith("$"):
@@ -255,6 +258,9 @@ def translate(flags: dict[str, list[str]]) -> Translation:
             t.notes.append((name, _NOTED[name]))
         elif name in _WHY:
             t.unmapped.append((name, _WHY[name]))
+        elif name in megatron_encoder.FLAGS:
+            if family is None:
+                t.unmapped.append((name, megatron_encoder.foreign(name)))
         elif name not in megatron_model.FLAGS and name not in _SCHED and name != "--cp-comm-type":
             t.unmapped.append((name, "turns off a Megatron feature or fusion titanlike has no key for" if
                                name.startswith("--no-") else "unknown to this translator: no titanlike key"))
@@ -268,9 +274,15 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     _precision(flags, t)
     _vocab_padding(flags, t)
     _cp_comm_type(flags, t)
-    if not any(k in megatron_model.FLAGS and any("$" in x for x in v) for k, v in flags.items()):
-        megatron_model.build(flags, t)  # (else the unmapped list names the model flag whose value is unknown)
+    if any(k in megatron_model.FLAGS and any("$" in x for x in v) for k, v in flags.items()):
+        pass  # the unmapped list names the model flag whose value is unknown
+    elif family is None:
+        megatron_model.build(flags, t)
+    else:
+        megatron_encoder.build({k: v for k, v in flags.items() if not any("$" in x for x in v)}, t, family)
     _schedule(flags, t)
+    if family is not None:
+        megatron_encoder.finish(flags, t, family)
     for flag, (key, value) in DEFAULTS.items():
         section, name = key.split(".")
         if flag not in flags and name not in t.values.get(section, {}):  # --lr-warmup-fraction also sets warmup
@@ -278,14 +290,15 @@ def translate(flags: dict[str, list[str]]) -> Translation:
     return t
 
 
-def translate_text(text: str) -> Translation:
+def translate_text(text: str, model_type: str | None = None) -> Translation:
     """A launch script or flag block -> its Translation; MegatronError (one line) when there is nothing to translate
-    or the flags contradict themselves."""
+    or the flags contradict themselves. `model_type` (bert, t5, gpt) overrides the launched script's name, which
+    otherwise picks BERT (pretrain_bert.py) or T5 (pretrain_t5.py); a bare flag block is pretrain_gpt.py's."""
     launch = read_launch(text)
     if not launch.flags:
         raise MegatronError(f"{launch.script} is launched without flags (line {launch.line}): nothing to translate; "
                             f"give a pretrain_gpt.py launch or its flags")
-    t = translate(parse(launch.flags))
+    t = translate(parse(launch.flags), megatron_encoder.family_of(launch.script, model_type))
     if launch.launcher:
         t.notes.append(("(launcher)", f"{' '.join(launch.launcher)} {launch.script}: how the job starts, not config "
                                       f"(titanlike: torchrun ... scripts/train.py)"))
