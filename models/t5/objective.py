@@ -11,8 +11,15 @@ padding has no targets and, the decoder being causal, changes nothing before it)
 Where the spans fall: two random segmentations (noise into n_spans non-empty parts, the kept tokens likewise), each
 the n_spans - 1 smallest of hash keys over the possible cut points, keyed by (seed, step, the row's tokens, the
 position) as the masked_lm objective's: the same rows at the same step get the same spans on any layout and after a
-resume. The Batch is what Megatron's T5 dataset produces as well: inputs {"tokens", "attention_mask",
-"decoder_tokens"} and labels [B, T] (IGNORE_INDEX on decoder padding, where a dataset has any).
+resume. The Batch: inputs {"tokens", "attention_mask", "decoder_tokens"} and labels [B, T].
+
+Megatron's T5 data (`data.dataset = "t5"`, titanlike/data/t5_dataset.py), told apart by the batch's rank as BERT's
+objective does: input_ids [B, 2, Se + Sd] (row 0 the encoder tokens then the decoder input, row 1 their padding
+mask) and labels [B, Se + Sd] (IGNORE_INDEX over the encoder part, then the decoder targets). The data has
+corrupted the spans already (with the tokenizer's own <extra_id_k>, numbered upwards as Megatron does), so nothing
+is drawn here: both are cut at Se = training.seq_len (args.max_seq_len), the encoder mask becomes attention_mask
+and the decoder's padding mask decoder_attention_mask (the decoder is causal and pads at the end, so that mask only
+keeps padded queries from reading padded keys; the targets there are IGNORE_INDEX).
 """
 from __future__ import annotations
 
@@ -61,8 +68,12 @@ class SpanCorruption:
     pad_id: int = 0
     decoder_multiple: int = 8
     loss: str = "cross_entropy"
+    encoder_len: int = 0  # args.max_seq_len (= training.seq_len): where Megatron's T5 rows are cut
+    decoder_limit: int = 0  # args.decoder_limit: the longest decoder the forward accepts
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
+        if input_ids.ndim == 3:
+            return self.megatron(input_ids, labels)
         b, s = input_ids.shape
         sz = span_sizes(self, s)
         if sz.spans > self.n_sentinels:
@@ -105,11 +116,46 @@ class SpanCorruption:
         return Batch(inputs={"tokens": tokens, "attention_mask": mask, "decoder_tokens": dec_in}, labels=target,
                      sequence=("tokens", "attention_mask"))
 
+    def megatron(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+        """A data.dataset="t5" batch as the model reads it: cut at the encoder length, the masks from row 1."""
+        se = self.encoder_len
+        if input_ids.shape[1] != 2 or input_ids.shape[2] <= se or labels.shape != (input_ids.shape[0],
+                                                                                     input_ids.shape[2]):
+            raise ValueError(f"t5 objective: expected data.dataset=\"t5\" batches (input_ids [B, 2, Se + Sd], labels "
+                             f"[B, Se + Sd], Se = training.seq_len = {se}) or plain tokens [B, S]; got "
+                             f"{tuple(input_ids.shape)} / {tuple(labels.shape)}")
+        return Batch(inputs={"tokens": input_ids[:, 0, :se], "attention_mask": input_ids[:, 1, :se],
+                             "decoder_tokens": input_ids[:, 0, se:], "decoder_attention_mask": input_ids[:, 1, se:]},
+                     labels=labels[:, se:], sequence=("tokens", "attention_mask"))
+
+    def data_problem(self, data: Any) -> str | None:
+        """Why Megatron's T5 data cannot feed this model, or None (one line naming the keys)."""
+        if getattr(data, "dataset", "") != "t5":
+            return None
+        sd = int(getattr(data, "decoder_seq_length", 0))
+        if sd > self.decoder_limit:
+            return (f"data.decoder_seq_length={sd} is longer than the model's decoder limit {self.decoder_limit} "
+                    f"(model.args.max_decoder_len, 0: training.seq_len); raise model.args.max_decoder_len")
+        if sd % self.decoder_multiple:
+            return (f"data.decoder_seq_length={sd} is not a multiple of model.args.decoder_multiple="
+                    f"{self.decoder_multiple} (sequence parallel cuts the decoder); make it one, or lower "
+                    f"model.args.decoder_multiple")
+        return None
+
     def tokenizer_problem(self, tokenizer: Any) -> str | None:
         """Why these sentinel ids cannot work with `tokenizer`, or None: they must be the tokenizer's own extra ids
         (<extra_id_0> = sentinel_top) or rows past its vocabulary; anything else would turn real text into
-        sentinels."""
+        sentinels. A tokenizer that lists its sentinels (BertWordPiece with data.vocab_extra_ids: the ones Megatron's
+        T5 data writes) must list exactly the model's ids, whichever data the run reads."""
         lowest = self.sentinel_top - self.n_sentinels + 1
+        listed = list(getattr(tokenizer, "sentinel_ids", None) or [])
+        if listed:
+            if sorted(listed) == list(range(lowest, self.sentinel_top + 1)):
+                return None
+            return (f"model.args.sentinel_top={self.sentinel_top} / n_sentinels={self.n_sentinels} (ids {lowest}.."
+                    f"{self.sentinel_top}) disagree with the tokenizer's {len(listed)} sentinels {min(listed)}.."
+                    f"{max(listed)} (data.vocab_extra_ids); set model.args.sentinel_top={max(listed)} and "
+                    f"n_sentinels={len(listed)}")
         if lowest >= tokenizer.vocab_size:
             return None
         own = tokenizer.token_to_id(SENTINEL_TOKEN) if hasattr(tokenizer, "token_to_id") else None
@@ -137,4 +183,5 @@ def span_corruption(args: Any) -> SpanCorruption:
                          f"(0: training.seq_len)")
     return SpanCorruption(noise_density=args.noise_density, mean_span_length=args.mean_span_length,
                           sentinel_top=top, n_sentinels=args.n_sentinels, pad_id=args.pad_token_id,
-                          decoder_multiple=args.decoder_multiple)
+                          decoder_multiple=args.decoder_multiple, encoder_len=args.max_seq_len,
+                          decoder_limit=args.decoder_limit)

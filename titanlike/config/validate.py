@@ -383,7 +383,9 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
     from models.batch import build_objective
 
-    problem = getattr(build_objective(spec.objective, args), "data_problem", lambda data: None)(cfg.data)
+    # the objective as the trainer builds it (titanlike/train/construct.py): max_seq_len is the run's seq_len
+    objective = build_objective(spec.objective, dataclasses.replace(args, max_seq_len=cfg.training.seq_len))
+    problem = getattr(objective, "data_problem", lambda data: None)(cfg.data)
     if problem:  # what the family's objective needs of the data (BERT: the binary head's label)
         errors.append(problem)
     if not errors:  # (the family's TP rule on heads first)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titanlike.optim.container import optimizers_of
+from titanlike.planner.loader_batch import loader_batch
 from models.batch import Batch, StepContext
 from titanlike.train.loss import IGNORE_INDEX
 from titanlike.train.step import StepCompute
@@ -135,14 +136,14 @@ def _param_groups(fsdp_module) -> list:
 
 
 def _inputs(built, cfg, dims, batch: int, seq: int) -> Batch:
-    """Real token tensors (tiny) through the trainer's objective and BatchLayout: this rank's Batch."""
+    """Real token tensors (tiny), in the loader's layout for data.dataset (loader_batch.py), through the trainer's
+    objective and BatchLayout: this rank's Batch."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, built.model_args.vocab_size, (batch, seq + 1), generator=g)
-        inputs = tokens[:, :-1].contiguous()
-        made = built.objective(inputs, tokens[:, 1:].contiguous(), StepContext(step=1, seed=cfg.training.seed))
+        inputs, labels = loader_batch(cfg.data, batch, seq, built.model_args.vocab_size, g)
+        made = built.objective(inputs, labels, StepContext(step=1, seed=cfg.training.seed))
         return built.batch_layout(made, inputs)
 
 
