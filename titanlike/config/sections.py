@@ -88,7 +88,7 @@ class LossScaling:
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
+    name: str = "AdamW"  # AdamW | Muon (the blocks' matrices; AdamW for the rest: docs/optimizer.md)
     lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -99,6 +99,14 @@ class Optimizer:
     # training.mixed_precision_impl=master_weights on CUDA: each block's update runs on a side stream while the next
     # forward computes the blocks before it (the forward waits per block, never for the whole step)
     overlap_with_forward: bool = True
+    # name="Muon" (titanlike/optim/muon.py): momentum, Nesterov, Newton-Schulz steps and the dtype they run in
+    # (bfloat16 as the reference; float32 for exact comparisons), and how lr scales per matrix: match_rms_adamw
+    # (0.2*sqrt(max(A, B)): AdamW's lr carries over) | original (sqrt(max(1, A/B))) | none
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "bfloat16"
+    muon_lr_scale: str = "match_rms_adamw"
 
 
 @dataclass

@@ -37,7 +37,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_param": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_reduce": ("bfloat16", "float16", "float32"),
     "training.mixed_precision_impl": ("auto", "autocast", "master_weights"),
-    "optimizer.name": ("AdamW",),
+    "optimizer.name": ("AdamW", "Muon"),
+    "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
+    "optimizer.muon_lr_scale": ("match_rms_adamw", "original", "none"),  # titanlike/optim/muon.py: lr_scale
     "metrics.log_format": ("titanlike", "megatron"),
     "optimizer.fused": ("auto", "true", "false"),
     "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
@@ -174,6 +176,13 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
         errors.append(f"optimizer.eps={opt.eps} must be > 0")
     if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
         errors.append(f"optimizer.betas={opt.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if not 0.0 <= opt.muon_momentum < 1.0:
+        errors.append(f"optimizer.muon_momentum={opt.muon_momentum} must be in [0, 1), e.g. 0.95")
+    if not 1 <= opt.muon_ns_steps < 100:
+        errors.append(f"optimizer.muon_ns_steps={opt.muon_ns_steps} must be in [1, 99] (5 as the reference)")
+    if opt.name == "Muon" and cfg.training.mixed_precision_impl == "master_weights":
+        errors.append("optimizer.name=\"Muon\" has no master-weight path: set training.mixed_precision_impl to "
+                      "\"autocast\" or \"auto\"")
 
 
 def _check_features(cfg: JobConfig, errors: list[str]) -> None:

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titanlike.config.sections import Optimizer
 from titanlike.optim.container import optimizers_of
+from titanlike.optim.muon import build_muon
 
 
 def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
@@ -39,9 +40,13 @@ def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device,
+                    io_modules: tuple[str, ...] = ()) -> torch.optim.Optimizer:
+    """io_modules: the family's ModelSpec.input_modules + output_modules (Muon leaves them to AdamW)."""
+    if cfg.name == "Muon":
+        return build_muon(model, cfg, param_groups(model, cfg), io_modules)
     if cfg.name != "AdamW":
-        raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW'")
+        raise ValueError(f"optimizer.name={cfg.name!r} is not supported; use 'AdamW' or 'Muon'")
     fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
     # fused=True runs one kernel over all params (DTensors included); foreach is the fallback on CPU.
     kwargs = {"fused": True} if fused else {"foreach": True}

@@ -76,5 +76,5 @@ def build(cfg: JobConfig, dims, device: torch.device, stage: int | None = None, 
     if mode is not None:
         mode.__enter__()
     materialise(parts, device, cfg.training.seed, fake=mode is not None)
-    update = Updater(UpdateSections.of(cfg), dims, device, parts)
+    update = Updater(UpdateSections.of(cfg), dims, device, parts, (*mb.spec.input_modules, *mb.spec.output_modules))
     return Built(mb.spec, mb.model_args, parts, update, mb.batch_layout, mb.objective, mb.float8, mb.loss_head, notes)

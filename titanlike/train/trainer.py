@@ -110,7 +110,8 @@ class Trainer:
 
         # The update half of a step: precision mode, optimizer, LR, clip, non-finite guard, fp16 loss scaling
         self.signals.enter("optimizer")
-        self.update = Updater(UpdateSections.of(cfg), self.dims, self.device, self.model_parts)
+        self.update = Updater(UpdateSections.of(cfg), self.dims, self.device, self.model_parts,
+                              (*spec.input_modules, *spec.output_modules))
         self.precision, self.optimizer, self.lr_scheduler = (self.update.precision, self.update.optimizer,
                                                              self.update.lr_scheduler)
         self.guard = self.update.guard  # (the rollback resets its streak)

@@ -40,11 +40,18 @@ class UpdateSections:
 
 
 class Updater:
-    def __init__(self, sections: UpdateSections, dims, device: torch.device, model_parts: list[torch.nn.Module]):
+    def __init__(self, sections: UpdateSections, dims, device: torch.device, model_parts: list[torch.nn.Module],
+                 io_modules: tuple[str, ...] = ()):
+        """io_modules: the family's ModelSpec input_modules + output_modules (optimizer.name="Muon" gives them
+        to AdamW)."""
         t, opt, comp, ckpt = sections.training, sections.optimizer, sections.compile, sections.checkpoint
         self.max_norm = t.max_norm
         # Who casts weights to the compute dtype: FSDP's policy, autocast, or bf16/fp16 weights + fp32 masters.
         self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable)
+        if self.precision == "master_weights" and opt.name == "Muon":
+            raise ValueError("optimizer.name=\"Muon\" has no master-weight path: set "
+                             "training.mixed_precision_impl=\"autocast\" or leave \"optimizer\" out of "
+                             "compile.components")
         if self.precision == "master_weights":
             self.optimizer = build_master_weight_adamw(
                 model_parts[0], opt, accumulate_fp32=t.global_batch_size > t.local_batch_size,
@@ -53,7 +60,7 @@ class Updater:
                 stable_state_dict=ckpt.enable and ckpt.async_mode == "async_with_pinned_mem",
                 dtype=getattr(torch, t.mixed_precision_param))
         else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
-            optimizers = [build_optimizer(part, opt, device) for part in model_parts]
+            optimizers = [build_optimizer(part, opt, device, io_modules) for part in model_parts]
             self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, sections.lr_scheduler, t.steps)
         # Fused AdamW clips inside its kernel (titanlike/optim/adamw.py): one pass over the fp32 gradients less.

@@ -1,0 +1,218 @@
+"""Muon (orthogonalised Nesterov momentum) for the blocks' weight matrices, AdamW for everything else, as one
+torch.optim.Optimizer: one LR schedule drives both, and DCP saves both states through the usual
+get_optimizer_state_dict(model, optimizer) path. docs/optimizer.md states the rules; in short:
+
+* Split (`muon_names`): a trainable parameter with ndim >= 2 goes to Muon unless it lives under one of the family's
+  input/output modules (ModelSpec.input_modules / output_modules: embeddings, final norm, output layer), is an
+  nn.Embedding's table, or belongs to a router (a module whose class name ends in "Router": MoE gates are tiny,
+  their logits feed a top-k and load balancing, and orthogonalising them is not what the reference does). 3-D
+  expert weights [E, out, in] are orthogonalised per expert. Everything else (1-D norms, biases) takes AdamW.
+* Update: buf = mu*buf + (1-mu)*g; u = (1-mu)*g + mu*buf (Nesterov) or buf; O = NS5(u) (Keller Jordan's quintic
+  Newton-Schulz, torch.optim.Muon's coefficients); p *= 1 - lr*wd (decoupled); p -= lr * scale(A, B) * O, with
+  scale "match_rms_adamw" = 0.2*sqrt(max(A, B)) (Moonshot, "Muon is Scalable for LLM Training"): the update's RMS
+  is AdamW's, so AdamW's lr and weight decay carry over. This is torch.optim.Muon's arithmetic (checked by
+  tests/unit/test_muon.py); torch.optim.Muon itself is not used: it takes 2-D plain tensors only, and torch 2.11
+  builds may not have it.
+* DTensors (FSDP's Shard(0), TP's Shard(0)/Shard(1), both at once): NS needs the whole matrix. Each matrix has an
+  owner rank on its mesh (round-robin by size, largest first, so the work spreads evenly); every rank gathers the
+  matrix's momentum (full_tensor: one all-gather per sharded mesh dim), the owner alone runs NS, broadcasts the
+  result along the mesh, and each rank keeps its own shard of it. distribute="replicated" has every rank run NS on
+  every matrix instead (no broadcast; the exact baseline the owner version is tested against).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from titanlike.config.validate import CHOICES
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
+NS_EPS = 1e-7
+LR_SCALES = CHOICES["optimizer.muon_lr_scale"]
+NS_DTYPES = CHOICES["optimizer.muon_ns_dtype"]
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The quintic Newton-Schulz approximation of U V^T for g = U S V^T (a batch of matrices when g is 3-D), in
+    `dtype`; the result is returned in g's dtype. The 2-D path is torch.optim.Muon's op for op (addmm), so bf16
+    results agree with it bit for bit."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype, copy=True)
+    tall = x.size(-2) > x.size(-1)  # iterate on the wide side: X X^T is then the smaller Gram matrix
+    if tall:
+        x = x.mT
+    if x.ndim == 2:
+        x.div_(x.norm().clamp(min=NS_EPS))  # Frobenius >= spectral norm: singular values now <= 1
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if tall:
+        x = x.mT
+    return x.to(g.dtype)
+
+
+def lr_scale(shape: torch.Size, rule: str) -> float:
+    """The factor on lr for one matrix of `shape` (the last two dims: per expert for [E, out, in])."""
+    rows, cols = shape[-2], shape[-1]
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 1.0
+
+
+def muon_names(model: nn.Module, io_modules: tuple[str, ...] = ()) -> set[str]:
+    """FQNs of the trainable parameters Muon updates (the rule in the module docstring); the rest take AdamW."""
+    excluded: set[str] = set()
+    for mname, m in model.named_modules():
+        top = mname.split(".")[0]
+        if top in io_modules or isinstance(m, nn.Embedding) or type(m).__name__.endswith("Router"):
+            excluded.update(f"{mname}.{n}" if mname else n for n, _ in m.named_parameters())
+    # a pipeline stage's tied copy of the embedding (model.tied_parameters) follows its source: AdamW
+    excluded.update(copy for _, copy in getattr(model, "tied_parameters", ()))
+    return {n for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and n not in excluded}
+
+
+def _owners(tensors: list[torch.Tensor]) -> list[int]:
+    """For each DTensor, the flat index (into its mesh) of the rank that orthogonalises it: per mesh, largest
+    first, round-robin, so each rank gets about the same number of flops. -1 for plain tensors."""
+    owners = [-1] * len(tensors)
+    by_mesh: dict = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor):
+            by_mesh.setdefault(t.device_mesh, []).append(i)
+    for mesh, idx in by_mesh.items():
+        for k, i in enumerate(sorted(idx, key=lambda i: (-tensors[i].numel(), i))):
+            owners[i] = k % mesh.size()
+    return owners
+
+
+def _broadcast_from(x: torch.Tensor, mesh, owner: int) -> None:
+    """Broadcast `x` from the mesh rank at flat index `owner` to every rank of the mesh, one mesh dim at a time
+    (last to first): after dim d, every rank sharing the owner's coordinates on dims < d holds its value. No
+    flattened group is needed (DeviceMesh's is private API and ordered-dims only)."""
+    coord = [int(c) for c in torch.unravel_index(torch.tensor(owner), tuple(mesh.shape))]
+    for d in reversed(range(mesh.ndim)):
+        group = mesh.get_group(d)
+        dist.broadcast(x, src=dist.get_global_rank(group, coord[d]), group=group)
+
+
+@torch.no_grad()
+def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype, distribute: str = "owner"
+                  ) -> list[torch.Tensor]:
+    """NS of each update as a whole matrix (a batch per expert for 3-D); DTensors come back with their own
+    placements. Every rank must call this with the same list: the collectives go in list order."""
+    out = []
+    for u, owner in zip(updates, _owners(updates)):
+        if not isinstance(u, DTensor):
+            out.append(newton_schulz(u, steps, dtype))
+            continue
+        mesh = u.device_mesh
+        full = u.full_tensor()  # the whole momentum on every rank (exact: an all-gather, no reduction)
+        if distribute == "owner" and mesh.size() > 1:
+            mine = _flat_rank(mesh) == owner
+            o = newton_schulz(full, steps, dtype) if mine else torch.empty_like(full)
+            _broadcast_from(o, mesh, owner)
+        else:
+            o = newton_schulz(full, steps, dtype)
+        # Replicate -> the update's placements is a local slice on each rank: no communication
+        whole = DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        out.append(whole.redistribute(mesh, u.placements))
+    return out
+
+
+def _flat_rank(mesh) -> int:
+    coord = mesh.get_coordinate()
+    flat = 0
+    for c, n in zip(coord, mesh.shape):
+        flat = flat * n + c
+    return flat
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Param groups carry "use_muon"; Muon groups follow the module docstring, the others are AdamW (torch's
+    arithmetic and state keys: step, exp_avg, exp_avg_sq). Muon's state is one fp32 "momentum_buffer" per matrix,
+    shaped and sharded like the parameter."""
+
+    def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, lr_scale: str = "match_rms_adamw",
+                 ns_dtype: str = "bfloat16", distribute: str = "owner"):
+        if lr_scale not in LR_SCALES or ns_dtype not in NS_DTYPES or distribute not in ("owner", "replicated"):
+            raise ValueError(f"Muon: lr_scale={lr_scale!r} ns_dtype={ns_dtype!r} distribute={distribute!r}: "
+                             f"use one of {LR_SCALES}, {NS_DTYPES}, ('owner', 'replicated')")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, use_muon=False, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, lr_scale=lr_scale, ns_dtype=ns_dtype)
+        super().__init__(groups, defaults)
+        self.distribute = distribute
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_work = []  # (param, group, update) over all Muon groups: orthogonalised together, then applied
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                muon_work += [(p, group, self._momentum(p, group)) for p in params]
+            else:
+                for p in params:
+                    self._adamw(p, group)
+        if muon_work:
+            g0 = muon_work[0][1]  # NS settings are optimizer-wide (config keys), not per group
+            done = orthogonalise([u for _, _, u in muon_work], g0["ns_steps"], getattr(torch, g0["ns_dtype"]),
+                                 self.distribute)
+            for (p, group, _), o in zip(muon_work, done):
+                lr = group["lr"]
+                p.mul_(1 - lr * group["weight_decay"])  # decoupled, by the unscaled lr (as torch.optim.Muon)
+                p.add_(o, alpha=-lr * lr_scale(p.shape, group["lr_scale"]))
+        return loss
+
+    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
+        buf, g, mu = state["momentum_buffer"], p.grad.float(), group["momentum"]
+        buf.lerp_(g, 1 - mu)
+        return g.lerp(buf, mu) if group["nesterov"] else buf
+
+    def _adamw(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        (b1, b2), lr, g = group["betas"], group["lr"], p.grad.float()
+        state["step"] += 1
+        t = state["step"].item()  # host value: the bias corrections are Python floats, as in torch's AdamW
+        state["exp_avg"].lerp_(g, 1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.mul_(1 - lr * group["weight_decay"])
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** t)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+
+
+def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str, ...] = (),
+               distribute: str = "owner") -> MuonWithAdamW:
+    """The optimizer for optimizer.name="Muon": `groups` are AdamW's weight-decay groups (adamw.param_groups), each
+    split here into its Muon and AdamW parameters."""
+    to_muon = {id(p) for n, p in model.named_parameters() if n in muon_names(model, io_modules)}
+    split = []
+    for g in groups:
+        for use in (True, False):
+            ps = [p for p in g["params"] if (id(p) in to_muon) == use]
+            if ps:
+                split.append({**g, "params": ps, "use_muon": use})
+    return MuonWithAdamW(split, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, momentum=cfg.muon_momentum,
+                         nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, lr_scale=cfg.muon_lr_scale,
+                         ns_dtype=cfg.muon_ns_dtype, distribute=distribute)
