@@ -19,9 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 from par_helpers import VOCAB, SEQ, exit_without_teardown, global_batch, loss_fn, meta_model, reference_model
 from parallelize import PlanSections, get_plan
-from titanlike.config.sections import JobConfig
+from titanlike.config.sections import JobConfig, Optimizer
 from titanlike.distributed.init import destroy_distributed, init_distributed
 from titanlike.distributed.parallel_dims import ParallelDims
+from titanlike.optim.adamw import param_groups
+from titanlike.optim.muon import build_muon
 
 TOL = 1e-5
 DEVICE = "cpu"
@@ -93,7 +95,10 @@ def family_models(family: str, seed: int = 0):
 
 
 def train_case(name: str, dims_kw: dict, plan: str, ac: tuple[str, str] = ("none", "op"), reshard: str = "default",
-               compile: bool = False, param_dtype: str = "float32", tol: float = TOL, family: str = "llama3"):
+               compile: bool = False, param_dtype: str = "float32", tol: float = TOL, family: str = "llama3",
+               muon: str = ""):
+    """muon: "" for AdamW, else optimizer.name="Muon" with that `distribute` ("owner" | "replicated"), its
+    Newton-Schulz in fp32; the reference is the same optimizer on plain tensors (NS on the whole matrix)."""
     dims = ParallelDims(**dims_kw, world_size=world)
     dims.build_mesh(DEVICE)
     cfg = JobConfig()
@@ -120,8 +125,15 @@ def train_case(name: str, dims_kw: dict, plan: str, ac: tuple[str, str] = ("none
     # lr 1e-3: Adam turns ~1e-7 gradient round-off into update differences proportional to lr (a
     # near-zero second moment amplifies it); wrong gradient scales are caught by the grad-norm check.
     opt_kw = dict(lr=1e-3, weight_decay=0.1, foreach=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
-    opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+    if muon:
+        spec = models.get_spec(family)
+        io, ocfg = (*spec.input_modules, *spec.output_modules), Optimizer(name="Muon", lr=1e-3, muon_ns_dtype="float32")
+        ref_opt = build_muon(ref, ocfg, param_groups(ref, ocfg), io)
+        opt = build_muon(model, ocfg, param_groups(model, ocfg), io, distribute=muon)
+        assert sum(len(g["params"]) for g in opt.param_groups if g["use_muon"]) > 0
+    else:
+        ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
     dp_rank, dp = dims.dp_rank(), dims.dp_degree
     loss_group = dims.get_mesh("dp_cp").get_group()
     worst_loss = 0.0
@@ -175,11 +187,14 @@ def main() -> None:
         train_case("fsdp2_default_plan_sac_op", {}, "default", ac=("selective", "op"))
         train_case("fsdp2_fsdp_only_reshard_never", {}, "fsdp_only", reshard="never")
         train_case("fsdp2_qwen3_next_sac_op", {}, "default", ac=("selective", "op"), family="qwen3_next")
+        train_case("fsdp2_muon_owner", {}, "default", muon="owner")
+        train_case("fsdp2_muon_replicated", {}, "fsdp_only", muon="replicated")
         train_case("replicate2_default_plan_ac_full", {"dp_replicate": 2}, "default", ac=("full", "op"),
                    reshard="always")
     if world == 4:
         train_case("hsdp_2x2_default_plan_sac_2", {"dp_replicate": 2}, "default", ac=("selective", "2"))
         train_case("fsdp4_fsdp_only", {}, "fsdp_only")
+        train_case("hsdp_2x2_muon_owner", {"dp_replicate": 2}, "default", muon="owner")
     if rank == 0:
         print("ALL CHECKS PASSED", flush=True)
     destroy_distributed()

@@ -55,8 +55,8 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
         for _ in range(steps):
             gram = x @ x.mT
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if tall:
-        x = x.mT
+    if tall:  # contiguous: a collective on the transposed view would send its storage order (the transpose)
+        x = x.mT.contiguous()
     return x.to(g.dtype)
 
 
