@@ -16,9 +16,10 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 EXPECTED = {
     2: ["tp2", "tp2_sp", "tp2_lp", "tp2_sp_lp_sac", "nemotron_h_tp2", "nemotron_h_tp2_sp_lp_docs", "mamba2_tp2_sp",
-        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs"],
+        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs", "tp2_sp_lp_muon"],
     4: ["fsdp2_tp2_sp_lp", "fsdp2_tp2_no_sp", "qwen3_next_fsdp2_tp2_sp_lp_docs", "mixed_mesh_grad_norm",
-        "replicate2_tp2_sp_lp", "nemotron_h_moe_fsdp4_ep2", "nemotron_h_moe_tp2_fsdp2_ep2"],
+        "replicate2_tp2_sp_lp", "nemotron_h_moe_fsdp4_ep2", "nemotron_h_moe_tp2_fsdp2_ep2", "fsdp2_tp2_sp_lp_muon",
+        "nemotron_h_moe_tp2_fsdp2_ep2_muon", "nemotron_h_moe_fsdp4_ep2_muon"],
     8: ["hsdp2x2_tp2_sp_lp"],
 }
 

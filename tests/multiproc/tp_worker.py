@@ -32,9 +32,10 @@ import models
 import models.common.attention
 from par_helpers import SEQ, VOCAB, exit_without_teardown, global_batch, meta_model, reference_model
 from parallelize import PlanSections, get_plan
-from titanlike.config.sections import JobConfig
+from titanlike.config.sections import JobConfig, Optimizer
 from titanlike.distributed.init import destroy_distributed, init_distributed
-from titanlike.optim.adamw import clip_grad_norm_
+from titanlike.optim.adamw import clip_grad_norm_, param_groups
+from titanlike.optim.muon import build_muon
 from titanlike.distributed.parallel_dims import ParallelDims
 
 TOL = 1e-5
@@ -212,7 +213,8 @@ def _train_steps(name, model, ref, opt, ref_opt, dims, lp, compile, tol, docs=Fa
 
 def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: str = "none",
                compile: bool = False, async_tp: bool = False, tol: float = TOL, family: str = "llama3",
-               docs: bool = False, reload: bool = False) -> None:
+               docs: bool = False, reload: bool = False, muon: bool = False) -> None:
+    """muon: optimizer.name="Muon" (owner-computes, fp32 Newton-Schulz) on both sides instead of AdamW."""
     dims = ParallelDims(**dims_kw, world_size=world)
     dims.build_mesh(DEVICE)
     cfg = JobConfig()
@@ -231,8 +233,13 @@ def train_case(name: str, dims_kw: dict, sp: bool = True, lp: bool = True, ac: s
     meshes = {(p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None) for p in model.parameters()}
 
     opt_kw = dict(lr=1e-3, weight_decay=0.1, foreach=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
-    opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+    if muon:
+        spec = models.get_spec(FLAVORED.get(family, (family,))[0])
+        io, ocfg = (*spec.input_modules, *spec.output_modules), Optimizer(name="Muon", lr=1e-3, muon_ns_dtype="float32")
+        ref_opt, opt = (build_muon(m, ocfg, param_groups(m, ocfg), io) for m in (ref, model))
+    else:
+        ref_opt = torch.optim.AdamW(ref.parameters(), **opt_kw)
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
     # Compiled cases count the async-TP patterns in the compiled graphs; on CPU (no symmetric memory) the pass is
     # switched on only to check that the plan's block graphs offer them: nothing gets fused there.
     atp = AsyncTPSpy() if compile else contextlib.nullcontext()
@@ -360,6 +367,7 @@ def main() -> None:
         train_case("tp2_sp", {"tp": 2}, sp=True, lp=False)
         train_case("tp2_lp", {"tp": 2}, sp=False, lp=True)
         train_case("tp2_sp_lp_sac", {"tp": 2}, sp=True, lp=True, ac="selective")
+        train_case("tp2_sp_lp_muon", {"tp": 2}, muon=True)  # Shard(0) and Shard(1) matrices, gathered whole
         train_case("nemotron_h_tp2", {"tp": 2}, sp=False, lp=False, family="nemotron_h")
         train_case("nemotron_h_tp2_sp_lp_docs", {"tp": 2}, family="nemotron_h", docs=True, reload=True)
         train_case("mamba2_tp2_sp", {"tp": 2}, sp=True, lp=False, family="mamba2", docs=True)
@@ -370,11 +378,16 @@ def main() -> None:
     if world == 4 and DEVICE == "cpu":
         train_case("fsdp2_tp2_sp_lp", {"dp_shard": 2, "tp": 2})
         train_case("fsdp2_tp2_no_sp", {"dp_shard": 2, "tp": 2}, sp=False, lp=True)
+        train_case("fsdp2_tp2_sp_lp_muon", {"dp_shard": 2, "tp": 2}, muon=True)
+        train_case("nemotron_h_moe_tp2_fsdp2_ep2_muon", {"dp_shard": 2, "tp": 2, "ep": 2}, family="nemotron_h_moe",
+                   muon=True)  # 3-D experts per expert on (edp, ep); the router's gate on AdamW
         train_case("qwen3_next_fsdp2_tp2_sp_lp_docs", {"dp_shard": 2, "tp": 2}, family="qwen3_next", docs=True)
         mixed_mesh_grad_norm()
         train_case("replicate2_tp2_sp_lp", {"dp_replicate": 2, "tp": 2}, ac="full")
         # nemotron_h with MoE layers ("ME*E"): EP 2 x expert FSDP 2 (dp_shard 4), and TP 2 x FSDP 2 x EP 2
         train_case("nemotron_h_moe_fsdp4_ep2", {"dp_shard": 4, "ep": 2}, sp=False, lp=False, family="nemotron_h_moe")
+        train_case("nemotron_h_moe_fsdp4_ep2_muon", {"dp_shard": 4, "ep": 2}, sp=False, lp=False,
+                   family="nemotron_h_moe", muon=True)  # experts on (edp, ep), split on E only: NS on the shard
         train_case("nemotron_h_moe_tp2_fsdp2_ep2", {"dp_shard": 2, "tp": 2, "ep": 2}, family="nemotron_h_moe")
     if world == 8 and DEVICE == "cpu":
         train_case("hsdp2x2_tp2_sp_lp", {"dp_replicate": 2, "dp_shard": 2, "tp": 2})

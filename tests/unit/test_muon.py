@@ -125,13 +125,15 @@ class Router(nn.Module):  # matched by class name, as models/common/router.py's
         self.gate = nn.Linear(16, 4, bias=False)
 
 
-def test_split_rule_routers_experts_embeddings():
+def test_split_rule_routers_experts_embeddings_convs():
     m = nn.Module()
     m.router = Router()
     m.experts = nn.Parameter(torch.randn(4, 32, 16))
     m.emb = nn.Embedding(10, 16)  # an embedding anywhere, not only in the io modules
     m.frozen = nn.Parameter(torch.randn(8, 8), requires_grad=False)
     m.proj = nn.Linear(16, 16)
+    m.conv1d = nn.Conv1d(16, 16, 4, groups=16)  # a depthwise [C, 1, W] kernel: 3-D, but per-channel filters
+    m.four_d = nn.Parameter(torch.randn(2, 2, 4, 4))
     assert muon_names(m) == {"experts", "proj.weight"}
 
 

@@ -2,11 +2,12 @@
 torch.optim.Optimizer: one LR schedule drives both, and DCP saves both states through the usual
 get_optimizer_state_dict(model, optimizer) path. docs/optimizer.md states the rules; in short:
 
-* Split (`muon_names`): a trainable parameter with ndim >= 2 goes to Muon unless it lives under one of the family's
-  input/output modules (ModelSpec.input_modules / output_modules: embeddings, final norm, output layer), is an
-  nn.Embedding's table, or belongs to a router (a module whose class name ends in "Router": MoE gates are tiny,
-  their logits feed a top-k and load balancing, and orthogonalising them is not what the reference does). 3-D
-  expert weights [E, out, in] are orthogonalised per expert. Everything else (1-D norms, biases) takes AdamW.
+* Split (`muon_names`): a trainable parameter with ndim 2 or 3 goes to Muon unless it lives under one of the
+  family's input/output modules (ModelSpec.input_modules / output_modules: embeddings, final norm, output layer), is
+  an nn.Embedding's table or a convolution's kernel (Mamba / DeltaNet's depthwise [C, 1, W] filters), or belongs
+  to a router (a module whose class name ends in "Router": MoE gates are tiny, their logits feed a top-k and load
+  balancing, and orthogonalising them is not what the reference does). 3-D expert weights [E, out, in] are
+  orthogonalised per expert. Everything else (1-D norms, biases, 4-D and up) takes AdamW.
 * Update: buf = mu*buf + (1-mu)*g; u = (1-mu)*g + mu*buf (Nesterov) or buf; O = NS5(u) (Keller Jordan's quintic
   Newton-Schulz, torch.optim.Muon's coefficients); p *= 1 - lr*wd (decoupled); p -= lr * scale(A, B) * O, with
   scale "match_rms_adamw" = 0.2*sqrt(max(A, B)) (Moonshot, "Muon is Scalable for LLM Training"): the update's RMS
@@ -17,7 +18,9 @@ get_optimizer_state_dict(model, optimizer) path. docs/optimizer.md states the ru
   owner rank on its mesh (round-robin by size, largest first, so the work spreads evenly); every rank gathers the
   matrix's momentum (full_tensor: one all-gather per sharded mesh dim), the owner alone runs NS, broadcasts the
   result along the mesh, and each rank keeps its own shard of it. distribute="replicated" has every rank run NS on
-  every matrix instead (no broadcast; the exact baseline the owner version is tested against).
+  every matrix instead (no broadcast; the exact baseline the owner version is tested against). Expert stacks
+  [E, out, in] sharded on E only (EP, FSDP on experts) hold whole matrices locally: NS runs on the shard, no
+  communication.
 """
 from __future__ import annotations
 
@@ -75,11 +78,12 @@ def muon_names(model: nn.Module, io_modules: tuple[str, ...] = ()) -> set[str]:
     excluded: set[str] = set()
     for mname, m in model.named_modules():
         top = mname.split(".")[0]
-        if top in io_modules or isinstance(m, nn.Embedding) or type(m).__name__.endswith("Router"):
+        conv = isinstance(m, nn.modules.conv._ConvNd)  # Mamba/DeltaNet depthwise [C, 1, W]: filters, not maps
+        if top in io_modules or conv or isinstance(m, nn.Embedding) or type(m).__name__.endswith("Router"):
             excluded.update(f"{mname}.{n}" if mname else n for n, _ in m.named_parameters())
     # a pipeline stage's tied copy of the embedding (model.tied_parameters) follows its source: AdamW
     excluded.update(copy for _, copy in getattr(model, "tied_parameters", ()))
-    return {n for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and n not in excluded}
+    return {n for n, p in model.named_parameters() if p.requires_grad and p.ndim in (2, 3) and n not in excluded}
 
 
 def _owners(tensors: list[torch.Tensor]) -> list[int]:
@@ -117,6 +121,10 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype, d
             out.append(newton_schulz(u, steps, dtype))
             continue
         mesh = u.device_mesh
+        if _whole_matrices(u):  # experts split on E only (EP, FSDP): each rank's experts are whole matrices
+            o = newton_schulz(u.to_local(), steps, dtype)
+            out.append(DTensor.from_local(o, mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()))
+            continue
         full = u.full_tensor()  # the whole momentum on every rank (exact: an all-gather, no reduction)
         if distribute == "owner" and mesh.size() > 1:
             mine = _flat_rank(mesh) == owner
@@ -128,6 +136,13 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype, d
         whole = DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
         out.append(whole.redistribute(mesh, u.placements))
     return out
+
+
+def _whole_matrices(u: DTensor) -> bool:
+    """A stack [E, out, in] sharded on dim 0 alone (Shard(0), FSDP's strided Shard(0), Replicate): per-expert NS of
+    the local shard is exact, with no communication."""
+    return u.ndim == 3 and all(p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0)
+                               for p in u.placements)
 
 
 def _flat_rank(mesh) -> int:
