@@ -4,6 +4,7 @@ debug model, and a checkpoint resume equal to the uninterrupted run. FSDP / HSDP
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -220,3 +221,23 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
     assert copy.deepcopy(opt_b.state_dict())["param_groups"][0]["use_muon"] in (True, False)
+
+
+def test_memory_estimate_counts_muons_state(tmp_path):
+    """The estimate traces the real optimizer (titanlike/planner/step.py), so Muon's state is counted as built: one
+    fp32 momentum buffer per Muon matrix, AdamW's two moments and a step for the rest."""
+    from titanlike.planner import estimate_memory
+
+    cfg = load_config(["--config", str(REPO_ROOT / "configs/debug_model.toml"), f"--job.dump_folder={tmp_path}",
+                       "--training.device=cpu", "--metrics.enable_tensorboard=false", "--data.dataset=mock",
+                       "--model.vocab_size=256", "--optimizer.name=Muon"], world_size=1)
+    (r,) = estimate_memory(cfg, 1, device_kind="cpu").ranks
+    spec = models.get_spec("llama3")
+    args = spec.flavor_args(cfg.model.flavor, cfg.model.args)
+    with torch.device("meta"):
+        model = spec.model_cls(dataclasses.replace(args, vocab_size=256, max_seq_len=cfg.training.seq_len))
+    names = muon_names(model, (*spec.input_modules, *spec.output_modules))
+    params = dict(model.named_parameters())
+    muon = sum(p.numel() for n, p in params.items() if n in names)
+    adam = [p for n, p in params.items() if n not in names]
+    assert muon > 0 and r.optimizer_states == 4 * muon + 8 * sum(p.numel() for p in adam) + 4 * len(adam)

@@ -208,13 +208,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         (b1, b2), lr, g = group["betas"], group["lr"], p.grad.float()
-        state["step"] += 1
-        t = state["step"].item()  # host value: the bias corrections are Python floats, as in torch's AdamW
+        step = state["step"]
+        step += 1
+        # the bias corrections as 0-dim tensors, not floats: no host sync on a GPU, and the planner traces this step
+        # on fake tensors (titanlike/planner/step.py), where .item() cannot run. torch's AdamW up to rounding.
         state["exp_avg"].lerp_(g, 1 - b1)
         state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
         p.mul_(1 - lr * group["weight_decay"])
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** t)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+        denom = (state["exp_avg_sq"].sqrt() / (1 - b2 ** step).sqrt()).add_(group["eps"])
+        p.sub_(state["exp_avg"] / denom * (lr / (1 - b1 ** step)))
 
 
 def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str, ...] = (),
