@@ -223,7 +223,8 @@ def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str,
                distribute: str = "owner") -> MuonWithAdamW:
     """The optimizer for optimizer.name="Muon": `groups` are AdamW's weight-decay groups (adamw.param_groups), each
     split here into its Muon and AdamW parameters."""
-    to_muon = {id(p) for n, p in model.named_parameters() if n in muon_names(model, io_modules)}
+    names = muon_names(model, io_modules)
+    to_muon = {id(p) for n, p in model.named_parameters() if n in names}
     split = []
     for g in groups:
         for use in (True, False):
