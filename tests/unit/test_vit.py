@@ -117,3 +117,88 @@ def test_logits_equal_transformers_and_import_round_trips():
     err = (got - want).abs().max().item()
     print(f"vit debug logits vs transformers: max abs error {err:.2e} at max |logit| {want.abs().max():.2f}")
     assert err < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _data_cfg(**kw):
+    from titanlike.config.sections import Data
+
+    return dataclasses.replace(Data(), **kw)
+
+
+def test_shapes_are_deterministic_resumable_and_refuse_a_bad_row_length():
+    from titanlike.data.images import ShapesDataset
+    from titanlike.data.loader import build_dataloader
+
+    ds = ShapesDataset(3072, seed=3)
+    ids, labels = ds[12]
+    assert ids.shape == labels.shape == (3072,) and 0 <= int(ids.min()) and int(ids.max()) <= 255
+    assert torch.equal(ids, ShapesDataset(3072, seed=3)[12][0]) and not torch.equal(ids, ds[13][0])
+    assert not torch.equal(ids, ShapesDataset(3072, seed=3, split="valid")[12][0])
+    assert sorted({int(ds[i][1][0]) for i in range(200)}) == list(range(10))
+    with pytest.raises(ValueError, match=r"training.seq_len=3000: .*set training.seq_len = 3 \* image_size\*\*2"):
+        ShapesDataset(3000)
+
+    kw = dict(dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=3072, seed=3, vocab_size=256)
+    loader = build_dataloader(_data_cfg(dataset="shapes"), None, **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    want = next(it)
+    again = build_dataloader(_data_cfg(dataset="shapes"), None, **kw)
+    again.load_state_dict(state)
+    got = next(iter(again))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_image_folder_reads_imagenet_layout(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    from titanlike.data.dataset import build_dataset
+
+    for split in ("train", "val"):
+        for c, colour in (("n01_cat", (255, 0, 0)), ("n02_dog", (0, 0, 255))):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (40, 20), colour).save(tmp_path / split / c / "a.png")
+    ds = build_dataset(_data_cfg(dataset="image_folder", paths=[str(tmp_path)]), None, seq_len=3 * 16 * 16)
+    assert ds.classes == ["n01_cat", "n02_dog"] and len(ds) == 2
+    ids, labels = ds[1]
+    assert labels.unique().tolist() == [1]
+    assert ids.view(3, 16, 16)[:, 8, 8].tolist() == [0, 0, 255]  # resized, cropped, channel-major
+    with pytest.raises(ValueError, match="needs data.paths"):
+        build_dataset(_data_cfg(dataset="image_folder"), None, seq_len=768)
+
+
+def test_debug_model_learns_the_shapes():
+    """30 AdamW steps of 32 images (the debug config's run, as a plain loop): the held-out accuracy rises well
+    above chance (10 classes) and the loss falls."""
+    from titanlike.data.images import ShapesDataset
+
+    args = SPEC.flavors["debugmodel"]
+    model = build(args).train()
+    objective = build_objective(SPEC.objective, args)
+    train, valid = ShapesDataset(args.pixels, seed=0), ShapesDataset(args.pixels, seed=0, split="valid")
+
+    def batch(ds, lo, n):
+        ids, labels = zip(*(ds[i] for i in range(lo, lo + n)))
+        return objective(torch.stack(ids), torch.stack(labels), StepContext(step=0, seed=0))
+
+    held = batch(valid, 0, 256)
+
+    def accuracy():
+        with torch.no_grad():
+            return (model.eval()(held.inputs["pixels"]).argmax(-1) == held.labels).float().mean().item()
+
+    before = accuracy()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(30):
+        b = batch(train, 32 * step, 32)
+        loss = F.cross_entropy(model.train()(b.inputs["pixels"]), b.labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    after = accuracy()
+    print(f"vit shapes: loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f}, held-out accuracy {before:.3f} -> "
+          f"{after:.3f}")
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.4 and after > before + 0.15 and after > 0.3
