@@ -26,6 +26,12 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
                         f"set parallelism.tp to a divisor of {args.n_heads}")
     problems += attention_head_checks(args.n_heads, args.n_heads, par, flavor) if not problems else []
     problems += ffn_checks(args.hidden_dim, par, flavor)
+    if tp > 1 and getattr(par, "enable_sequence_parallel", False) and args.n_tokens % tp:
+        # torch's sequence-parallel styles assume equal shards (the global length = tp x the local one)
+        problems.append(f"parallelism.enable_sequence_parallel=true with parallelism.tp={tp}: vit's {args.n_tokens} "
+                        f"tokens ({args.n_patches} patches + the class token) do not split evenly; set "
+                        f"parallelism.enable_sequence_parallel=false, or a model.args.image_size whose patch count "
+                        f"+ 1 is a multiple of {tp}")
     for name in ("pp", "cp"):
         if getattr(par, name, 1) > 1:
             why = "images have no sequence to cut" if name == "cp" else "no pipeline split is tested for vit yet"

@@ -85,6 +85,10 @@ def test_bad_image_size_and_tp_are_refused_in_one_line():
     assert "model.args.image_size=30" in problem and "multiple of 8" in problem and "\n" not in problem
     problem = SPEC.check(SPEC.flavors["debugmodel"], ParallelDims(dp_shard=1, tp=3, world_size=3), "debugmodel")[0]
     assert problem.startswith("parallelism.tp=3") and "n_heads=4" in problem
+    par = type("Par", (), {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "enable_sequence_parallel": True})()
+    (problem,) = SPEC.check(SPEC.flavors["debugmodel"], par, "debugmodel")  # 17 tokens over 2 ranks
+    assert problem.startswith("parallelism.enable_sequence_parallel=true") and "17 tokens" in problem
+    assert SPEC.check(dataclasses.replace(SPEC.flavors["debugmodel"], image_size=24), par, "debugmodel") == []
     (problem,) = SPEC.check(SPEC.flavors["debugmodel"], ParallelDims(dp_shard=1, cp=2, world_size=2), "debugmodel")
     assert problem.startswith("parallelism.cp=2")
     model = build(SPEC.flavors["debugmodel"])
