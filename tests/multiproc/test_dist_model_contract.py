@@ -17,8 +17,9 @@ debugmodel (masked-LM with 80/10/10, tied MLM decoder) under FSDP 2 and, in the 
 parallel ("bert_tp"), both held to the one-process run; T5's debugmodel (encoder-decoder, span corruption) the same
 way ("t5", "t5_tp": TP 2 + SP over both stacks and the cross-attention); and BERT on Megatron's BERT data (token
 types, padding mask, MLM + sentence order; "bert_sop", data preprocessed by the reference phase) under PP 2
-("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards); ViT's debugmodel on the synthetic shapes
-(images + class labels, its own objective) under FSDP 2 and TP 2 + sequence parallel ("vit", "vit_tp").
+("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards);
+ViT's debugmodel on the synthetic shapes (images + class labels, its own objective) under FSDP 2 and TP 2 +
+sequence parallel ("vit", "vit_tp").
 
 Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
 families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
