@@ -17,7 +17,9 @@ debugmodel (masked-LM with 80/10/10, tied MLM decoder) under FSDP 2 and, in the 
 parallel ("bert_tp"), both held to the one-process run; T5's debugmodel (encoder-decoder, span corruption) the same
 way ("t5", "t5_tp": TP 2 + SP over both stacks and the cross-attention); and BERT on Megatron's BERT data (token
 types, padding mask, MLM + sentence order; "bert_sop", data preprocessed by the reference phase) under PP 2
-("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards).
+("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards);
+ViT's debugmodel on the synthetic shapes (images + class labels, its own objective) under FSDP 2 and TP 2 +
+sequence parallel ("vit", "vit_tp").
 
 Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
 families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
@@ -82,11 +84,13 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     assert ref["world"] == 1 and fsdp["world"] == 2
     toy = _toy(monkeypatch)
     spec = toy.SPEC
-    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "t5"):
+    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "t5", "vit"):
         _same_run(ref["runs"][family]["history"], fsdp["runs"][family]["history"])
     # BERT and T5 under TP 2 + sequence parallel (the same 2 processes, no FSDP) follow the one-process run too.
     _same_run(ref["runs"]["bert"]["history"], fsdp["runs"]["bert_tp"]["history"])
     _same_run(ref["runs"]["t5"]["history"], fsdp["runs"]["t5_tp"]["history"])
+    # ViT under TP 2 + SP: the class token sits on rank 0's token shard; the plan gathers it for the classifier.
+    _same_run(ref["runs"]["vit"]["history"], fsdp["runs"]["vit_tp"]["history"])
     # BERT on Megatron's data (token types and padding mask to both stages, MLM + sentence order, the tied decoder's
     # copy on the last stage) under PP 2 follows the one-process run too.
     _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_pp"]["history"])
@@ -118,7 +122,7 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
 
     # The masked-LM encoder and the image classifier learn too (slowly: 15% of 128 tokens / 4 images per step;
     # ~7.57 -> ~7.43 and ~2.18 -> ~1.99 here).
-    for family in ("toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5"):
+    for family in ("toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit"):
         losses = [h["loss"] for h in ref["runs"][family]["history"]]
         assert losses[-1] < losses[0], (family, losses)
     # Masked-LM's loss is over the masked tokens only: a fresh model's is near ln(vocab), as for next-token.

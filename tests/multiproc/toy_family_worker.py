@@ -41,7 +41,14 @@ FAMILIES["bert_sop"] = FAMILIES["bert_pp"] = models.get_spec("bert")
 FAMILIES["bert_sop_tp"] = models.get_spec("bert")
 # T5 (encoder-decoder, span corruption): the same two layouts, cross-attention included under TP.
 FAMILIES["t5"] = FAMILIES["t5_tp"] = models.get_spec("t5")
-TP_FAMILIES = ("bert_tp", "t5_tp", "bert_sop_tp")
+# ViT (images + class labels, its own objective, on the synthetic shapes set) the same two ways.
+FAMILIES["vit"] = FAMILIES["vit_tp"] = models.get_spec("vit")
+TP_FAMILIES = ("bert_tp", "t5_tp", "bert_sop_tp", "vit_tp")
+# a loader row is one 24x24 RGB image (1728 bytes): 9 patches + the class token, which sequence parallel cuts
+# evenly over 2 ranks; the null tokenizer: no text to read
+VIT = {"model": {"name": "vit", "flavor": "debugmodel", "vocab_size": 256, "args": {"image_size": 24}},
+       "training": {"seq_len": 3 * 24 * 24},
+       "data": {"dataset": "shapes", "tokenizer": "", "tokenizer_type": "NullTokenizer", "builtin_vocab_size": 256}}
 EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_masking": True},
                         "activation_checkpoint": {"mode": "full"}},
          # masked-LM masks with a spare row past the builtin tokenizer's 2048 tokens (its mask_token_id -1)
@@ -50,7 +57,8 @@ EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_ma
          "bert_tp": {"model": {"name": "bert", "flavor": "debugmodel", "vocab_size": 2056}},
          # 100 sentinel rows past the builtin tokenizer's 2048 tokens (the flavor's sentinel_top -1)
          "t5": {"model": {"flavor": "debugmodel", "vocab_size": 2148}},
-         "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}}}
+         "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}},
+         "vit": VIT, "vit_tp": VIT}
 TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's layout under 2 processes
 # bert_sop_tp's: the sentence-order loss does not go with loss parallel (models/bert/__init__.py's check)
 TP_SOP = {"parallelism": {"dp_shard": 1, "tp": 2, "enable_loss_parallel": False}}
@@ -151,7 +159,8 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         assert trainer.spec is spec and type(args) is spec.args_cls, (trainer.spec, type(args))
         if family != "bert_pp":  # (PP: no whole model, its stages in model_parts)
             assert isinstance(trainer.model, spec.model_cls), type(trainer.model)  # (FSDP subclasses it)
-        assert trainer.flops_per_token == spec.flops_per_token(args, SEQ) == trainer.metrics.flops_per_token
+        seq = trainer.cfg.training.seq_len  # SEQ but for vit (a row is one image)
+        assert trainer.flops_per_token == spec.flops_per_token(args, seq) == trainer.metrics.flops_per_token
         assert trainer.dims.fsdp_enabled == (expect_fsdp and family not in (*TP_FAMILIES, "bert_pp"))
         if expect_fsdp and family == "toy":
             check_fsdp_layout(trainer)
@@ -167,7 +176,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         "args": {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")},
         "counts": {"total": counts.total, "active": counts.active, "embedding": counts.embedding},
         "flops_per_token": trainer.flops_per_token,
-        "spec_flops_per_token": spec.flops_per_token(args, SEQ),
+        "spec_flops_per_token": spec.flops_per_token(args, trainer.cfg.training.seq_len),
         "local_params": local,
         "log": lines.lines,
     }, trainer
@@ -220,8 +229,9 @@ def saved_keys(step_dir: str) -> list[str]:
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
     runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
-            ("t5", False))
-    runs += ((("bert_tp", False), ("t5_tp", False), ("bert_pp", False), ("bert_sop_tp", False)) if fsdp else
+            ("t5", False), ("vit", False))
+    runs += ((("bert_tp", False), ("t5_tp", False), ("bert_pp", False), ("bert_sop_tp", False), ("vit_tp", False))
+             if fsdp else
              (("bert_sop", False),))
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"

@@ -41,6 +41,7 @@ WORLD_SIZES = {
     "deepseek_v3_671b.toml": [512],
     "gpt2_debug.toml": [1, 2],
     "bert_debug.toml": [1, 2],
+    "vit_debug.toml": [1, 2],
     "bert_megatron_debug.toml": [1, 2],
     "t5_megatron_debug.toml": [1, 2],
     "bert_base.toml": [8],

@@ -31,7 +31,11 @@ WITH_HF = [(name, flavor) for name, flavor in DEBUG if models.MODELS[name].hf is
 # Families whose FLOPs the counter cannot see whole (work it has no formula for): their own file accounts for every
 # difference exactly; the contract keeps the pipeline-cost checks for them.
 OWN_FLOP_COUNT = {"qwen3_next": "tests/unit/test_qwen3_next.py::test_flops_match_flop_counter (the DeltaNet's "
-                                "triangular solves are invisible to the counter)"}
+                                "triangular solves are invisible to the counter)",
+                  "vit": "tests/unit/test_vit.py::test_flops_per_image_match_the_flop_counter (a loader row is one "
+                         "image: its FLOPs per row / seq_len, matmuls only; the counter is held to them per image)"}
+# Families whose primary input is not token ids (images): their adapter's example_inputs(tokens, args) gives it.
+PIXEL_INPUT = {"vit"}
 
 
 def small_args(spec, flavor: str):
@@ -75,8 +79,10 @@ def test_counts_shape_and_args_match_every_flavor(name):
             model = spec.model_cls(args)
         assert counts.total == sum(p.numel() for p in model.parameters()), flavor
         assert counts.active <= counts.total and (counts.active == counts.total) == (shape.moe_topk == 0), flavor
-        assert counts.embedding >= model.tok_embeddings.weight.numel(), flavor  # GPT adds its position table
-        assert shape.n_layers == len(model.layers) and shape.dim == model.tok_embeddings.embedding_dim, flavor
+        table = getattr(model, "tok_embeddings", None)  # None: an image model (ViT's patch conv is a matmul)
+        assert counts.embedding >= (table.weight.numel() if table is not None else 0), flavor  # GPT: + positions
+        width = table.embedding_dim if table is not None else model.layers["0"].attention_norm.normalized_shape[0]
+        assert shape.n_layers == len(model.layers) and shape.dim == width, flavor
         # The first attention module (hybrid families have other mixers on some layers, or no attention at all).
         attn = next((m for m in model.modules() if hasattr(m, "wkv_b") or hasattr(m, "wk") and hasattr(m, "wv")),
                     None)
@@ -140,6 +146,9 @@ def test_flops_per_token_and_pp_costs_match_the_flop_counter(name, flavor):
     out_1d = sum(p.numel() for m in spec.output_modules if getattr(model, m) is not None  # (absent in a layout)
                  for p in getattr(model, m).parameters() if p.ndim == 1)
     total = sum(costs.layers.values()) + costs.embedding + costs.output
+    if name in PIXEL_INPUT:  # vit: matmuls only, per image / seq_len (floats): the pieces add up to the whole
+        assert total == pytest.approx(spec.flops_per_token(args, SEQ), rel=1e-12)
+        return
     assert total == spec.flops_per_token(args, SEQ) - 6 * out_1d, (total, out_1d)
 
 
@@ -197,18 +206,23 @@ def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def _inputs(spec, tokens: torch.Tensor) -> tuple[dict, dict]:
-    """Our forward's keyword inputs and transformers' for the same logits: the adapter's example_inputs where it has
-    them (an encoder-decoder's decoder ids), else the tokens alone."""
+def _inputs(spec, tokens: torch.Tensor, args) -> tuple[torch.Tensor, dict, dict]:
+    """Our forward's primary input and keyword inputs, and transformers' inputs, for the same logits: the adapter's
+    example_inputs where it has them (an encoder-decoder's decoder ids; an image model's pixels, args=its args),
+    else the tokens alone."""
     example = getattr(spec.hf, "example_inputs", None)
-    return example(tokens) if example is not None else ({}, {"input_ids": tokens})
+    if example is None:
+        return tokens, {}, {"input_ids": tokens}
+    if spec.name in PIXEL_INPUT:
+        return example(tokens, args)
+    return (tokens, *example(tokens))
 
 
-def assert_logits_match(ours, theirs, spec) -> torch.Tensor:
+def assert_logits_match(ours, theirs, spec, args) -> torch.Tensor:
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    ours_kw, theirs_kw = _inputs(spec, tokens)
+    primary, ours_kw, theirs_kw = _inputs(spec, tokens, args)
     with torch.no_grad():
-        got, want = ours.eval()(tokens, **ours_kw), theirs(**theirs_kw).logits
+        got, want = ours.eval()(primary, **ours_kw), theirs(**theirs_kw).logits
     # non-trivial logits (above 1 but for the original T5, whose tied head scales by dim ** -0.5: 0.33)
     assert want.abs().max() > 0.25
     # fp32 through differently ordered kernels: 3e-5 of the largest logit, at least 1e-4 (qwen3_next's debug model:
@@ -252,7 +266,7 @@ def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, f
     theirs = auto.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
     assert type(theirs).__name__ == config["architectures"][0]
     assert sum(p.numel() for p in theirs.parameters()) == spec.param_counts(args).total
-    logits = assert_logits_match(ours, theirs, spec)
+    logits = assert_logits_match(ours, theirs, spec, args)
     own = spec.hf.from_hf(theirs.state_dict(), args)  # transformers' own names (5.x: fused experts), tie included
     assert own.keys() == sd.keys() and all(torch.equal(own[k], sd[k]) for k in sd), sorted(set(own) ^ set(sd))
 
@@ -260,7 +274,7 @@ def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, f
     write_model_step(step, name, args, sd, {}, "test", "test", "test")
     out = export_hf(step, str(tmp_path / "exported"), dtype="float32", progress=False, with_tokenizer=False)
     theirs = auto.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
-    assert_logits_match(ours, theirs, spec)
+    assert_logits_match(ours, theirs, spec, args)
     imported = import_hf(out, str(tmp_path / "imported"), progress=False)
     assert imported["model"] == name
     again, _ = model_from_meta(imported["path"])
@@ -271,4 +285,5 @@ def test_hf_export_loads_in_transformers_with_our_logits_and_round_trips(name, f
         assert again.output.weight is again.tok_embeddings.weight  # the tie survives the checkpoint load
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(again.eval()(tokens, **_inputs(spec, tokens)[0]), logits)
+        primary, ours_kw, _ = _inputs(spec, tokens, args)
+        assert torch.equal(again.eval()(primary, **ours_kw), logits)

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 # titanlike.data.dataset.DATASETS
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5")
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
 
@@ -72,16 +72,18 @@ def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] 
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
-    if dataset in ("indexed", "text", "chat", "preference", "bert", "t5") and not paths:
+    if dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder") and not paths:
         what = {"indexed": "Megatron .bin/.idx prefixes, optionally weighted: "
                            "\"0.3 /data/a_text_document 0.7 /data/b\"",
                 "bert": "sentence-split .bin/.idx prefixes (scripts/preprocess_data.py --split-sentences)",
                 "t5": "sentence-split .bin/.idx prefixes (scripts/preprocess_data.py --split-sentences)",
                 "text": "JSONL/Parquet/text files, globs or folders",
                 "chat": "JSONL/Parquet conversation files, globs, or folders saved by datasets' save_to_disk",
-                "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs"}[dataset]
+                "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs",
+                "image_folder": "one root folder in ImageNet's layout (ROOT/train/<class>/*.JPEG, ROOT/val/..)"
+                }[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
-    elif dataset in ("stdlib", "mock") and paths:
+    elif dataset in ("stdlib", "mock", "shapes") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
                       "data.dataset=indexed (Megatron .bin/.idx prefixes) or data.dataset=text (JSONL/Parquet/text)")
     elif dataset == "chat":

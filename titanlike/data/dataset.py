@@ -184,11 +184,24 @@ def _build_masked(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, path
     return BlendedDataset(parts, weights or [float(len(p.groups)) for p in parts])  # plain prefixes: by samples
 
 
+def _build_shapes(data_cfg, tokenizer, **kw):
+    from titanlike.data.images import build_shapes
+
+    return build_shapes(data_cfg, tokenizer, **kw)
+
+
+def _build_image_folder(data_cfg, tokenizer, **kw):
+    from titanlike.data.images import build_image_folder
+
+    return build_image_folder(data_cfg, tokenizer, **kw)
+
+
 # bert / t5: masked-LM samples from sentence-split .bin/.idx (titanlike/data/bert_dataset.py, t5_dataset.py)
 # chat: conversations for SFT (titanlike/data/sft.py); preference: (chosen, rejected) pairs for DPO
-# (titanlike/data/preference.py)
+# (titanlike/data/preference.py); shapes / image_folder: one image's bytes per row (titanlike/data/images.py)
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
-            "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked}
+            "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked,
+            "shapes": _build_shapes, "image_folder": _build_image_folder}
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
@@ -200,10 +213,12 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
         raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
-    if data_cfg.dataset in ("indexed", "text", "chat", "preference", "bert", "t5") and not data_cfg.paths:
+    if data_cfg.dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder") \
+            and not data_cfg.paths:
         raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
                          "weighted, for indexed; JSONL/Parquet/text files or globs for text; conversation files or "
-                         "saved HF datasets for chat; JSONL pairs for preference; sentence-split prefixes for bert/t5)")
+                         "saved HF datasets for chat; JSONL pairs for preference; sentence-split prefixes for bert/t5; "
+                         "the root folder for image_folder)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
                                       dp_degree=dp_degree, paths_key=paths_key)

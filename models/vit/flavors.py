@@ -1,0 +1,21 @@
+"""ViT flavors: the published sizes (Dosovitskiy et al. 2020; HF google/vit-{base,large}-patch16-224,
+google/vit-huge-patch14-224-in21k), 224 x 224 RGB, ImageNet-1k's 1000 classes."""
+from __future__ import annotations
+
+from models.vit.args import ModelArgs
+
+
+def _vit(dim: int, n_layers: int, n_heads: int, patch: int) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=4 * dim, image_size=224, patch_size=patch,
+                     n_classes=1000)
+
+
+vit_flavors: dict[str, ModelArgs] = {
+    # CPU tests and smoke runs: 32 x 32 images in 8 x 8 patches (16 patches + the class token), the synthetic
+    # shapes set's 10 classes (titanlike/data/images.py).
+    "debugmodel": ModelArgs(dim=64, n_layers=2, n_heads=4, ffn_dim=256, image_size=32, patch_size=8, n_classes=10,
+                            max_seq_len=3 * 32 * 32),
+    "B/16": _vit(768, 12, 12, 16),  # 86.6M
+    "L/16": _vit(1024, 24, 16, 16),  # 304M
+    "H/14": _vit(1280, 32, 16, 14),  # 632M
+}

@@ -1,0 +1,42 @@
+"""The ViT objective: a loader row of pixel bytes becomes one image and its class.
+
+Image datasets (titanlike/data/images.py: data.dataset = "shapes" or "image_folder") yield `(input_ids [B, S],
+labels [B, S])` int64 like every loader, so the sampler, resume and resharding are the token loaders': a row's first
+C * H * W values are the image's bytes (0..255, channel-major: [C, H, W] flattened), the rest zero; every label of
+the row is its class. The objective reshapes the bytes to pixels normalised as HF's ViTImageProcessor does ((x/255 -
+0.5) / 0.5) and keeps one label per image, so the loss is a mean over the step's images on any layout. Nothing is
+drawn: a resumed run and any layout see the same batch. Nothing in the Batch is a sequence context parallel could cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.batch import Batch, StepContext
+from models.vit.args import ModelArgs
+
+IMAGE_DATASETS = ("shapes", "image_folder", "mock")  # mock: random bytes and classes (throughput runs)
+
+
+@dataclass(frozen=True)
+class Images:
+    args: ModelArgs
+    loss: str = "cross_entropy"
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
+        a = self.args
+        if input_ids.shape[-1] < a.pixels:
+            raise ValueError(f"training.seq_len={input_ids.shape[-1]}: a vit row holds one {a.channels}x"
+                             f"{a.image_size}x{a.image_size} image; set training.seq_len={a.pixels}")
+        pixels = input_ids[:, :a.pixels].reshape(-1, a.channels, a.image_size, a.image_size)
+        pixels = pixels.to(torch.float32) / 127.5 - 1.0
+        return Batch(inputs={"pixels": pixels}, labels=labels[:, 0] % max(a.n_classes, 1), primary="pixels",
+                     sequence=())
+
+    def data_problem(self, data: Any) -> str | None:
+        if data.dataset not in IMAGE_DATASETS:
+            return (f"data.dataset={data.dataset!r}: vit trains on images; set data.dataset to one of "
+                    f"{list(IMAGE_DATASETS)}")
+        return None

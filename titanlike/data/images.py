@@ -1,0 +1,134 @@
+"""Image-classification datasets for vision families (models/vit): a row of pixel bytes and its class.
+
+Every sample is `(input_ids [S], labels [S])` int64 like a token window, so the loader, the global-order sampler,
+resume and resharding are the token datasets' (docs/data.md): input_ids holds one image's bytes (0..255) channel-
+major, [C, H, W] flattened, with S = training.seq_len = C * H * W; every label is the image's class. The family's
+objective (models/vit/objective.py) makes them pixels and one label per image.
+
+- "shapes": a synthetic set drawn procedurally, no files: 10 classes = 5 shapes (square, disc, triangle, horizontal
+  bar, vertical bar) x 2 colour families (warm, cool), at a random place and size, with colour jitter and background
+  noise. Sample i is drawn from (seed, split, i) alone: deterministic, endless, any layout sees the same images.
+- "image_folder": ImageNet's layout, data.paths = [ROOT]: ROOT/<split>/<class>/<image> (split "train" / "val";
+  validation reads "val"), classes numbered in sorted order; each image resized (shorter side) and centre-cropped to
+  the square side, RGB. Needs Pillow.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+CHANNELS = 3
+N_SHAPES, N_COLOURS = 5, 2
+SHAPES_CLASSES = N_SHAPES * N_COLOURS
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+def image_side(seq_len: int, dataset: str) -> int:
+    """The square side whose RGB bytes fill a row of seq_len values; ValueError naming training.seq_len."""
+    side = math.isqrt(seq_len // CHANNELS)
+    if CHANNELS * side * side != seq_len:
+        raise ValueError(f"training.seq_len={seq_len}: data.dataset={dataset!r} rows hold one {CHANNELS}-channel "
+                         f"square image; set training.seq_len = 3 * image_size**2 (3072 for 32x32, 150528 for 224)")
+    return side
+
+
+def _row(image: np.ndarray, label: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.from_numpy(np.ascontiguousarray(image, dtype=np.int64).reshape(-1))
+    return ids, torch.full_like(ids, label)
+
+
+class ShapesDataset(Dataset):
+    """Procedural shapes; its length is nominal (the sampler wraps), samples are a function of (seed, split, i)."""
+
+    def __init__(self, seq_len: int, seed: int = 0, split: str = "train", num_samples: int = 1 << 30):
+        self.side = image_side(seq_len, "shapes")
+        self.seed, self.split_id = int(seed), ("train", "valid", "test").index(split)
+        self.num_samples = int(num_samples)
+        self.n_classes = SHAPES_CLASSES
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def draw(self, i: int) -> tuple[np.ndarray, int]:
+        """(image uint8 [C, H, W], class)."""
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.split_id, int(i), 0x5A17E5])
+        s = self.side
+        label = int(rng.integers(SHAPES_CLASSES))
+        shape, colour = divmod(label, N_COLOURS)
+        image = rng.normal(90, 25, (CHANNELS, s, s))  # grey noisy background
+        yy, xx = np.mgrid[0:s, 0:s].astype(np.float64)
+        r = rng.uniform(0.18, 0.32) * s  # half size
+        cy, cx = rng.uniform(r, s - r, 2)
+        if shape == 0:
+            mask = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r)
+        elif shape == 1:
+            mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
+        elif shape == 2:  # apex up: the width grows linearly from the top
+            mask = (yy >= cy - r) & (yy <= cy + r) & (np.abs(xx - cx) <= (yy - (cy - r)) / 2)
+        elif shape == 3:
+            mask = (np.abs(yy - cy) <= r / 3) & (np.abs(xx - cx) <= r)
+        else:
+            mask = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r / 3)
+        warm = np.array([220.0, rng.uniform(40, 160), 40.0])
+        rgb = warm if colour == 0 else warm[::-1].copy()  # cool: blue-dominant
+        rgb = rgb + rng.normal(0, 15, 3)
+        image[:, mask] = rgb[:, None]
+        return np.clip(image, 0, 255).astype(np.uint8), label
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.draw(i)
+        return _row(image, label)
+
+
+class ImageFolderDataset(Dataset):
+    """ROOT/<split>/<class>/<image> files, decoded with Pillow on access (in the loader's workers)."""
+
+    def __init__(self, root: str, seq_len: int, split: str = "train"):
+        self.side = image_side(seq_len, "image_folder")
+        folder = Path(root) / ("train" if split == "train" else "val")
+        if not folder.is_dir():
+            raise ValueError(f"data.paths={root!r}: no {folder.name}/ folder of class folders (ImageNet's layout "
+                             f"ROOT/train/<class>/*.JPEG, ROOT/val/<class>/*.JPEG)")
+        self.classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        self.files = [(str(f), c) for c, name in enumerate(self.classes) for f in sorted((folder / name).iterdir())
+                      if f.suffix.lower() in IMAGE_EXTENSIONS]
+        if not self.files:
+            raise ValueError(f"data.paths={root!r}: no images under {folder}/<class>/ (extensions "
+                             f"{', '.join(IMAGE_EXTENSIONS)})")
+        self.n_classes = len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image
+
+        path, label = self.files[i]
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            scale = self.side / min(im.size)
+            w, h = max(self.side, round(im.size[0] * scale)), max(self.side, round(im.size[1] * scale))
+            im = im.resize((w, h), Image.BILINEAR)
+            left, top = (w - self.side) // 2, (h - self.side) // 2
+            im = im.crop((left, top, left + self.side, top + self.side))
+            image = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)  # HWC -> CHW
+        return _row(image, label)
+
+
+def build_shapes(data_cfg, tokenizer, *, seq_len, split, seed, **_):
+    return ShapesDataset(seq_len, seed=seed, split=split)
+
+
+def build_image_folder(data_cfg, tokenizer, *, seq_len, split, paths_key="data.paths", **_):
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ValueError("data.dataset='image_folder' decodes images with Pillow, which is not installed: "
+                         "pip install pillow, or use data.dataset='shapes'") from None
+    if len(data_cfg.paths) != 1:
+        raise ValueError(f"{paths_key}={data_cfg.paths}: image_folder reads one root folder (ROOT/train/<class>/..)")
+    return ImageFolderDataset(data_cfg.paths[0], seq_len, split=split)
