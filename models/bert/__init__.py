@@ -6,7 +6,7 @@ from models.bert import hf
 from models.bert.args import ModelArgs
 from models.bert.counts import flops_per_token, param_counts, pp_costs, shape
 from models.bert.flavors import bert_flavors
-from models.bert.model import Attention, Bert, TransformerBlock
+from models.bert.model import Bert, TransformerBlock
 from models.bert.objective import BertPretraining, bert_objective
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.spec import ModelSpec
@@ -50,4 +50,4 @@ SPEC = ModelSpec(
     objective=bert_objective,  # masked-LM on plain tokens; Megatron's MLM + sentence order on data.dataset="bert"
 )
 
-__all__ = ["SPEC", "Attention", "Bert", "BertPretraining", "ModelArgs", "TransformerBlock", "bert_flavors"]
+__all__ = ["SPEC", "Bert", "BertPretraining", "ModelArgs", "TransformerBlock", "bert_flavors"]

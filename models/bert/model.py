@@ -23,49 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.bert.args import ModelArgs
+from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward
 
 
 def _layer_norm(args: ModelArgs) -> nn.LayerNorm:
     return nn.LayerNorm(args.dim, eps=args.norm_eps)
 
 
-class FirstToken(nn.Module):
-    """h [B, S, D] -> h[:, 0] [B, D]: the token the pooler reads ([CLS]). A module of its own only so a plan can
-    hook its input (no parameters: nothing in a checkpoint)."""
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h[:, 0]
 
 
-class Attention(nn.Module):
-    """Bidirectional multi-head attention; `mask` (bool [B, 1, S|1, S], True = may attend) or None."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.dim)
-        self.wk = nn.Linear(args.dim, args.dim)
-        self.wv = nn.Linear(args.dim, args.dim)
-        self.wo = nn.Linear(args.dim, args.dim)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        bs, seqlen, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
-        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """w2(gelu(w1 x)), exact (erf) GELU as BERT's "gelu"."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim)
-        self.w2 = nn.Linear(hidden_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -76,9 +44,9 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.pre_ln = args.pre_ln
         self.attention_norm = _layer_norm(args)
-        self.attention = Attention(args)
+        self.attention = EncoderAttention(args.dim, args.head_dim)
         self.ffn_norm = _layer_norm(args)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim)
         self.dropout = args.hidden_dropout
         self.init_std = args.init_std
         # Megatron scales the projections into the residual stream by depth (pre-LN); HF BERT does not (post-LN

@@ -12,10 +12,10 @@ gather the sequence-parallel shards there (parallelize/vit.py) while this file s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.vit.args import ModelArgs
+from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward
 
 
 class PatchEmbed(nn.Module):
@@ -39,38 +39,10 @@ class PatchEmbed(nn.Module):
         return torch.cat([cls, x], dim=1) + self.pos_embed
 
 
-class FirstToken(nn.Module):
-    """h [B, T, D] -> h[:, 0] [B, D]: the class token the classifier reads."""
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h[:, 0]
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.dim)
-        self.wk = nn.Linear(args.dim, args.dim)
-        self.wv = nn.Linear(args.dim, args.dim)
-        self.wo = nn.Linear(args.dim, args.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bs, seqlen, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
-        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v)  # every token sees every token
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim)
-        self.w2 = nn.Linear(hidden_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))  # exact (erf) GELU: HF's hidden_act="gelu"
 
 
 class TransformerBlock(nn.Module):
@@ -81,9 +53,9 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.init_std = args.init_std
         self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = EncoderAttention(args.dim, args.head_dim)
         self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))

@@ -1,0 +1,48 @@
+"""Building blocks of the bidirectional encoders (BERT, ViT): attention in which every token sees every token (or
+those a padding mask allows), the GELU MLP, and the first-token read of a pooler or classifier."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional multi-head attention with biased projections (HF's BERT and ViT layout); `mask` (bool
+    [B, 1, S|1, S], True = may attend) or None."""
+
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, dim)
+        self.wv = nn.Linear(dim, dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class GeluFeedForward(nn.Module):
+    """w2(gelu(w1 x)), the exact (erf) GELU: HF's hidden_act="gelu" for BERT and ViT."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim)
+        self.w2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class FirstToken(nn.Module):
+    """h [B, S, D] -> h[:, 0] [B, D]: the token a pooler or classifier reads ([CLS], the class token). A module of
+    its own only so a plan can hook its input (sequence parallel gathers it; no parameters, nothing in a
+    checkpoint)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, 0]
