@@ -34,8 +34,13 @@ FAMILIES += [("nemotron_h", "debugmodel_moe")]  # "ME*E": MoE layers carry no st
 LOGITS_ATOL = 1e-4
 
 
+# Families titanlike.infer does not generate with, and why; a new family must land in one list or the other.
+NOT_HERE = {"bert": "an encoder: nothing to generate", "vit": "an image classifier",
+            "t5": "an encoder-decoder: models/t5/generate.py, held to transformers' generate in test_t5.py"}
+
+
 def test_every_family_is_covered():
-    assert sorted({f for f, _ in FAMILIES}) == sorted(models.MODELS)
+    assert sorted({f for f, _ in FAMILIES} | set(NOT_HERE)) == sorted(models.MODELS)
 
 
 def tiny(family: str, flavor: str, seed: int = 0) -> torch.nn.Module:

@@ -243,7 +243,8 @@ def test_master_weights_keep_the_frozen_base_in_the_compute_dtype():
 def test_peft_names_for_every_family_with_an_hf_adapter():
     """The PEFT export's row/column probe through each family's to_hf (titanlike/checkpoint/lora_export.py): every
     Linear that may take an adapter in every debug flavor maps to one HF weight by whole rows and columns, except
-    GPT's q/k/v (HF fuses them into c_attn) and its tied output (not written), refused in one line each."""
+    GPT's q/k/v (HF fuses them into c_attn) and the tied outputs (GPT's, BERT's MLM decoder, the original T5's head:
+    not written), refused in one line each."""
     from titanlike.checkpoint.layout import CheckpointError
     from titanlike.checkpoint.lora_export import _gather
     from models.common.lora import candidates
@@ -270,4 +271,7 @@ def test_peft_names_for_every_family_with_an_hf_adapter():
                     transposed.add(name)
     assert sorted(k[2] for k in refused if k[:2] == ("gpt", "debugmodel")) == [
         "layers.1.attention.wk", "layers.1.attention.wq", "layers.1.attention.wv", "output"]
-    assert {k[0] for k in refused} == {"gpt"} and transposed == {"gpt"}  # HF GPT-2's Conv1D: fan_in_fan_out
+    # The tied outputs (BERT's MLM decoder, the original T5's head) are the embedding in HF: no weight of their own
+    assert {k for k in refused if k[0] != "gpt"} == {("bert", f, "output") for f in (
+        "debugmodel", "debugmodel_preln", "debugmodel_roberta")} | {("t5", "debugmodel_original", "output")}
+    assert transposed == {"gpt"}  # HF GPT-2's Conv1D: fan_in_fan_out
