@@ -89,6 +89,21 @@ def patch_fla(model_type: str) -> list[str]:
     return patched
 
 
+def _profiler(step: int):
+    """PEER_PROFILE_STEP=N: a torch.profiler trace of step N (chrome JSON in PEER_PROFILE_DIR, default ./peer_trace),
+    with the ProfilerStep annotations scripts/bench/kernel_breakdown.py reads; None when unset."""
+    if step < 1:
+        return None
+    out = os.environ.get("PEER_PROFILE_DIR", "peer_trace")
+    os.makedirs(out, exist_ok=True)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    prof = torch.profiler.profile(
+        activities=acts, schedule=torch.profiler.schedule(wait=max(step - 2, 0), warmup=min(step - 1, 1), active=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out, f"peer_step{step}.json")))
+    prof.start()
+    return prof
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("flavor")
@@ -124,6 +139,7 @@ def main() -> None:
     tokens = a.batch * a.seq
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_last, n_since = time.perf_counter(), 0
+    prof = _profiler(int(os.environ.get("PEER_PROFILE_STEP", "0")))
     for step in range(1, a.steps + 1):
         ids = torch.randint(0, args.vocab_size, (a.batch, a.seq), device="cuda", generator=gen)
         loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
@@ -131,6 +147,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if prof is not None:
+            prof.step()
         n_since += 1
         if step % a.log_freq == 0 or step == a.steps:
             torch.cuda.synchronize()
@@ -141,6 +159,8 @@ def main() -> None:
             value = loss.item()
             print(f"step: {step} loss: {value if math.isfinite(value) else float('nan'):.4f} memory: {mem:.2f}GiB "
                   f"tps: {tps:,.0f} tflops: {tps * fpt / 1e12:.2f} mfu: {100 * tps * fpt / PEAK:.2f}%", flush=True)
+    if prof is not None:
+        prof.stop()
 
 
 if __name__ == "__main__":
