@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     results, peer_runs = [], {}
     for i, case in enumerate(cases):
         tokens = tokens_per_step(case)  # so step times come out right for every layout
-        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], vocab_of(case, a), case["dec_seq"])
+        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], vocab_of(case, a), dec_seq=case["dec_seq"])
         res = {"label": label(case), "case": case, "flops_per_token": fpt, "vocab": vocab_of(case, a)}
         log = a.log and f"{a.log}.{i}"
         text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},

@@ -330,7 +330,7 @@ def test_peer_auto_is_the_in_repo_launcher(monkeypatch):
 
     # main() hands the resolved path on: capture the commands instead of running them (FLOP counts are not the point)
     ran = []
-    monkeypatch.setattr(bench, "flops_per_token", lambda model, flavor, seq, vocab: None)
+    monkeypatch.setattr(bench, "flops_per_token", lambda model, flavor, seq, vocab, dec_seq=0: None)
     monkeypatch.setattr(bench, "run", lambda cmd, env, log, timeout: ran.append((cmd, env.get("NPROC"))) or ("", 0, 0))
     bench.main(["--flavor", "debugmodel", "--vocab", "256", "--steps", "3", "--peer", "auto"])
     (ours, _), (peer_run, nproc) = ran
