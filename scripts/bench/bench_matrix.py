@@ -26,7 +26,9 @@ def on_off(v) -> bool:
 AXES = {"model": (str, DEFAULT_MODEL), "flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
         "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
         "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, ""),
-        "peer_ac": (str, ""), "post": (str, "")}
+        "peer_ac": (str, ""), "post": (str, ""), "dec_seq": (int, 0)}
+# dec_seq: t5's decoder tokens per row (0: what its span objective makes from seq, padded to a multiple of 8)
+ENCODER_MODELS = ("bert", "t5")  # their peer is peer_hf.py: BertForPreTraining / T5ForConditionalGeneration
 POST = ("", "sft", "lora", "dpo")  # post: "" pretraining; else the post-training case (scripts/bench/peer_trl.py)
 
 
@@ -63,6 +65,8 @@ def _check_case(case: dict) -> dict:
     parse_layout(case["layout"])
     if case["post"] not in POST:
         raise ValueError(f"post={case['post']!r}: choose one of {POST[1:]} (or \"\" for pretraining)")
+    if case["dec_seq"] and case["model"] != "t5":
+        raise ValueError(f"dec_seq={case['dec_seq']} is t5's decoder length; model={case['model']!r} has no decoder")
     if case["peer_ac"] and case["peer_ac"].partition(":")[0] not in AC_MODES:
         raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} "
                          f"(\"\": the same as ac)")
@@ -108,7 +112,8 @@ def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None)
 
 def label(case: dict) -> str:
     parts = [*([case["post"]] if case["post"] else []), *([case["model"]] if case["model"] != DEFAULT_MODEL else []),
-             case["flavor"], f"s{case['seq']}", f"b{case['batch']}", f"n{case['nproc']}",
+             case["flavor"], f"s{case['seq']}", *([f"d{case['dec_seq']}"] if case["dec_seq"] else []),
+             f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
         parts.append(f"ac-{case['ac']}" + (f"-{case['ac_option']}" if case["ac"] != "full" else ""))
@@ -119,3 +124,28 @@ def label(case: dict) -> str:
     if case["peer_ac"]:
         parts.append(f"peer-ac-{case['peer_ac'].replace(':', '-')}")
     return " ".join(parts)
+
+
+def encoder_flags(case: dict, data: str) -> list[str]:
+    """titanlike's flags for BERT and T5 cases. t5 with dec_seq: the span objective pads the decoder to a multiple of
+    model.args.decoder_multiple, so that multiple = dec_seq makes every row's decoder exactly dec_seq tokens (on plain
+    data, e.g. mock, and the FLOPs count follows), and data.decoder_seq_length = dec_seq does it on Megatron's T5 data
+    (data.dataset=t5). bert on mock or stdlib data (the builtin tokenizer, which has no [MASK]): the mask id is the
+    vocabulary's last row (mask_token_id = -1, a spare row past the tokenizer's tokens) instead of the flavor's 103."""
+    n = case["dec_seq"]
+    if case["model"] == "t5" and n:
+        return [f"--model.args={{decoder_multiple = {n}}}", f"--data.decoder_seq_length={n}"]
+    if case["model"] == "bert" and data in ("mock", "stdlib"):
+        return ["--model.args={mask_token_id = -1}"]
+    return []
+
+
+def vocab_of(case: dict, opts) -> int:
+    """--vocab, or without it the flavor's own vocabulary for BERT and T5 (30522, 32128) and 128256 for the rest."""
+    if opts.vocab:
+        return opts.vocab
+    if case["model"] in ENCODER_MODELS:
+        import models
+
+        return models.get_spec(case["model"]).flavors[case["flavor"]].vocab_size
+    return 128256

@@ -3,6 +3,8 @@
     python scripts/bench/benchmark.py --flavor 1B --seq 4096 --batch 2 --compile on --float8 none,tensorwise \
         --peer auto --out results/bench.json
     python scripts/bench/benchmark.py --matrix bench.toml --out results/bench.json   # cases from a TOML file
+    python scripts/bench/benchmark.py --model bert --flavor bert-large --seq 512 --batch 16 --data mock \
+        --compile on --peer hf --out results/bert.json                       # BERT and T5: see below
 
 The peer's launcher is scripts/bench/peer_torchtitan.sh (`--peer auto` names the one in this checkout; it needs
 torchtitan 0.2.2's wheels, see docs/benchmarks.md "How to reproduce"); --peer takes any other launcher's path too,
@@ -15,7 +17,8 @@ Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | r
 float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
 memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as
 tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
-TOML; default by flavor), post ("" pretraining; sft | lora | dpo: the post-training cases, see below).
+TOML; default by flavor), post ("" pretraining; sft | lora | dpo: the post-training cases, see below), dec_seq (t5's
+decoder length, see below).
 
 Post-training (issue 36): `--peer trl --post sft,lora,dpo` (or `--peer trl-sft` etc.) runs titanlike with chat data
 (packed, document masking), the same plus [lora], or preference pairs packed into rows (data.preference_layout=pack,
@@ -27,6 +30,19 @@ titanlike, pairs for TRL (which pads each batch to its longest sequence), so the
 In the JSON as pairs_s, the ratio of the two as ratio. SFT/LoRA: the peer counts the real tokens of its padding-free
 batches, titanlike whole packed rows, so the ratio scales titanlike's tok/s by its pack fill (the share of row tokens
 that are conversation tokens, from its start-up log; in the JSON as pack_fill).
+
+BERT and T5 (`--model bert` / `--model t5 --peer hf`): the peer is transformers' BertForPreTraining (MLM + NSP
+labels) / T5ForConditionalGeneration, compiled, bf16, fused AdamW, on random tokens of the same shape
+(scripts/bench/peer_hf.py); titanlike should read `--data mock` (random tokens: its objective draws BERT's masks and
+T5's spans from plain rows, nothing to download). No config given: configs/base_gpu.toml (one GPU, compiled, bf16)
+with --model.name. --vocab defaults to the flavor's (30522, 32128; --vocab 30592 for Megatron's padded BERT table).
+`--dec-seq N` (t5 only) sets the decoder length on both sides: titanlike's model.args.decoder_multiple = N (its span
+objective pads every row's decoder to it; data.decoder_seq_length = N too, for Megatron's T5 data) and the peer's
+`--decoder-len N`; without it both take the span objective's length from seq (104 at 512, padded to 8). Tokens per
+step, both sides: batch x seq, the encoder's tokens for T5 (what titanlike's loader counts); FLOPs per token:
+titanlike's count (models/<family>/counts.py) at the same args, for both (T5: per encoder token with the decoder's
+share at its length). On plain rows titanlike's BERT has no binary head (refused without sentence-pair labels), so
+the peer also runs a pooler and a 2-way classifier per row, uncounted (under 0.1% of the FLOPs).
 
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
@@ -59,7 +75,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
 from bench_report import (compare_to_bf16, format_table, pack_fill, parse_ours, parse_peer,
                           summarize)
-from bench_matrix import AXES, expand_matrix, label, on_off, parse_layout, peer_ac
+from bench_matrix import (AXES, ENCODER_MODELS, encoder_flags, expand_matrix, label, on_off, parse_layout, peer_ac,
+                          vocab_of)
 
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
@@ -76,7 +93,10 @@ POST_FLAGS = {"sft": SFT_FLAGS, "lora": [*SFT_FLAGS, "--lora.enable=true"],
 
 def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
-    config for the debug flavor, else configs/base_gpu.toml with --model.flavor."""
+    config for the debug flavor, else configs/base_gpu.toml with --model.flavor. BERT and T5: configs/<model>_debug.toml
+    for their debug flavors, else configs/base_gpu.toml (one GPU)."""
+    if model in ENCODER_MODELS and flavor.startswith("debugmodel"):
+        return f"configs/{model}_debug.toml"
     if flavor == "debugmodel":
         return "configs/debug_model.toml"
     path = f"configs/{model}_{flavor.lower()}.toml"
@@ -141,7 +161,8 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
         data = [f.format(d=opts.post_data) for f in POST_FLAGS[case["post"]]] + [
             f"--data.tokenizer={opts.post_data}/tokenizer"]
     cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}",
-           f"--model.flavor={case['flavor']}", f"--model.vocab_size={opts.vocab}", *data,
+           f"--model.flavor={case['flavor']}", f"--model.vocab_size={vocab_of(case, opts)}", *data,
+           *encoder_flags(case, opts.data),
            f"--training.seq_len={case['seq']}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
@@ -172,9 +193,15 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     if not (hf or trl) and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
     ac, ac_option = peer_ac(case)
-    args = [sys.executable, opts.peer, "--vocab", str(opts.vocab)] if hf else ["bash", opts.peer]
+    if not hf and case["model"] in ENCODER_MODELS:
+        return None  # torchtitan does not train BERT or T5: their peer is transformers' (--peer hf)
+    args = [sys.executable, opts.peer, "--vocab", str(vocab_of(case, opts)), "--model", case["model"]] if hf else \
+        ["bash", opts.peer]
+    if hf and case["dec_seq"]:
+        args += ["--decoder-len", str(case["dec_seq"])]
     if trl:
-        args = [sys.executable, opts.peer, case["post"], "--vocab", str(opts.vocab), "--data", opts.post_data]
+        args = [sys.executable, opts.peer, case["post"], "--vocab", str(vocab_of(case, opts)), "--data",
+                opts.post_data]
     args += [case["flavor"], "--training.seq_len", str(case["seq"]),
             "--training.local_batch_size", str(case["batch"]), "--training.steps", str(opts.steps),
             "--metrics.log_freq", str(opts.log_freq),
@@ -194,13 +221,16 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     return args + list(opts.peer_extra)
 
 
-def flops_per_token(model: str, flavor: str, seq: int, vocab: int) -> float | None:
-    """Model FLOPs per token (the ModelSpec's count, as the trainer logs it); None for an unknown flavor."""
+def flops_per_token(model: str, flavor: str, seq: int, vocab: int, dec_seq: int = 0) -> float | None:
+    """Model FLOPs per token (the ModelSpec's count, as the trainer logs it); None for an unknown flavor. T5: per
+    encoder token, the decoder dec_seq long (0: the span objective's length for seq), as peer_hf.py counts it."""
     try:
         import models
 
         spec = models.get_spec(model)
-        return spec.flops_per_token(dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq), seq)
+        args = dataclasses.replace(spec.flavors[flavor], vocab_size=vocab, max_seq_len=seq,
+                                   **({"decoder_multiple": dec_seq} if dec_seq else {}))
+        return spec.flops_per_token(args, seq)
     except (KeyError, ValueError, ImportError):
         return None
 
@@ -284,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from the medians")
     p.add_argument("--log-freq", type=int, default=1,
                    help="both log (and read the loss back, a host sync) every N steps; each line's tok/s covers its N")
-    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary of both sides (0: 30522 bert, 32128 t5 (their "
+                   "flavors'), else 128256)")
     p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
                    "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), 'trl' = "
@@ -318,12 +349,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         ensure(a.post_data)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data, "vocab": a.vocab}
+    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data,
+           "vocab": a.vocab or "per case"}
     results, peer_runs = [], {}
     for i, case in enumerate(cases):
         tokens = tokens_per_step(case)  # so step times come out right for every layout
-        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], a.vocab)
-        res = {"label": label(case), "case": case, "flops_per_token": fpt}
+        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], vocab_of(case, a), dec_seq=case["dec_seq"])
+        res = {"label": label(case), "case": case, "flops_per_token": fpt, "vocab": vocab_of(case, a)}
         log = a.log and f"{a.log}.{i}"
         text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},
                              log and log + ".titanlike.log", a.timeout)

@@ -1,8 +1,28 @@
-"""The peer for the families torchtitan does not train (the hybrids: nemotron_h, qwen3_next, mamba2): what a user runs
-today, transformers' own model class with its fast path, on the same shape, data size and steps as titanlike.
+"""The peer for the families torchtitan does not train (the hybrids: nemotron_h, qwen3_next, mamba2; the encoder
+families bert and t5): what a user runs today, transformers' own model class with its fast path, on the same shape,
+data size and steps as titanlike.
 
     MODEL=nemotron_h python scripts/bench/peer_hf.py 8B_9L --training.seq_len 4096 --training.local_batch_size 1 \
         --training.steps 16 --compile.enable --vocab 131072
+    python scripts/bench/peer_hf.py bert-large --model bert --training.seq_len 512 --training.local_batch_size 16 \
+        --training.steps 30 --compile.enable --vocab 30522
+    python scripts/bench/peer_hf.py t5-v1_1-large --model t5 --decoder-len 128 --training.seq_len 512 \
+        --training.local_batch_size 8 --training.steps 30 --compile.enable --vocab 32128
+
+BERT and T5 (`encoder_step`): `BertForPreTraining` / `T5ForConditionalGeneration` built from the HF config
+titanlike's adapter writes for the flavor (models/<family>/hf.py; BertForPreTraining whatever the flavor's
+binary_head), bf16 weights, fused AdamW, SDPA, `torch.compile` of the model, on random tokens of the run's shape
+(nothing is downloaded). BERT: [B, seq] tokens, 15% of the positions (BERT's mask_rate) carry an MLM label (their
+input set to the flavor's mask id), and a next-sentence label per row (0/1); no padding mask, as titanlike's plain
+rows have none. T5: [B, seq] encoder tokens with an all-ones attention mask, [B, decoder_len] decoder inputs and
+labels; --decoder-len 0 takes titanlike's own decoder length for seq (models/t5/counts.py decoder_len: the span
+objective's noise + sentinels, padded to model.args.decoder_multiple); N > 0 sets decoder_multiple = N, as
+benchmark.py --dec-seq N does on titanlike's side. Tokens per step for both families: batch x seq (the encoder's
+tokens for T5, as titanlike's loader and metrics count them); FLOPs per token: titanlike's flops_per_token for the
+same args (T5: per encoder token with the decoder's share at that decoder length; BERT: without the binary head when
+the flavor has none, so the peer's pooler + NSP classifier, under 0.1% of a step, go uncounted). Runs on CPU too
+(no fla needed for these two), for tests. Initialisation is transformers' own (its T5 starts near loss 40: the
+untied head's init), which throughput does not depend on.
 
 The model: `AutoModelForCausalLM.from_config` of the HF config titanlike's adapter writes for the flavor (the same
 shapes, so the same FLOPs per token), bf16 weights and AdamW (fused) on them, SDPA attention, grouped-GEMM experts
@@ -104,18 +124,125 @@ def _profiler(step: int):
     return prof
 
 
+def _memory_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_reserved() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def timed_loop(step_fn, model, opt, a, tokens: int, fpt: float, device: str) -> None:
+    """a.steps optimizer steps of step_fn(step) -> loss, a torchtitan-style line every a.log_freq steps (tok/s over
+    `tokens` per step since the last line)."""
+    t_last, n_since = time.perf_counter(), 0
+    prof = _profiler(int(os.environ.get("PEER_PROFILE_STEP", "0")))
+    for step in range(1, a.steps + 1):
+        loss = step_fn(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if prof is not None:
+            prof.step()
+        n_since += 1
+        if step % a.log_freq == 0 or step == a.steps:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            tps = tokens * n_since / (now - t_last)
+            t_last, n_since = now, 0
+            value = loss.item()
+            print(f"step: {step} loss: {value if math.isfinite(value) else float('nan'):.4f} "
+                  f"memory: {_memory_gib(device):.2f}GiB tps: {tps:,.0f} tflops: {tps * fpt / 1e12:.2f} "
+                  f"mfu: {100 * tps * fpt / PEAK:.2f}%", flush=True)
+    if prof is not None:
+        prof.stop()
+
+
+def encoder_args(model_name: str, flavor: str, vocab: int, seq: int, decoder_len: int = 0):
+    """The flavor's args at this run's vocabulary and length; T5 with decoder_len > 0: decoder_multiple = it, so
+    titanlike's objective (and its FLOPs count) pads the decoder to exactly that length."""
+    args = dataclasses.replace(models.get_spec(model_name).flavors[flavor], max_seq_len=seq,
+                               **({"vocab_size": vocab} if vocab else {}))
+    if decoder_len and model_name == "t5":
+        from models.t5.counts import decoder_len as t5_decoder_len
+
+        args = dataclasses.replace(args, decoder_multiple=decoder_len)
+        if t5_decoder_len(args, seq) != decoder_len:
+            raise ValueError(f"t5 decoder length {decoder_len} is shorter than the span objective's targets at "
+                             f"seq {seq} ({t5_decoder_len(args, seq)} after padding): give at least that")
+    return args
+
+
+def encoder_step(model_name: str, args, a, device: str):
+    """(model, step_fn(step) -> loss) for BERT (BertForPreTraining, MLM + NSP labels) or T5
+    (T5ForConditionalGeneration) on random tokens of the run's shape."""
+    from transformers import BertConfig, BertForPreTraining, T5Config, T5ForConditionalGeneration
+
+    spec = models.get_spec(model_name)
+    cfg = dict(spec.hf.hf_config(args, torch.bfloat16, **({"max_position_embeddings": args.n_positions}
+                                                          if model_name == "bert" else {})))
+    for k in ("architectures", "model_type", "torch_dtype"):
+        cfg.pop(k, None)
+    config = (BertConfig if model_name == "bert" else T5Config)(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = (BertForPreTraining if model_name == "bert" else T5ForConditionalGeneration)(config)
+    model.to(torch.bfloat16).train()
+    if a.ac == "full":
+        model.gradient_checkpointing_enable()
+    fwd = torch.compile(model) if a.compile else model
+    gen = torch.Generator(device=device).manual_seed(0)
+    v, b, s = args.vocab_size, a.batch, a.seq
+
+    def rand(*shape, high=v):
+        return torch.randint(0, high, shape, device=device, generator=gen)
+
+    if model_name == "bert":
+        mask_id = args.mask_token_id % v
+
+        def step_fn(step):
+            ids = rand(b, s)
+            picked = torch.rand(b, s, device=device, generator=gen) < args.mask_rate
+            labels = torch.where(picked, ids, -100)
+            types = (torch.arange(s, device=device) >= s // 2).long().expand(b, s)  # a sentence pair's halves
+            return fwd(input_ids=ids.masked_fill(picked, mask_id), token_type_ids=types, labels=labels,
+                       next_sentence_label=rand(b, high=2)).loss
+    else:
+        from models.t5.counts import decoder_len
+
+        t = decoder_len(args, s)
+        ones = torch.ones(b, s, dtype=torch.long, device=device)
+
+        def step_fn(step):
+            return fwd(input_ids=rand(b, s), attention_mask=ones, decoder_input_ids=rand(b, t), labels=rand(b, t),
+                       use_cache=False).loss
+    return model, step_fn
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("flavor")
     p.add_argument("--model", default=os.environ.get("MODEL", "nemotron_h"))
     add_run_flags(p, batch=1, steps=16)
     p.add_argument("--vocab", type=int, default=int(os.environ.get("VOCAB", "0")))
+    p.add_argument("--decoder-len", type=int, default=0,
+                   help="t5: decoder tokens per row (0: titanlike's span-objective length for seq)")
     a, unknown = p.parse_known_args()
     if unknown:
         print(f"peer_hf: ignoring {unknown}", flush=True)
+    spec = models.get_spec(a.model)
+    if a.model in ("bert", "t5"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        args = encoder_args(a.model, a.flavor, a.vocab, a.seq, a.decoder_len)
+        model, step_fn = encoder_step(a.model, args, a, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        timed_loop(step_fn, model, opt, a, a.batch * a.seq, spec.flops_per_token(args, a.seq), device)
+        return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = models.get_spec(a.model)
     flavor = spec.flavors[a.flavor]
     args = dataclasses.replace(flavor, vocab_size=a.vocab or flavor.vocab_size, max_seq_len=a.seq)
     cfg = dict(spec.hf.hf_config(args, torch.bfloat16, max_position_embeddings=a.seq))
@@ -135,32 +262,13 @@ def main() -> None:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     fwd = torch.compile(model) if a.compile else model
-    fpt = spec.flops_per_token(args, a.seq)
-    tokens = a.batch * a.seq
     gen = torch.Generator(device="cuda").manual_seed(0)
-    t_last, n_since = time.perf_counter(), 0
-    prof = _profiler(int(os.environ.get("PEER_PROFILE_STEP", "0")))
-    for step in range(1, a.steps + 1):
+
+    def step_fn(step):
         ids = torch.randint(0, args.vocab_size, (a.batch, a.seq), device="cuda", generator=gen)
-        loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if prof is not None:
-            prof.step()
-        n_since += 1
-        if step % a.log_freq == 0 or step == a.steps:
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            tps = tokens * n_since / (now - t_last)
-            t_last, n_since = now, 0
-            mem = torch.cuda.max_memory_reserved() / 2**30
-            value = loss.item()
-            print(f"step: {step} loss: {value if math.isfinite(value) else float('nan'):.4f} memory: {mem:.2f}GiB "
-                  f"tps: {tps:,.0f} tflops: {tps * fpt / 1e12:.2f} mfu: {100 * tps * fpt / PEAK:.2f}%", flush=True)
-    if prof is not None:
-        prof.stop()
+        return fwd(input_ids=ids, labels=ids, use_cache=False).loss
+
+    timed_loop(step_fn, model, opt, a, a.batch * a.seq, spec.flops_per_token(args, a.seq), "cuda")
 
 
 if __name__ == "__main__":

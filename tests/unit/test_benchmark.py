@@ -107,6 +107,60 @@ def test_post_training_cases_against_trl():
     assert bench.pack_fill(log) == pytest.approx(152741 / (163 * 1025)) and bench.pack_fill("step 1") is None
 
 
+def test_bert_and_t5_cases_against_the_hf_peer():
+    """--model bert / t5 --peer hf: titanlike on base_gpu.toml at the flavor's vocabulary, BERT's mask id a spare row
+    (the builtin tokenizer has no [MASK]), T5's decoder exactly dec_seq long on both sides, one FLOPs count for both;
+    the torchtitan peer runs neither."""
+    opts = Namespace(**{**vars(OPTS), "vocab": 0, "peer": bench.PEER_HF})
+    bert, t5 = bench.expand_matrix({"seq": "512", "batch": "8", "compile": "on"},
+                                   '[[case]]\nmodel = "bert"\nflavor = "bert-large"\n'
+                                   '[[case]]\nmodel = "t5"\nflavor = "t5-v1_1-large"\ndec_seq = 128\n')
+    ours = bench.titanlike_cmd(bert, opts)
+    assert {"configs/base_gpu.toml", "--model.name=bert", "--model.vocab_size=30522",
+            "--model.args={mask_token_id = -1}", "--data.dataset=mock"} <= set(ours)
+    ours = bench.titanlike_cmd(t5, opts)
+    assert {"--model.vocab_size=32128", "--model.args={decoder_multiple = 128}",
+            "--data.decoder_seq_length=128"} <= set(ours)
+    peer = bench.peer_cmd(t5, opts)
+    assert peer[1:6] == [bench.PEER_HF, "--vocab", "32128", "--model", "t5"] and "--decoder-len 128" in " ".join(peer)
+    assert bench.peer_cmd(bert, opts)[4:6] == ["--model", "bert"] and "--decoder-len" not in bench.peer_cmd(bert, opts)
+    assert bench.peer_cmd(bert, OPTS) is None  # torchtitan's launcher: no BERT
+    assert bench.label(t5) == "t5 t5-v1_1-large s512 d128 b8 n1 compile bf16"
+    assert bench.tokens_per_step(t5) == bench.tokens_per_step(t5, peer=True) == 8 * 512  # encoder tokens
+    import models
+    from models.t5.counts import decoder_len
+    from peer_hf import encoder_args
+
+    args = encoder_args("t5", "t5-v1_1-large", 32128, 512, 128)
+    assert decoder_len(args, 512) == 128 and decoder_len(encoder_args("t5", "t5-v1_1-large", 0, 512), 512) == 104
+    assert bench.flops_per_token("t5", "t5-v1_1-large", 512, 32128, 128) == models.get_spec("t5").flops_per_token(
+        args, 512) > bench.flops_per_token("t5", "t5-v1_1-large", 512, 32128)
+    with pytest.raises(ValueError, match="shorter than the span objective"):
+        encoder_args("t5", "t5-v1_1-large", 0, 512, 64)
+    with pytest.raises(ValueError, match="dec_seq"):
+        bench.expand_matrix({"model": "bert", "dec_seq": "128"})
+    assert bench.default_config("t5", "debugmodel") == "configs/t5_debug.toml"
+
+
+def test_hf_peer_trains_bert_and_t5_on_cpu(capsys):
+    """peer_hf.py's BERT (MLM + NSP labels) and T5 steps at the debug shapes, on CPU, print lines benchmark.py parses,
+    credited with batch x seq tokens."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import models
+    from peer_hf import encoder_args, encoder_step, timed_loop
+
+    for name, dec in (("bert", 0), ("t5", 16)):
+        a = Namespace(seq=32, batch=2, steps=2, log_freq=1, ac="none", compile=False)
+        args = encoder_args(name, "debugmodel", 2148, 32, dec)
+        model, step_fn = encoder_step(name, args, a, "cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        timed_loop(step_fn, model, opt, a, 64, models.get_spec(name).flops_per_token(args, 32), "cpu")
+        rows = bench.parse_peer(capsys.readouterr().out)
+        assert [r["step"] for r in rows] == [1, 2] and all(r["tps"] > 0 and r["loss"] > 0 for r in rows)
+
+
 def test_dpo_is_compared_in_pairs_per_second():
     """titanlike's pairs/s comes from its DPO step lines; the TRL peer's is its batch of pairs over its step time (from
     its tok/s over 2·batch·seq tokens); the DPO ratio is theirs, the SFT ratio stays tok/s scaled by the pack fill."""
@@ -276,7 +330,7 @@ def test_peer_auto_is_the_in_repo_launcher(monkeypatch):
 
     # main() hands the resolved path on: capture the commands instead of running them (FLOP counts are not the point)
     ran = []
-    monkeypatch.setattr(bench, "flops_per_token", lambda model, flavor, seq, vocab: None)
+    monkeypatch.setattr(bench, "flops_per_token", lambda model, flavor, seq, vocab, dec_seq=0: None)
     monkeypatch.setattr(bench, "run", lambda cmd, env, log, timeout: ran.append((cmd, env.get("NPROC"))) or ("", 0, 0))
     bench.main(["--flavor", "debugmodel", "--vocab", "256", "--steps", "3", "--peer", "auto"])
     (ours, _), (peer_run, nproc) = ran
