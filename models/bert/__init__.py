@@ -2,7 +2,7 @@
 model, flavors, counts, checks and HF adapter, as one ModelSpec trained by the masked_lm objective."""
 from __future__ import annotations
 
-from models.bert import hf
+from models.bert import hf, megatron
 from models.bert.args import ModelArgs
 from models.bert.counts import flops_per_token, param_counts, pp_costs, shape
 from models.bert.flavors import bert_flavors
@@ -47,6 +47,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,  # import only (Megatron-Core's BertModel): no to_megatron
     objective=bert_objective,  # masked-LM on plain tokens; Megatron's MLM + sentence order on data.dataset="bert"
 )
 

@@ -12,11 +12,15 @@ class ModelArgs:
     vocab_size: int = 30522  # the trainer sets it from the tokenizer (or model.vocab_size)
     max_seq_len: int = 512  # positions the table serves; the trainer sets it to training.seq_len
     ffn_dim: int = 3072  # the FFN's hidden width (HF's intermediate_size)
-    type_vocab_size: int = 2  # token type (segment) rows; RoBERTa keeps one
+    type_vocab_size: int = 2  # token type (segment) rows; RoBERTa keeps one; 0: no table (Megatron without the
+    # binary head builds none: num_tokentypes=0)
     norm_eps: float = 1e-12
     # Megatron's BERT: pre-LN blocks with a final LayerNorm and no LayerNorm on the embeddings. False: the original
     # (and HF's) post-LN blocks with the embedding LayerNorm.
     pre_ln: bool = False
+    # The blocks' MLP GELU: "none" (exact erf: HF's, and Megatron's with --no-bias-gelu-fusion) or "tanh" (Megatron-LM's
+    # default fused bias-GELU is the tanh approximation). The MLM head's GELU is exact in both.
+    gelu_approximate: str = "none"
     # The next-sentence / sentence-order head (pooler on the first token + 2-way classifier). Its loss needs
     # sentence-pair data with the label, which no data.dataset provides yet: off for training on plain token data.
     binary_head: bool = False

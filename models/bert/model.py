@@ -29,13 +29,6 @@ from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward
 def _layer_norm(args: ModelArgs) -> nn.LayerNorm:
     return nn.LayerNorm(args.dim, eps=args.norm_eps)
 
-
-
-
-
-
-
-
 class TransformerBlock(nn.Module):
     """Post-LN: h = norm1(x + attn(x)); norm2(h + ffn(h)). Pre-LN: h = x + attn(norm1(x)); h + ffn(norm2(h))."""
 
@@ -46,7 +39,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = _layer_norm(args)
         self.attention = EncoderAttention(args.dim, args.head_dim)
         self.ffn_norm = _layer_norm(args)
-        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim, args.gelu_approximate)
         self.dropout = args.hidden_dropout
         self.init_std = args.init_std
         # Megatron scales the projections into the residual stream by depth (pre-LN); HF BERT does not (post-LN
@@ -81,7 +74,7 @@ class Bert(nn.Module):
         self.n_layers = args.n_layers
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.n_positions, args.dim)
-        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim)
+        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim) if args.type_vocab_size else None
         self.emb_norm = None if args.pre_ln else _layer_norm(args)
         # String keys: a pipeline split deletes entries without renumbering, so FQNs stay those of one process.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
@@ -161,8 +154,9 @@ class Bert(nn.Module):
         mask = self._mask(attention_mask, doc_ids, seqlen)
         if self.tok_embeddings is not None:
             pos = self._positions(tokens, positions)
-            types = token_types if token_types is not None else torch.zeros_like(tokens)
-            h = self.tok_embeddings(tokens) + self.pos_embeddings(pos) + self.type_embeddings(types)
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
+            if self.type_embeddings is not None:
+                h = h + self.type_embeddings(token_types if token_types is not None else torch.zeros_like(tokens))
             if self.emb_norm is not None:
                 h = self.emb_norm(h)
             if self.args.hidden_dropout:

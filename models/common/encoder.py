@@ -28,15 +28,17 @@ class EncoderAttention(nn.Module):
 
 
 class GeluFeedForward(nn.Module):
-    """w2(gelu(w1 x)), the exact (erf) GELU: HF's hidden_act="gelu" for BERT and ViT."""
+    """w2(gelu(w1 x)): the exact (erf) GELU, HF's hidden_act="gelu" for BERT and ViT; approximate="tanh" for what
+    Megatron-LM computes with its default fused bias-GELU (--bias-gelu-fusion approximates with tanh)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, approximate: str = "none"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim)
         self.w2 = nn.Linear(hidden_dim, dim)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
 
 
 class FirstToken(nn.Module):

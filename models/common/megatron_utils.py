@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 LAYER_PREFIX = "decoder.layers."
+# The layer stacks a Megatron-Core model may hold: GPTModel's decoder; BertModel's encoder; T5Model's both.
+LAYER_PREFIXES = (LAYER_PREFIX, "encoder.layers.")
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm."
@@ -131,3 +133,20 @@ def layer_items(msd: dict[str, torch.Tensor]):
         if key.startswith(LAYER_PREFIX):
             layer, suffix = key[len(LAYER_PREFIX):].split(".", 1)
             yield int(layer), suffix, value
+
+
+def split_layer_key(key: str) -> tuple[str, int, str] | None:
+    """(stack prefix, layer number, suffix) of `<decoder|encoder>.layers.<i>.<suffix>`; None for any other key."""
+    for stack in LAYER_PREFIXES:
+        if key.startswith(stack) and key[len(stack)].isdigit():
+            layer, suffix = key[len(stack):].split(".", 1)
+            return stack, int(layer), suffix
+    return None
+
+
+def stack_items(msd: dict[str, torch.Tensor], stack: str):
+    """(layer, suffix, value) for each `<stack><i>.<suffix>` key of a canonical dict."""
+    for key, value in msd.items():
+        parts = split_layer_key(key)
+        if parts is not None and parts[0] == stack:
+            yield parts[1], parts[2], value

@@ -37,10 +37,12 @@ def _adapters() -> dict:
     return {name: spec.megatron for name, spec in models.MODELS.items() if spec.megatron is not None}
 
 
-def choose_family(margs: dict, family: str | None, where: str) -> str:
+def choose_family(margs: dict, family: str | None, where: str, keys=None) -> str:
     """The titanlike family for these Megatron args: `family` if given, else the one whose adapter claims them (the
-    --position-embedding-type for GPT-style models; a hybrid layer pattern or Mamba --spec for hybrid ones)."""
-    from models.common.megatron_utils import arg, claims
+    --position-embedding-type for GPT-style models; a hybrid layer pattern or Mamba --spec for hybrid ones) among
+    those whose layer stacks are the checkpoint's (`keys`: decoder.layers for GPTModel, encoder.layers for
+    BertModel, both for T5Model; Megatron-LM's args carry every script's flags, so they cannot tell these apart)."""
+    from models.common.megatron_utils import LAYER_PREFIX, arg, claims, split_layer_key
 
     adapters = _adapters()
     if family is not None:
@@ -48,6 +50,16 @@ def choose_family(margs: dict, family: str | None, where: str) -> str:
             raise CheckpointError(f"--family {family}: no Megatron adapter; choose one of {sorted(adapters)}")
         return family
     found = [n for n, a in adapters.items() if claims(a, margs)]
+    claimed = list(found)
+    if keys is not None:
+        stacks = {parts[0] for k in keys if (parts := split_layer_key(k)) is not None}
+        found = [n for n in found if set(getattr(adapters[n], "LAYER_STACKS", (LAYER_PREFIX,))) == stacks]
+    if not found and keys is not None and stacks == {LAYER_PREFIX, "encoder.layers."}:
+        raise CheckpointError(f"{where}: an encoder-decoder (Megatron-Core's T5Model): titanlike's T5 variants "
+                              f"differ from Megatron's T5 architecture, so it is not imported (docs/t5.md)")
+    if not found and keys is not None and claimed:
+        raise CheckpointError(f"{where}: layer stacks {sorted(stacks)} fit no family claiming these args "
+                              f"({claimed}): pass --family NAME")
     if not found:
         pos = arg(margs, "position_embedding_type")
         known = sorted(t for a in adapters.values() for t in a.POSITION_EMBEDDING_TYPES)
@@ -69,13 +81,14 @@ def read_megatron(save_dir: str, iteration: int | None = None, family: str | Non
         # The TP split rules are the family's; the family needs the args: read them from the first shard first.
         shards, _, _ = megatron_format.legacy_shards(path)
         first = shards[(0, 0)]
-        margs = megatron_format.args_of(megatron_format.load_pickled(first, mmap=True), first)
+        obj = megatron_format.load_pickled(first, mmap=True)
+        margs, keys = megatron_format.args_of(obj, first), list(obj.get("model", {}))
     margs = {**margs, **(overrides or {})}
     lacking = [a for a in REQUIRED_ARGS if margs.get(a) is None]
     if lacking:
         raise CheckpointError(f"{path} carries no Megatron args for {lacking}: give them, e.g. "
                               + " ".join(f"--megatron-arg {a}=N" for a in lacking))
-    name = choose_family(margs, family, path)
+    name = choose_family(margs, family, path, msd.keys() if fmt == "torch_dist" else keys)
     if fmt == "legacy":
         _, msd = megatron_format.read_legacy(path, _adapters()[name].TP_SPLIT)
     return {"path": path, "iteration": it, "format": fmt, "margs": margs, "family": name, "msd": msd}
@@ -102,7 +115,7 @@ def import_megatron(save_dir: str, out_dir: str, iteration: int | None = None, f
         if vocab_size > rows:
             raise CheckpointError(f"--vocab-size {vocab_size} is larger than the checkpoint's {rows} rows: give the "
                                   f"tokenizer's size (at most {rows})")
-        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        for key in getattr(adapter, "VOCAB_KEYS", ("embedding.word_embeddings.weight", "output_layer.weight")):
             if key in msd:
                 msd[key] = msd[key][:vocab_size].clone()
         rows = vocab_size
@@ -132,8 +145,8 @@ def export_megatron(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", itera
                     make_vocab_size_divisible_by: int = 128) -> dict:
     """A titanlike step -> a Megatron-LM --load folder in torch_dist. Returns {"path", "args"}."""
     info, meta, spec = newest_step_model(ckpt_path)
-    if spec.megatron is None:
-        raise CheckpointError(f"model {spec.name} has no Megatron adapter (models/{spec.name}/megatron.py); export it "
+    if spec.megatron is None or getattr(spec.megatron, "to_megatron", None) is None:
+        raise CheckpointError(f"model {spec.name} has no Megatron export (models/{spec.name}/megatron.py); export it "
                               f"with scripts/convert_hf.py instead")
     check_output_folder(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -20,14 +20,16 @@ import re
 
 import torch
 
-from models.common.megatron_utils import LAYER_PREFIX, LOCAL_NORM_NAMES, is_hybrid
+from models.common.megatron_utils import LAYER_PREFIX, LAYER_PREFIXES, LOCAL_NORM_NAMES, is_hybrid, split_layer_key
 from titanlike.checkpoint.layout import CheckpointError
 from titanlike.checkpoint.states import quiet_dcp
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+# (encoder.*, lm_head.*, pooler.*, binary_head.*, position_embeddings.*: BERT and T5)
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "lm_head.", "pooler.", "binary_head.",
+                  "position_embeddings.")
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes and checks for
 
 
@@ -146,19 +148,21 @@ def read_torch_dist(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
                               f"folder again") from None
     out = {}
     for key, value in target.items():
-        if key.startswith(LAYER_PREFIX) and not key[len(LAYER_PREFIX)].isdigit():
+        stack = next((p for p in LAYER_PREFIXES if key.startswith(p)), None)
+        if stack is not None and not key[len(stack)].isdigit():
             # Megatron stacks homogeneous layers on a leading dimension: decoder.layers.<suffix> [n_layers, ...]
             for i in range(value.shape[0]):
-                out[_canonical(f"{LAYER_PREFIX}{i}.{key[len(LAYER_PREFIX):]}")] = value[i].clone()
+                out[_canonical(f"{stack}{i}.{key[len(stack):]}")] = value[i].clone()
         else:
             out[_canonical(key)] = value
     return margs, out
 
 
 def _canonical(key: str) -> str:
-    if key.startswith(LAYER_PREFIX):
-        layer, suffix = key[len(LAYER_PREFIX):].split(".", 1)
-        return f"{LAYER_PREFIX}{layer}.{LOCAL_NORM_NAMES.get(suffix, suffix)}"
+    parts = split_layer_key(key)
+    if parts is not None:
+        stack, layer, suffix = parts
+        return f"{stack}{layer}.{LOCAL_NORM_NAMES.get(suffix, suffix)}"
     return key
 
 
@@ -202,10 +206,11 @@ def read_legacy(path: str, tp_split: dict[str, str]) -> tuple[dict, dict[str, to
         merged = {k: _merge([s[k] for s in stage], _rule(k, tp_split, shards[(0, p)])) for k in stage[0]}
         n_local = 0
         for key, value in merged.items():
-            if key.startswith(LAYER_PREFIX):
-                layer, suffix = key[len(LAYER_PREFIX):].split(".", 1)
-                n_local = max(n_local, int(layer) + 1)
-                out[f"{LAYER_PREFIX}{int(layer) + offset}.{suffix}"] = value
+            parts = split_layer_key(key)
+            if parts is not None:
+                stack, layer, suffix = parts
+                n_local = max(n_local, layer + 1)
+                out[f"{stack}{layer + offset}.{suffix}"] = value
             elif key not in out or p == pp - 1:  # output_layer/final norm: the last stage's
                 out[key] = value
         offset += n_local
@@ -213,7 +218,8 @@ def read_legacy(path: str, tp_split: dict[str, str]) -> tuple[dict, dict[str, to
 
 
 def _rule(key: str, tp_split: dict[str, str], where: str) -> str:
-    suffix = key[len(LAYER_PREFIX):].split(".", 1)[1] if key.startswith(LAYER_PREFIX) else key
+    parts = split_layer_key(key)
+    suffix = key if parts is None else parts[2]
     if suffix not in tp_split:
         raise CheckpointError(f"{where}: tensor {key!r} is not part of the model family being imported (a mixture "
                               f"of experts or another architecture?); only the keys of models/<name>/megatron.py "

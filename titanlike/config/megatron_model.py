@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from models import DEFAULT_MODEL, MODELS
-from models.common.megatron_utils import claims, is_hybrid
+from models.common.megatron_utils import LAYER_PREFIX, claims, is_hybrid
 from titanlike.config.megatron_shell import MegatronError
 
 SHAPE = ("--num-layers", "--hidden-size", "--num-attention-heads")
@@ -141,7 +141,10 @@ def _spec(f: dict, margs: dict, t) -> None:
 def _family(margs: dict):
     """(name, adapter) of the family whose Megatron adapter claims these args (models/common/megatron_utils.claims:
     the position type, or a hybrid layer pattern); titanlike's default family first when several do."""
-    adapters = {n: s.megatron for n, s in MODELS.items() if s.megatron is not None}
+    # GPTModel families only (a decoder stack): pretrain_bert.py / pretrain_t5.py launches are
+    # titanlike/config/megatron_encoder.py's, and their adapters (import only) would claim learned positions too.
+    adapters = {n: s.megatron for n, s in MODELS.items() if s.megatron is not None
+                and getattr(s.megatron, "LAYER_STACKS", (LAYER_PREFIX,)) == (LAYER_PREFIX,)}
     found = sorted((n != DEFAULT_MODEL, n) for n, a in adapters.items() if claims(a, margs))
     if not found:
         pos = margs.get("position_embedding_type", "learned_absolute")
