@@ -47,12 +47,34 @@ def bert_loss(output, labels: torch.Tensor, aux_scale: torch.Tensor | None = Non
     return mlm + sop.sum() * aux_scale
 
 
+def bert_metrics(output, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Validation metrics as (sum, count) pairs, which the evaluator adds up over batches and ranks before dividing
+    (titanlike/train/evaluate.py): the MLM loss alone (the validation loss adds the sentence-order term), MLM
+    accuracy (masked positions whose argmax is the label) and, with the binary head on labelled data, sentence-order
+    accuracy."""
+    logits, binary = output if isinstance(output, tuple) else (output, None)
+    labels = batch.labels
+    s = logits.shape[1]
+    mlm_labels = labels[:, :s]
+    masked = mlm_labels != IGNORE_INDEX
+    n = masked.sum()
+    mlm = F.cross_entropy(logits.flatten(0, 1).float(), mlm_labels.flatten(), reduction="sum",
+                          ignore_index=IGNORE_INDEX)
+    out = {"mlm_loss": (mlm, n), "mlm_accuracy": (((logits.argmax(-1) == mlm_labels) & masked).sum(), n)}
+    if binary is not None and labels.shape[1] > s:
+        order = labels[:, s]
+        has = order != IGNORE_INDEX
+        out["sop_accuracy"] = (((binary.argmax(-1) == order) & has).sum(), has.sum())
+    return out
+
+
 @dataclass(frozen=True)
 class BertPretraining:
     masked: MaskedLM  # plain token data: the masks are drawn here
     binary_head: bool  # model.args.binary_head: the forward returns (MLM logits, binary logits)
     # the summed loss (titanlike/train/loss.py objective_loss takes a callable as well as a LOSSES name)
     loss = staticmethod(bert_loss)
+    eval_metrics = staticmethod(bert_metrics)  # validation's MLM loss and accuracies (titanlike/train/evaluate.py)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
         if input_ids.ndim == 2:

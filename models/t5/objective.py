@@ -128,6 +128,13 @@ class SpanCorruption:
                              "decoder_tokens": input_ids[:, 0, se:], "decoder_attention_mask": input_ids[:, 1, se:]},
                      labels=labels[:, se:], sequence=("tokens", "attention_mask"))
 
+    @staticmethod
+    def eval_metrics(output: torch.Tensor, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Validation's token accuracy on the decoder targets, as (correct, targets) for the evaluator to add up over
+        batches and ranks (titanlike/train/evaluate.py); the validation loss is already the mean target loss."""
+        has = batch.labels != IGNORE_INDEX
+        return {"token_accuracy": (((output.argmax(-1) == batch.labels) & has).sum(), has.sum())}
+
     def data_problem(self, data: Any) -> str | None:
         """Why Megatron's T5 data cannot feed this model, or None (one line naming the keys)."""
         if getattr(data, "dataset", "") != "t5":

@@ -84,7 +84,7 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     assert ref["world"] == 1 and fsdp["world"] == 2
     toy = _toy(monkeypatch)
     spec = toy.SPEC
-    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "t5", "vit"):
+    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit"):
         _same_run(ref["runs"][family]["history"], fsdp["runs"][family]["history"])
     # BERT and T5 under TP 2 + sequence parallel (the same 2 processes, no FSDP) follow the one-process run too.
     _same_run(ref["runs"]["bert"]["history"], fsdp["runs"]["bert_tp"]["history"])
@@ -97,6 +97,19 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     # ... and under TP 2 + SP with the binary head: the pooler reads token 0, on rank 0's sequence shard only, so
     # the plan gathers its input (a wrong token on rank 1 or a double-counted gradient would show here).
     _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_sop_tp"]["history"])
+    # Validation at the last step with the family's metrics (BERT: MLM loss and accuracy, sentence-order accuracy;
+    # T5: decoder token accuracy), summed over the data ranks before dividing: 2 data ranks (FSDP), TP 2 and PP 2
+    # give the one-process numbers on the same held-out rows.
+    pairs = (("bert", "bert"), ("bert", "bert_tp"), ("t5", "t5"), ("t5", "t5_tp"), ("bert_sop", "bert_sop"),
+             ("bert_sop", "bert_pp"), ("bert_sop", "bert_sop_tp"))
+    for one, two in pairs:
+        a, b = ref["runs"][one]["validation"], fsdp["runs"][two]["validation"]
+        keys = {"bert": {"loss", "mlm_loss", "mlm_accuracy"}, "t5": {"loss", "token_accuracy"}}.get(
+            one, {"loss", "mlm_loss", "mlm_accuracy", "sop_accuracy"})
+        assert set(a) == set(b) == keys, (two, a, b)
+        assert 0 <= a["mlm_accuracy" if "mlm_accuracy" in a else "token_accuracy"] < 1, (one, a)
+        for key in a:  # accuracies: counts of argmax hits, exact unless a near-tie flips; losses as the training's
+            assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL, abs=1e-6), (two, key, a, b)
     ref_run, fsdp_run = ref["runs"]["toy"], fsdp["runs"]["toy"]
 
     # It learns: finite throughout, and clearly lower at the end (real text; ~7.64 -> ~7.06 here).

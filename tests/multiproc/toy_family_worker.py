@@ -37,6 +37,7 @@ FAMILIES["bert"] = FAMILIES["bert_tp"] = models.get_spec("bert")
 # BERT on Megatron's BERT data (token types, padding mask, MLM + sentence order), 1 process and PP 2 (the 2-process
 # launch): the data is preprocessed by the reference phase into ROOT/bert_data (tests/unit/masked_data_helpers.py).
 FAMILIES["bert_sop"] = FAMILIES["bert_pp"] = models.get_spec("bert")
+# bert_sop also runs under FSDP 2 in the 2-process launch: its validation metrics reduced over 2 data ranks.
 # ... and TP 2 + sequence parallel with the binary head (the pooler's first token gathered from the shards).
 FAMILIES["bert_sop_tp"] = models.get_spec("bert")
 # T5 (encoder-decoder, span corruption): the same two layouts, cross-attention included under TP.
@@ -63,6 +64,10 @@ TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's lay
 # bert_sop_tp's: the sentence-order loss does not go with loss parallel (models/bert/__init__.py's check)
 TP_SOP = {"parallelism": {"dp_shard": 1, "tp": 2, "enable_loss_parallel": False}}
 PP_ONLY = {"parallelism": {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}}  # bert_pp's
+# Validation at the last step on the held-out split, with the family's own metrics (BERT: MLM loss and accuracy,
+# sentence-order accuracy; T5: token accuracy), reduced over the data ranks: 2 batches of LOCAL_BATCH on one process
+# are the 4 rows one batch covers on 2 data ranks (the loader hands out global positions), so both score the same rows.
+VALIDATED = ("bert", "bert_tp", "t5", "t5_tp", "bert_sop", "bert_pp", "bert_sop_tp")
 
 
 def bert_data(root: str) -> dict:
@@ -106,6 +111,10 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
     if family in ("bert_sop", "bert_pp", "bert_sop_tp"):
         layout = {"bert_pp": PP_ONLY, "bert_sop_tp": TP_SOP}.get(family, {})
         extra = {**bert_data(root), **layout}
+    if family in VALIDATED:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = 1 if family in (*TP_FAMILIES, "bert_pp") else world
+        extra["validation"] = {"enable": True, "interval": STEPS, "steps": 2 // dp}
     for section, values in extra.items():
         base[section] = {**base.get(section, {}), **values}
     cfg = config_from_dict(base)
@@ -178,6 +187,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         "flops_per_token": trainer.flops_per_token,
         "spec_flops_per_token": spec.flops_per_token(args, trainer.cfg.training.seq_len),
         "local_params": local,
+        "validation": trainer.last_validation,
         "log": lines.lines,
     }, trainer
 
@@ -230,7 +240,8 @@ def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
     runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
             ("t5", False), ("vit", False))
-    runs += ((("bert_tp", False), ("t5_tp", False), ("bert_pp", False), ("bert_sop_tp", False), ("vit_tp", False))
+    runs += ((("bert_tp", False), ("t5_tp", False), ("bert_sop", False), ("bert_pp", False), ("bert_sop_tp", False),
+              ("vit_tp", False))
              if fsdp else
              (("bert_sop", False),))
     for family, seeded in runs:

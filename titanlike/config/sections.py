@@ -282,6 +282,15 @@ class Data:
     noise_density: float = 0.15  # t5: share of the encoder tokens replaced by sentinel spans
     mean_span_length: float = 5.0  # t5: spans' length is geometric with this mean (p = 1/mean), cut at 10 tokens
     decoder_seq_length: int = 128  # t5: decoder length (training.seq_len is the encoder's)
+    # t5: "span" (the span corruption above) | "ul2" (UL2's mixture of denoisers, docs/t5.md: each sample draws one
+    # entry of the ul2_* lists by ul2_probabilities and its encoder input starts with the mode token [R] / [S] / [X],
+    # which the vocab.txt must hold)
+    t5_denoisers: str = "span"
+    ul2_kinds: list[str] = field(default_factory=lambda: ["R", "S", "X", "X"])  # R regular, S prefix LM, X extreme
+    ul2_mean_span_lengths: list[float] = field(default_factory=lambda: [3.0, 0.0, 32.0, 3.0])  # R/X (S: unused)
+    # R/X: share of the tokens in spans; S: the suffix's mean share of the row (its length uniform in 1..2 x that)
+    ul2_noise_densities: list[float] = field(default_factory=lambda: [0.15, 0.25, 0.15, 0.5])
+    ul2_probabilities: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125, 0.125])  # sum to 1
 
 
 @dataclass

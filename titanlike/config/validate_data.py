@@ -155,6 +155,7 @@ def _check_masked(d: Any, errors: list[str]) -> None:
         errors.append(f"data.mean_span_length={d.mean_span_length} must be >= 1 (tokens per span, e.g. 5)")
     if d.decoder_seq_length < 2:
         errors.append(f"data.decoder_seq_length={d.decoder_seq_length} must be >= 2 (t5's decoder length, e.g. 128)")
+    _check_ul2(d, errors)
     if d.vocab_extra_ids < 0:
         errors.append(f"data.vocab_extra_ids={d.vocab_extra_ids} must be >= 0 (sentinels to add, e.g. 100 for t5)")
     if d.dataset in ("bert", "t5") and not TOKENIZER_TYPES.get(d.tokenizer_type.lower(), "").startswith("bert"):
@@ -163,6 +164,36 @@ def _check_masked(d: Any, errors: list[str]) -> None:
     elif d.dataset in ("bert", "t5") and not d.vocab_file:
         errors.append(f"data.dataset={d.dataset!r} with data.tokenizer_type={d.tokenizer_type} needs "
                       "data.vocab_file (the BERT vocab.txt)")
+
+
+def _check_ul2(d: Any, errors: list[str]) -> None:
+    """data.t5_denoisers and the UL2 mixture (titanlike/data/t5_dataset.py); the mode tokens are checked against the
+    tokenizer when the data is built."""
+    if d.t5_denoisers not in ("span", "ul2"):
+        errors.append(f"data.t5_denoisers={d.t5_denoisers!r}: choose \"span\" (T5's span corruption) or \"ul2\" "
+                      "(UL2's mixture of denoisers)")
+        return
+    if d.t5_denoisers != "ul2":
+        return
+    if d.dataset != "t5":
+        errors.append(f"data.t5_denoisers=\"ul2\" shapes Megatron's T5 samples; it needs data.dataset=\"t5\", not "
+                      f"{d.dataset!r} (or set data.t5_denoisers=\"span\")")
+    kinds, means, dens, probs = d.ul2_kinds, d.ul2_mean_span_lengths, d.ul2_noise_densities, d.ul2_probabilities
+    if not kinds or not len(kinds) == len(means) == len(dens) == len(probs):
+        errors.append(f"data.ul2_kinds / ul2_mean_span_lengths / ul2_noise_densities / ul2_probabilities have "
+                      f"{len(kinds)} / {len(means)} / {len(dens)} / {len(probs)} entries: give one per denoiser")
+        return
+    if bad := [k for k in kinds if k not in ("R", "S", "X")]:
+        errors.append(f"data.ul2_kinds has {bad}: each entry is \"R\" (regular spans), \"S\" (prefix LM) or \"X\" "
+                      "(extreme: long spans or a high density)")
+    if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+        errors.append(f"data.ul2_probabilities={list(probs)} sum to {sum(probs):.6g}: give non-negative shares "
+                      f"adding up to 1, one per data.ul2_kinds entry")
+    if bad := [x for x in dens if not 0 < x < 1]:
+        errors.append(f"data.ul2_noise_densities has {bad}: each must be in (0, 1) (e.g. 0.15, X: 0.5)")
+    if bad := [m for k, m in zip(kinds, means) if k != "S" and m < 1]:
+        errors.append(f"data.ul2_mean_span_lengths has {bad} for an R/X denoiser: each must be >= 1 (tokens per "
+                      "span, e.g. 3, X: 32)")
 
 
 def advise_data(cfg: Any) -> list[str]:

@@ -162,6 +162,11 @@ def _build_masked(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, path
                          f"{', sentinels' if name == 't5' else ''}), not {tokenizer!r}: set data.tokenizer_type="
                          "BertWordPieceLowerCase (or BertWordPieceCase) and data.vocab_file=<vocab.txt>")
     prefixes, weights = parse_blend(data_cfg.paths, paths_key)
+    mixture = {}
+    if name == "t5" and data_cfg.t5_denoisers == "ul2":  # UL2's mixture of denoisers (t5_dataset.py)
+        from titanlike.data.t5_dataset import ul2_mixture
+
+        mixture = dict(zip(("denoisers", "probabilities"), ul2_mixture(data_cfg, tokenizer)))
     parts = []
     for prefix in prefixes:
         indexed = IndexedDataset(prefix)
@@ -178,7 +183,7 @@ def _build_masked(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, path
         else:
             parts.append(T5Dataset(indexed, (lo, hi), seq_len, tokenizer, noise_density=data_cfg.noise_density,
                                    mean_span_length=data_cfg.mean_span_length,
-                                   decoder_seq_length=data_cfg.decoder_seq_length, **common))
+                                   decoder_seq_length=data_cfg.decoder_seq_length, **common, **mixture))
     if len(parts) == 1:
         return parts[0]
     return BlendedDataset(parts, weights or [float(len(p.groups)) for p in parts])  # plain prefixes: by samples

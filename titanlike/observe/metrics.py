@@ -181,13 +181,17 @@ class MetricsLogger:
             parts.append(f"rss {m['memory/max_rss_gib']:.2f}GiB")
         return "  ".join(parts)
 
-    def log_validation(self, step: int, loss: float) -> None:
+    def log_validation(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
+        """The validation loss and perplexity, and `metrics`: the objective's own (e.g. "mlm_accuracy"), each
+        logged as validation/<name>."""
         if self.is_rank0:
             import math
 
             ppl = math.exp(min(loss, 50))
-            logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {ppl:10.3f}")
-            self._write_scalars(step, {"validation/loss": loss, "validation/perplexity": ppl})
+            extra = "".join(f"  {k} {v:.4f}" for k, v in (metrics or {}).items())
+            logger.info(f"validate step {step:>6}  loss {loss:8.4f}  ppl {ppl:10.3f}{extra}")
+            self._write_scalars(step, {"validation/loss": loss, "validation/perplexity": ppl,
+                                       **{f"validation/{k}": v for k, v in (metrics or {}).items()}})
 
     def log_eval(self, step: int, results: dict[str, float], seconds: float, share_pct: float,
                  recent_pct: float) -> None:

@@ -8,6 +8,8 @@ import logging
 import time
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titanlike.config.sections import Validation
 from titanlike.config.validate_eval import parse_perplexity_set
@@ -17,21 +19,61 @@ from titanlike.train.batch import per_sample_scale
 logger = logging.getLogger("titanlike")
 
 
+def _full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _measure(objective, output, batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The objective's metric sums on whole tensors: TP's vocabulary-sharded logits are gathered (validation only,
+    where the memory of one [rows, seq, vocab] copy is affordable and the family's code stays layout-free)."""
+    output = tuple(_full(o) for o in output) if isinstance(output, tuple) else _full(output)
+    return objective.eval_metrics(output, batch)
+
+
 @torch.no_grad()
-def mean_loss(trainer, loader, steps: int) -> float:
-    """Mean token loss over `steps` batches of `loader` with the trainer's layout (FSDP, TP, CP, PP), all ranks."""
+def mean_loss(trainer, loader, steps: int, metrics: dict[str, float] | None = None) -> float:
+    """Mean token loss over `steps` batches of `loader` with the trainer's layout (FSDP, TP, CP, PP), all ranks.
+    `metrics`: filled with the objective's own validation metrics (ModelSpec.objective's `eval_metrics(output,
+    batch) -> {name: (sum, count)}`, e.g. BERT's MLM accuracy), each sum over the count of all ranks and batches;
+    left empty for an objective without them or under the chunked loss (its head returns no logits)."""
+    measure = (metrics is not None and trainer.loss_head is None
+               and getattr(trainer.objective, "eval_metrics", None) is not None)
     loss_sum = torch.zeros((), device=trainer.device)
     tokens = torch.zeros((), device=trainer.device)
+    sums: dict[str, torch.Tensor] = {}  # name -> [sum, count] on this rank
+
+    def head(out, mb):  # loss and metric sums of one micro-batch from one forward
+        return trainer.loss_fn(out, mb.labels, **mb.extras), _measure(trainer.objective, out, mb)
+
     for _, (inputs, labels) in zip(range(steps), loader):
         batch = trainer.make_batch(inputs, labels, step=0)  # step 0: an objective's draws are the same every pass
         if batch.row_aux is not None:  # a per-sample loss term: its mean over this batch's samples on all ranks
             (batch,), _ = per_sample_scale([batch], trainer.sum_over_data)
         with trainer.amp, trainer.attention_kernels(), trainer.loss_context():
-            if trainer.pp is not None:  # forward-only schedule; the loss is summed on the last stage
-                loss_sum += trainer.pp.eval_loss(batch)
+            if not measure:
+                loss_sum += trainer.pp.eval_loss(batch) if trainer.pp is not None else trainer.forward_loss(batch)
             else:
-                loss_sum += trainer.forward_loss(batch)
+                results = (trainer.pp.forward_only(batch, head) if trainer.pp is not None
+                           else [head(trainer.model(*batch.args(), **batch.kwargs()), batch)])
+                for loss, parts in results:  # (empty off a pipeline's last stage)
+                    loss_sum += _full(loss)
+                    for name, (total, count) in parts.items():
+                        pair = torch.stack([total.detach().double(), count.double()])  # exact counts
+                        sums[name] = sums[name] + pair if name in sums else pair
         tokens += batch.target_count()
+    if measure:
+        names = sorted(sums)
+        if trainer.pp is not None:  # only the last stage measured: every stage takes its names for the reduction
+            gathered = [None] * dist.get_world_size(trainer.pp.pp_group)
+            dist.all_gather_object(gathered, names, group=trainer.pp.pp_group)
+            names = sorted(set().union(*gathered))
+        if names:
+            zero = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # a rank that saw none of a metric
+            packed = torch.stack([sums.get(n, zero) for n in names])
+            if trainer.pp is not None:
+                trainer.pp.reduce_over_pp(packed)
+            trainer.sum_over_data(packed)  # one all-reduce for every metric's sum and count
+            metrics.update({n: (packed[i, 0] / packed[i, 1].clamp(min=1)).item() for i, n in enumerate(names)})
     if trainer.pp is not None:
         trainer.pp.reduce_over_pp(loss_sum)
     return (trainer.sum_over_data(loss_sum) / trainer.sum_over_data(tokens)).item()
@@ -53,9 +95,12 @@ def validation_loss(trainer) -> float:
     # validation.split (or validation.paths/dataset) of the data; every pass restarts at its first batch
     loader = trainer.val_loader if trainer.val_loader is not None else build_validation_dataloader(
         trainer.cfg.data, trainer.cfg.validation, trainer.tokenizer, **trainer.val_loader_kw)
+    metrics: dict[str, float] = {}
     with eval_mode(trainer):
-        loss = mean_loss(trainer, loader, trainer.cfg.validation.steps)
-    trainer.metrics.log_validation(trainer.step, loss)
+        loss = mean_loss(trainer, loader, trainer.cfg.validation.steps, metrics)
+    # the objective's own metrics (BERT's MLM accuracy, T5's token accuracy), when it has any
+    trainer.metrics.log_validation(trainer.step, loss, **({"metrics": metrics} if metrics else {}))
+    trainer.last_validation = {"loss": loss, **metrics}
     return loss
 
 

@@ -155,6 +155,7 @@ class Trainer:
         self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
         self.moe_metrics = {}
         self.in_loop_eval = None  # [eval]: made at its first interval (titanlike/train/evaluate.py)
+        self.last_validation: dict[str, float] = {}  # the latest validation's loss and objective metrics
         # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
         # the backward loss is scaled by that mesh size to turn FSDP's mean back into the exact sum.
         self.grad_divide_factor = self.dims.dp_cp_degree
