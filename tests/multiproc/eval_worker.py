@@ -38,11 +38,7 @@ def run(cfg) -> tuple[list[float], list[dict]]:
     try:
         history = trainer.train()
     finally:  # as checkpoint_worker.py: the process group stays up for the next run (destroyed once, in main)
-        trainer.hang.close()  # (its heartbeat thread would outlive the run inside pytest)
-        trainer.signals.close()
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        trainer.run_lock.release()
+        trainer.close(keep_process_group=True)  # (its heartbeat thread would outlive the run inside pytest)
     state = trainer.in_loop_eval
     for e in evals:
         e["shard_degree"] = state.lm.shard[1] if state and state.lm.shard else 1

@@ -101,10 +101,8 @@ def train(cfg, check=None) -> list[dict]:
         if check is not None:
             check(trainer)
         return [{k: h[k] for k in ("step", "loss", "grad_norm")} for h in trainer.train()]
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        trainer.run_lock.release()
+    finally:  # the heartbeat thread stopped too (it would outlive the run inside pytest); the group stays
+        trainer.close(keep_process_group=True)
 
 
 def check_layout(trainer, par: dict, lora: dict | None) -> None:

@@ -133,9 +133,7 @@ class _Lines(logging.Handler):
 
 def finish(trainer: Trainer) -> None:
     """End a run without destroying the process group (the next Trainer of this process reuses it)."""
-    trainer.checkpointer.close()
-    trainer.metrics.close()
-    trainer.run_lock.release()  # (a resume in the same run folder follows in the vision run)
+    trainer.close(keep_process_group=True)  # heartbeat stopped too; a resume in the same run folder follows
 
 
 def seed_path(root: str, family: str = "toy") -> str:

@@ -397,7 +397,8 @@ class Trainer:
         if self.dpo is not None:
             self.dpo.load_state_dict(state)
 
-    def close(self) -> None:
+    def close(self, keep_process_group: bool = False) -> None:
+        """keep_process_group: a later Trainer of this process reuses the group (tests, in-process sweeps)."""
         try:
             self.hang.close()
             self.signals.close()
@@ -408,4 +409,5 @@ class Trainer:
         finally:
             self.metrics.close()
             self.run_lock.release()
-            destroy_distributed(barrier=not (self.hang.failed or self.interrupted))
+            if not keep_process_group:
+                destroy_distributed(barrier=not (self.hang.failed or self.interrupted))
