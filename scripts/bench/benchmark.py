@@ -235,12 +235,27 @@ def flops_per_token(model: str, flavor: str, seq: int, vocab: int, dec_seq: int 
         return None
 
 
+_CHILDREN: list[subprocess.Popen] = []  # the run in flight, for _stop
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM/SIGINT to this script (an outer `timeout`, Ctrl-C): the run in flight lives in its own session, so
+    take its whole group down first; left alone it would keep the GPU (and its memory) through whatever runs next."""
+    for p in _CHILDREN:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(128 + signum)
+
+
 def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
     t0 = time.time()
     # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
     # holding GPU memory through the next case).
     p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
+    _CHILDREN[:] = [p]
     try:
         text, _ = p.communicate(timeout=timeout)
         rc = p.returncode
@@ -398,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
     res = main()
     failed = [r["label"] for r in res["results"] if r["titanlike"].get("rc")]
     sys.exit(1 if failed else 0)
