@@ -15,10 +15,10 @@ get_optimizer_state_dict(model, optimizer) path. docs/optimizer.md states the ru
   tests/unit/test_muon.py); torch.optim.Muon itself is not used: it takes 2-D plain tensors only, and torch 2.11
   builds may not have it.
 * DTensors (FSDP's Shard(0), TP's Shard(0)/Shard(1), both at once): NS needs the whole matrix. Each matrix has an
-  owner rank on its mesh (round-robin by size, largest first, so the work spreads evenly); every rank gathers the
-  matrix's momentum (full_tensor: one all-gather per sharded mesh dim), the owner alone runs NS, broadcasts the
-  result along the mesh, and each rank keeps its own shard of it. distribute="replicated" has every rank run NS on
-  every matrix instead (no broadcast; the exact baseline the owner version is tested against). Expert stacks
+  owner rank on its mesh (balanced by NS cost, largest first); only the owner gathers it (per mesh dim one
+  all_to_all_single for all matrices), runs NS, and sends each rank back just its shard (titanlike/optim/muon_dist.py).
+  distribute="replicated" has every rank gather (full_tensor) and run NS on every matrix instead: the simple
+  baseline the owner version is tested against. Expert stacks
   [E, out, in] sharded on E only (EP, FSDP on experts) hold whole matrices locally: NS runs on the shard, no
   communication.
 """
@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlike.config.validate import CHOICES
+from titanlike.optim.muon_dist import owner_orthogonalise
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_EPS = 1e-7
@@ -39,10 +39,11 @@ LR_SCALES = CHOICES["optimizer.muon_lr_scale"]
 NS_DTYPES = CHOICES["optimizer.muon_ns_dtype"]
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The quintic Newton-Schulz approximation of U V^T for g = U S V^T (a batch of matrices when g is 3-D), in
-    `dtype`; the result is returned in g's dtype. The 2-D path is torch.optim.Muon's op for op (addmm), so bf16
-    results agree with it bit for bit."""
+    `dtype`; the result is returned in `out_dtype` (default g's: the owner path sends it in `dtype`). The 2-D path
+    is torch.optim.Muon's op for op (addmm), so bf16 results agree with it bit for bit."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype, copy=True)
     tall = x.size(-2) > x.size(-1)  # iterate on the wide side: X X^T is then the smaller Gram matrix
@@ -60,7 +61,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     if tall:  # contiguous: a collective on the transposed view would send its storage order (the transpose)
         x = x.mT.contiguous()
-    return x.to(g.dtype)
+    return x.to(out_dtype or g.dtype)
 
 
 def lr_scale(shape: torch.Size, rule: str) -> float:
@@ -86,55 +87,33 @@ def muon_names(model: nn.Module, io_modules: tuple[str, ...] = ()) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad and p.ndim in (2, 3) and n not in excluded}
 
 
-def _owners(tensors: list[torch.Tensor]) -> list[int]:
-    """For each DTensor, the flat index (into its mesh) of the rank that orthogonalises it: per mesh, largest
-    first, round-robin, so each rank gets about the same number of flops. -1 for plain tensors."""
-    owners = [-1] * len(tensors)
-    by_mesh: dict = {}
-    for i, t in enumerate(tensors):
-        if isinstance(t, DTensor):
-            by_mesh.setdefault(t.device_mesh, []).append(i)
-    for mesh, idx in by_mesh.items():
-        for k, i in enumerate(sorted(idx, key=lambda i: (-tensors[i].numel(), i))):
-            owners[i] = k % mesh.size()
-    return owners
-
-
-def _broadcast_from(x: torch.Tensor, mesh, owner: int) -> None:
-    """Broadcast `x` from the mesh rank at flat index `owner` to every rank of the mesh, one mesh dim at a time
-    (last to first): after dim d, every rank sharing the owner's coordinates on dims < d holds its value. No
-    flattened group is needed (DeviceMesh's is private API and ordered-dims only)."""
-    coord = [int(c) for c in torch.unravel_index(torch.tensor(owner), tuple(mesh.shape))]
-    for d in reversed(range(mesh.ndim)):
-        group = mesh.get_group(d)
-        dist.broadcast(x, src=dist.get_global_rank(group, coord[d]), group=group)
-
-
 @torch.no_grad()
 def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype, distribute: str = "owner"
                   ) -> list[torch.Tensor]:
     """NS of each update as a whole matrix (a batch per expert for 3-D); DTensors come back with their own
-    placements. Every rank must call this with the same list: the collectives go in list order."""
-    out = []
-    for u, owner in zip(updates, _owners(updates)):
+    placements. Every rank must call this with the same list: the collectives go in list order (per mesh, in the
+    order each mesh first appears)."""
+    out: list = [None] * len(updates)
+    by_mesh: dict = {}  # sharded matrices to gather, per mesh: one batch of all_to_alls each (muon_dist)
+    for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
-            out.append(newton_schulz(u, steps, dtype))
-            continue
-        mesh = u.device_mesh
-        if _whole_matrices(u):  # experts split on E only (EP, FSDP): each rank's experts are whole matrices
+            out[i] = newton_schulz(u, steps, dtype)
+        elif _whole_matrices(u):  # experts split on E only (EP, FSDP): each rank's experts are whole matrices
             o = newton_schulz(u.to_local(), steps, dtype)
-            out.append(DTensor.from_local(o, mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()))
-            continue
-        full = u.full_tensor()  # the whole momentum on every rank (exact: an all-gather, no reduction)
-        if distribute == "owner" and mesh.size() > 1:
-            mine = _flat_rank(mesh) == owner
-            o = newton_schulz(full, steps, dtype) if mine else torch.empty_like(full)
-            _broadcast_from(o, mesh, owner)
-        else:
-            o = newton_schulz(full, steps, dtype)
-        # Replicate -> the update's placements is a local slice on each rank: no communication
-        whole = DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        out.append(whole.redistribute(mesh, u.placements))
+            out[i] = DTensor.from_local(o, u.device_mesh, u.placements, run_check=False, shape=u.shape,
+                                        stride=u.stride())
+        elif distribute == "owner" and u.device_mesh.size() > 1 and not any(p.is_partial() for p in u.placements):
+            by_mesh.setdefault(u.device_mesh, []).append(i)
+        else:  # the baseline: every rank gathers (all-gather, exact) and orthogonalises every matrix
+            o = newton_schulz(u.full_tensor(), steps, dtype)
+            whole = DTensor.from_local(o, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
+            out[i] = whole.redistribute(u.device_mesh, u.placements)  # Replicate -> shards: a local slice
+    for mesh, idx in by_mesh.items():
+        local = owner_orthogonalise([updates[i] for i in idx], lambda x: newton_schulz(x, steps, dtype, dtype),
+                                    dtype)
+        for i, o in zip(idx, local):
+            u = updates[i]
+            out[i] = DTensor.from_local(o, mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
     return out
 
 
@@ -143,14 +122,6 @@ def _whole_matrices(u: DTensor) -> bool:
     the local shard is exact, with no communication."""
     return u.ndim == 3 and all(p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0)
                                for p in u.placements)
-
-
-def _flat_rank(mesh) -> int:
-    coord = mesh.get_coordinate()
-    flat = 0
-    for c, n in zip(coord, mesh.shape):
-        flat = flat * n + c
-    return flat
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
