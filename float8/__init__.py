@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from float8.filter import build_filter, fqn_matches
+from float8.filter import build_filter, fqn_matches, tied_linears
 
 logger = logging.getLogger("titanlike")
 
@@ -111,10 +111,13 @@ def build_linear_config(cfg, fsdp_enabled: bool):
     return config
 
 
-def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False) -> Float8Converter:
+def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False, model_keep: tuple[str, ...] = ()) -> Float8Converter:
     """Swap the chosen nn.Linear layers of `model` (built on meta, not yet parallelised) for torchao Float8Linear,
     in place. `cfg` is the Float8 config section; `fsdp_enabled` whether the plan will apply FSDP (the float8
-    all-gather only exists under FSDP). Returns the converter (a no-op one when float8.enable is false)."""
+    all-gather only exists under FSDP); `model_keep` the family's output heads to keep in high precision besides
+    `cfg.filter_fqns` (its ModelSpec.float8_keep; dropped when float8.keep_model_heads is false). Returns the
+    converter (a no-op one when float8.enable is false). A Linear whose weight is tied to another module (a word
+    table) converts with the tie kept (Float8Linear reuses the Parameter), except under the float8 all-gather."""
     if not cfg.enable:
         return Float8Converter()
     _check_device()
@@ -128,13 +131,16 @@ def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False) -> Float8Conve
 
         torch._inductor.config.emulate_precision_casts = True
     skipped: dict[str, str] = {}
-    module_filter = build_filter(list(cfg.filter_fqns), cfg.recipe, cfg.filter_small, skipped)
+    heads = list(model_keep) if cfg.keep_model_heads else []
+    tied = tied_linears(model) if config.enable_fsdp_float8_all_gather else frozenset()
+    module_filter = build_filter(list(cfg.filter_fqns), cfg.recipe, cfg.filter_small, skipped, heads, tied)
     before = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     from torchao.float8.float8_linear import Float8Linear
 
     converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
-    stale = [p for p in cfg.filter_fqns if p and not any(fqn_matches(name, p) for name in before)]
+    # (the default "output" is no typo in a model without an LM head: ViT's classifier is its ModelSpec's "head")
+    stale = [p for p in cfg.filter_fqns if p and p != "output" and not any(fqn_matches(name, p) for name in before)]
     if stale:
         logger.warning(f"float8.filter_fqns entries {stale} match no Linear layer of the model (typo?)")
     if not converted:
@@ -170,4 +176,4 @@ def tp_styles(converter: Float8Converter):
 
 
 __all__ = ["RECIPES", "Float8Converter", "build_filter", "build_linear_config", "config_problems", "convert",
-           "fqn_matches", "tp_styles"]
+           "fqn_matches", "tied_linears", "tp_styles"]

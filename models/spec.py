@@ -118,6 +118,10 @@ class ModelSpec:
     # default caches attention K/V per block (models/common/kv_cache.py); a family with recurrent or other state
     # declares its own.
     cache: Callable[[Any, int, int], GenerationCache] = KVCache.for_model
+    # Output heads besides `output` that float8 keeps in high precision (float8/filter.py, while
+    # float8.keep_model_heads): FQN patterns of Linears whose outputs feed a loss directly. `output`, the LM head or
+    # tied decoder, is kept by float8.filter_fqns' default in every family.
+    float8_keep: tuple[str, ...] = ()
 
     def flavor_args(self, flavor: str, changes: dict | None = None) -> Any:
         """The flavor's args with `changes` (model.args: {field: value}) applied; ValueError naming the field."""

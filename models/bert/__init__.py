@@ -49,6 +49,7 @@ SPEC = ModelSpec(
     hf=hf,
     megatron=megatron,  # import only (Megatron-Core's BertModel): no to_megatron
     objective=bert_objective,  # masked-LM on plain tokens; Megatron's MLM + sentence order on data.dataset="bert"
+    float8_keep=("pooler", "binary"),  # the sentence-order head (the tied MLM decoder is "output")
 )
 
 __all__ = ["SPEC", "Bert", "BertPretraining", "ModelArgs", "TransformerBlock", "bert_flavors"]

@@ -54,6 +54,7 @@ SPEC = ModelSpec(
     output_modules=OUTPUT_MODULES,
     hf=hf,
     objective=Images,
+    float8_keep=("head",),  # the classifier
 )
 
 __all__ = ["SPEC", "Images", "ModelArgs", "ViT", "flops_per_image", "flops_per_patch_token", "vit_flavors"]

@@ -181,6 +181,9 @@ class Float8:
     enable: bool = False
     recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])  # Linear FQNs (dotted runs) kept high-precision
+    # also keep the family's own output heads (its ModelSpec.float8_keep: BERT's pooler and sentence-order head,
+    # ViT's classifier) in high precision, as "output" above keeps the LM head
+    keep_model_heads: bool = True
     filter_small: bool = False  # also keep layers too small to gain (torchao's H100 size thresholds per recipe)
     enable_fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather float8 weights (half the bytes)
     precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce for all scales after optimizer.step()

@@ -97,7 +97,7 @@ def build_model(sections: BuildSections, dims, device: torch.device, vocab: int,
         logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
     _mixer_kernels(model, m.mixer_kernel, device)
     # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
-    f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled)
+    f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled, model_keep=spec.float8_keep)
     lora = _apply_lora(model, sections.lora, spec.output_modules[-1] if t.loss_chunk_tokens > 0 else None)
     loss_head = (apply_chunked_loss(model, t.loss_chunk_tokens, compile_chunk=compile_loss_chunk,
                                     head_name=spec.output_modules[-1]) if t.loss_chunk_tokens > 0 else None)
