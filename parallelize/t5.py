@@ -8,7 +8,8 @@ parallelize/compose.py (TP -> CP -> AC -> compile -> FSDP; CP and PP are refused
   block's cross-attention (as its own stream is by its self-attention). The relative-position tables are cut by
   head columns (Shard(1)) so each rank adds the bias of its own heads. The word table is vocabulary-sharded and
   replicates its output; the head is column-parallel over the vocabulary (loss parallel), re-tied after TP when
-  tied (the original T5).
+  tied (the original T5). Megatron's variant: the learned position table replicated instead of the bias tables;
+  its biases follow their linears' styles, the head's bias is cut with the vocabulary.
 - AC and compile walk model.layers: both stacks, each block on its own (models/t5/model.py).
 - FSDP: the tables and the head as groups of their own, each block a group, the encoder's final norm in the root; a
   tied word table joins the head's group (GPT's rule, parallelize/gpt.py).
@@ -26,17 +27,20 @@ from parallelize.compose import Recipe, compose_plans
 from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
 
 
-def t5_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
-               gated: bool = True) -> dict[str, ParallelStyle]:
+def t5_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True, gated: bool = True,
+               relative: bool = True) -> dict[str, ParallelStyle]:
     """Module path -> DTensor style (parallelize/tp.py). Embeddings run on whole (replicated) sequences; each stack's
-    first block cuts its input to this rank's sequence shard (no communication)."""
+    first block cuts its input to this rank's sequence shard (no communication). `relative` False (Megatron's
+    variant): the learned position table instead of the bias tables, replicated as GPT's, its lookup added to the
+    replicated word vectors. Biases need no entries: the column-parallel styles cut them with their rows, the
+    row-parallel ones replicate them (added once, after the reduction), SequenceParallel replicates LayerNorm's."""
     seq = Shard(1) if sequence_parallel else Replicate()
     per_token = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
     heads = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))  # [Sq, Sk, H/tp] local
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "encoder_rel_bias": heads,
-        "decoder_rel_bias": heads,
+        **({"encoder_rel_bias": heads, "decoder_rel_bias": heads} if relative else
+           {"pos_embeddings": ReplicateParallel()}),
         # (hidden, bias): the replicated embeddings -> the residual stream's layout.
         "encoder_layers.0": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(seq, None),
                                                use_local_output=True),
@@ -78,6 +82,7 @@ def _fsdp_groups(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 PLANS = compose_plans(Recipe(
-    SPEC, tp_plan=lambda model, *, ep_enabled, **kw: t5_tp_plan(gated=model.args.gated, **kw),
+    SPEC, tp_plan=lambda model, *, ep_enabled, **kw: t5_tp_plan(
+        gated=model.args.gated, relative=model.args.position_embedding == "relative", **kw),
     after_tp=lambda model: model.tie_weights(),  # both Shard(0) on the TP mesh: one DTensor parameter again
     fsdp_groups=_fsdp_groups))

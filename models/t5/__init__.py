@@ -1,10 +1,11 @@
-"""T5 family (HF's T5ForConditionalGeneration, v1.1 and the original): the encoder-decoder model, flavors, counts,
-checks, HF adapter and its own objective (span corruption from plain token rows), as one ModelSpec."""
+"""T5 family (HF's T5ForConditionalGeneration, v1.1 and the original; Megatron-Core's T5Model): the encoder-decoder
+model, flavors, counts, checks, HF and Megatron adapters and its own objective (span corruption from plain token
+rows), as one ModelSpec."""
 from __future__ import annotations
 
 from models.common.checks import attention_head_checks, dense_checks, ffn_checks
 from models.spec import ModelSpec
-from models.t5 import hf
+from models.t5 import hf, megatron
 from models.t5.args import ModelArgs
 from models.t5.counts import flops_per_token, param_counts, pp_costs, shape
 from models.t5.flavors import t5_flavors
@@ -12,7 +13,8 @@ from models.t5.model import T5, Attention, DecoderBlock, EncoderBlock
 from models.t5.objective import SpanCorruption, span_corruption
 
 # The word table first; the encoder's final norm sits between the stacks (FSDP's root group holds it). `output` last.
-INPUT_MODULES = ("tok_embeddings", "encoder_rel_bias", "decoder_rel_bias")
+# (relative-position tables or the learned position table, whichever the variant has: absent ones are skipped)
+INPUT_MODULES = ("tok_embeddings", "pos_embeddings", "encoder_rel_bias", "decoder_rel_bias")
 OUTPUT_MODULES = ("decoder_norm", "output")
 
 
@@ -46,6 +48,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    megatron=megatron,  # import only (Megatron-Core's T5Model): no to_megatron
     objective=span_corruption,
 )
 

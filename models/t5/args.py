@@ -21,6 +21,17 @@ class ModelArgs:
     # LM head tied to the word table with the decoder output scaled by dim ** -0.5 first.
     gated: bool = True
     tie_embeddings: bool = False
+    # Megatron-Core's T5Model (models/t5/megatron.py imports it; flavor debugmodel_megatron) is a BERT-style
+    # encoder-decoder; each field below switches one of its differences on, the defaults are T5's (HF parity).
+    position_embedding: str = "relative"  # "learned": one absolute table of max_position_rows, added in both stacks
+    max_position_rows: int = 0  # the learned table's rows (0: max_seq_len); Megatron's --max-position-embeddings
+    norm: str = "rms"  # "layernorm": LayerNorm with a bias (Megatron) instead of T5's RMS norm
+    linear_bias: bool = False  # biases on every attention and FFN linear (Megatron's --add-bias-linear)
+    activation: str = "relu"  # the ungated FFN's: "relu" (the original T5) or "gelu" (Megatron)
+    gelu_approximate: str = "tanh"  # either GELU's: "tanh" (gelu_new; Megatron's fused bias-GELU) or "none"
+    attn_scale: bool = False  # True: logits scaled by head_dim ** -0.5 (Megatron); T5 folds it into the q init
+    output_bias: bool = False  # the head's own bias (Megatron's tied output_layer.bias)
+    tied_scale: bool = True  # a tied head reads the decoder output scaled by dim ** -0.5 (T5); Megatron does not
     rel_buckets: int = 32  # relative position buckets, one table per stack shared by its blocks
     rel_max_distance: int = 128  # distances beyond this share the last (log-spaced) bucket
     norm_eps: float = 1e-6
@@ -40,6 +51,19 @@ class ModelArgs:
             # Not a T5 that exists; HF would load it, but refuse rather than guess which scale the user meant.
             raise ValueError("tie_embeddings=True with gated=True: v1.1 unties the LM head; set tie_embeddings=false "
                              "(or gated=false for the original T5)")
+        for name, value, allowed in (("position_embedding", self.position_embedding, ("relative", "learned")),
+                                     ("norm", self.norm, ("rms", "layernorm")),
+                                     ("activation", self.activation, ("relu", "gelu")),
+                                     ("gelu_approximate", self.gelu_approximate, ("tanh", "none"))):
+            if value not in allowed:
+                raise ValueError(f"model.args.{name}={value!r}: choose one of {list(allowed)}")
+
+    @property
+    def is_hf_t5(self) -> bool:
+        """Whether these are one of HF's T5 variants (the HF adapter's and the objective-free defaults)."""
+        return (self.position_embedding, self.norm, self.linear_bias, self.activation, self.attn_scale,
+                self.output_bias, self.tied_scale) == ("relative", "rms", False, "relu", False, False, True) and \
+            self.gelu_approximate == "tanh"
 
     @property
     def inner_dim(self) -> int:

@@ -28,11 +28,11 @@ def _split(module) -> tuple[int, int]:
 
 def param_counts(args: ModelArgs) -> ParamCounts:
     """Exact counts of the model built on the meta device (a tied head counts once). `embedding`: the word table and
-    the two relative-position bias tables (lookups, no matmul FLOPs)."""
+    the two relative-position bias tables or the learned position table (lookups, no matmul FLOPs)."""
     model = _meta(args)
     total = sum(p.numel() for p in model.parameters())
-    embedding = sum(p.numel() for m in (model.tok_embeddings, model.encoder_rel_bias, model.decoder_rel_bias)
-                    for p in m.parameters())
+    tables = (model.tok_embeddings, model.pos_embeddings, model.encoder_rel_bias, model.decoder_rel_bias)
+    embedding = sum(p.numel() for m in tables if m is not None for p in m.parameters())
     return ParamCounts(total=total, active=total, embedding=embedding)
 
 
@@ -52,14 +52,21 @@ def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
     dec = (6 * (dec_mm - cross_kv) * t + 12 * args.inner_dim * t * (t + s)) / s + 6 * cross_kv + 6 * dec_1d
     layers = {str(i): float(enc) for i in range(args.n_layers)}
     layers.update({str(args.n_layers + i): float(dec) for i in range(args.n_decoder_layers)})
-    return PipelineCosts(layers=layers, embedding=6.0 * args.dim, output=6.0 * args.dim * args.vocab_size * t / s)
+    return PipelineCosts(layers=layers, embedding=6.0 * _norm_params(args),
+                         output=6.0 * args.dim * args.vocab_size * t / s)
+
+
+def _norm_params(args: ModelArgs) -> int:
+    """One final norm's parameters: the gain, and LayerNorm's bias (Megatron's variant)."""
+    return args.dim * (2 if args.norm == "layernorm" else 1)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per encoder token: the pieces of pp_costs plus the decoder's final norm. A float: the
-    decoder's share is a ratio of lengths."""
+    """Training FLOPs per encoder token: the pieces of pp_costs plus the decoder's final norm (and a head's bias). A
+    float: the decoder's share is a ratio of lengths."""
     costs = pp_costs(args, seq_len)
-    return sum(costs.layers.values()) + costs.embedding + costs.output + 6.0 * args.dim
+    head_bias = args.vocab_size if args.output_bias else 0  # (Megatron's tied head has its own bias)
+    return sum(costs.layers.values()) + costs.embedding + costs.output + 6.0 * (_norm_params(args) + head_bias)
 
 
 def decoder_len(args: ModelArgs, seq_len: int) -> int:

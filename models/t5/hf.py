@@ -42,8 +42,16 @@ def _ffn(args: ModelArgs) -> dict[str, str]:
     return _FFN if args.gated else {"w1": "wi", "w2": "wo"}
 
 
+def supports(args: ModelArgs) -> bool:
+    """Whether transformers' T5 can hold a model of these args (not Megatron's variant); the contract tests ask."""
+    return args.is_hf_t5
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """titanlike FQNs -> HF FQNs (whole tensors; a partial dict, one export shard, works)."""
+    if not args.is_hf_t5:  # learned positions, LayerNorm, biases, ...: transformers' T5 has no place for them
+        raise ValueError("to_hf: this T5 has Megatron-Core's T5Model switches (model.args.position_embedding, norm, "
+                         "linear_bias, ...), which transformers' T5ForConditionalGeneration cannot hold: no HF export")
     out: dict[str, torch.Tensor] = {}
     ffn = _ffn(args)
     for key, value in state_dict.items():

@@ -1,6 +1,6 @@
 """T5 (HF's T5ForConditionalGeneration: v1.1 and the original), an encoder-decoder, FQNs in titanlike's style:
 
-    tok_embeddings, encoder_rel_bias, decoder_rel_bias,
+    tok_embeddings, encoder_rel_bias, decoder_rel_bias (or pos_embeddings: Megatron's variant, below),
     encoder_layers.<i>.{attention_norm, attention.{wq, wk, wv, wo}, ffn_norm, feed_forward.{w1, w2[, w3]}},
     encoder_norm,
     decoder_layers.<i>.{attention_norm, attention.*, cross_norm, cross_attention.{wq, wk, wv, wo}, ffn_norm,
@@ -10,6 +10,10 @@
 Pre-norm blocks with T5's RMS LayerNorm (no mean, no bias), no biases anywhere, attention logits unscaled (T5 folds
 the 1/sqrt(d) into the query's init). Each stack adds a learned bias per (relative-distance bucket, head) to its
 self-attention logits, one table per stack shared by its blocks (HF keeps it in block 0); cross-attention has none.
+
+Megatron-Core's T5Model (args.position_embedding = "learned" and the other switches of args.py; models/t5/megatron.py)
+swaps the bias tables for one absolute table `pos_embeddings` added to both stacks' embeddings, the norms for
+LayerNorm with bias, adds biases to every linear and to the tied head, a plain GELU FFN and 1/sqrt(head_dim) logits.
 
 The shared plan steps (AC, compile, FSDP) walk `model.layers`: here a read-only view of both stacks in run order,
 keyed "0".."L-1" (encoder blocks first), while the checkpoint names stay `encoder_layers.<i>` / `decoder_layers.<i>`.
@@ -24,6 +28,10 @@ from torch import nn
 
 from models.common.norms import RMSNorm
 from models.t5.args import ModelArgs
+
+
+def _norm(args: ModelArgs) -> nn.Module:
+    return nn.LayerNorm(args.dim, eps=args.norm_eps) if args.norm == "layernorm" else RMSNorm(args.dim, args.norm_eps)
 
 
 def relative_buckets(rel: torch.Tensor, bidirectional: bool, n_buckets: int, max_distance: int) -> torch.Tensor:
@@ -51,10 +59,12 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.inner_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.inner_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.inner_dim, bias=False)
-        self.wo = nn.Linear(args.inner_dim, args.dim, bias=False)
+        self.scale = args.head_dim ** -0.5 if args.attn_scale else 1.0
+        b = args.linear_bias
+        self.wq = nn.Linear(args.dim, args.inner_dim, bias=b)
+        self.wk = nn.Linear(args.dim, args.inner_dim, bias=b)
+        self.wv = nn.Linear(args.dim, args.inner_dim, bias=b)
+        self.wo = nn.Linear(args.inner_dim, args.dim, bias=b)
         # generation (models/t5/generate.py): (k, v) -> (k, v) over the whole cached sequence, or `static` with the
         # cross-attention's k, v of the encoder output
         self.kv_cache = None
@@ -72,31 +82,37 @@ class Attention(nn.Module):
             v = self.wv(src).view(bs, src.shape[1], -1, self.head_dim).transpose(1, 2)
             if cache is not None:
                 k, v = cache(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
 class FeedForward(nn.Module):
-    """v1.1: w2(gelu_tanh(w1 x) * w3 x) (HF's gated-gelu, "gelu_new"); original: w2(relu(w1 x))."""
+    """v1.1: w2(gelu_tanh(w1 x) * w3 x) (HF's gated-gelu, "gelu_new"); original: w2(relu(w1 x)); Megatron:
+    w2(gelu(w1 x)) with biases."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False) if args.gated else None
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=args.linear_bias)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.linear_bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.linear_bias) if args.gated else None
+        self.relu = args.activation == "relu"
+        self.approximate = args.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
-            return self.w2(F.relu(self.w1(x)))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+            h = self.w1(x)
+            return self.w2(F.relu(h) if self.relu else F.gelu(h, approximate=self.approximate))
+        return self.w2(F.gelu(self.w1(x), approximate=self.approximate) * self.w3(x))
 
 
 def _init_block(block: nn.Module, args: ModelArgs) -> None:
     """HF's T5 init (initializer_factor f): q ~ N(0, f (dim * head_dim)^-1/2) (the unscaled logits' 1/sqrt(d)),
     k, v ~ f dim^-1/2, o ~ f inner^-1/2; FFN inputs f dim^-1/2, output f ffn^-1/2; unit norms."""
     f = args.init_factor
-    for norm in (m for m in block.children() if isinstance(m, RMSNorm)):
+    for norm in (m for m in block.children() if isinstance(m, (RMSNorm, nn.LayerNorm))):
         norm.reset_parameters()
+    for lin in (m for m in block.modules() if isinstance(m, nn.Linear) and m.bias is not None):
+        nn.init.zeros_(lin.bias)  # (Megatron's biases start at zero too)
     for attn in (m for m in block.children() if isinstance(m, Attention)):
         nn.init.normal_(attn.wq.weight, std=f * (args.dim * args.head_dim) ** -0.5)
         nn.init.normal_(attn.wk.weight, std=f * args.dim ** -0.5)
@@ -113,9 +129,9 @@ class EncoderBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = _norm(args)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = _norm(args)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -127,11 +143,11 @@ class DecoderBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = _norm(args)
         self.attention = Attention(args)
-        self.cross_norm = RMSNorm(args.dim, args.norm_eps)
+        self.cross_norm = _norm(args)
         self.cross_attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = _norm(args)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, enc: torch.Tensor, bias: torch.Tensor,
@@ -148,14 +164,17 @@ class T5(nn.Module):
         self.vocab_size = args.vocab_size
         self.n_layers = args.n_layers + args.n_decoder_layers
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)  # HF's `shared`: both stacks read it
-        self.encoder_rel_bias = nn.Embedding(args.rel_buckets, args.n_heads)
-        self.decoder_rel_bias = nn.Embedding(args.rel_buckets, args.n_heads)
+        relative = args.position_embedding == "relative"
+        # None under learned positions: the plans and FSDP's groups skip absent modules
+        self.encoder_rel_bias = nn.Embedding(args.rel_buckets, args.n_heads) if relative else None
+        self.decoder_rel_bias = nn.Embedding(args.rel_buckets, args.n_heads) if relative else None
+        self.pos_embeddings = None if relative else nn.Embedding(args.max_position_rows or args.max_seq_len, args.dim)
         # String keys: FQNs stay those of one process whatever a plan does to the dict.
         self.encoder_layers = nn.ModuleDict({str(i): EncoderBlock(i, args) for i in range(args.n_layers)})
-        self.encoder_norm = RMSNorm(args.dim, args.norm_eps)
+        self.encoder_norm = _norm(args)
         self.decoder_layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_decoder_layers)})
-        self.decoder_norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.decoder_norm = _norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=args.output_bias)
         self.tied = args.tie_embeddings
         self.tied_parameters: list[tuple[str, str]] = []
         if self.tied:
@@ -181,8 +200,11 @@ class T5(nn.Module):
         self.tie_weights()
         f = self.args.init_factor
         nn.init.normal_(self.tok_embeddings.weight, std=f)
-        for table in (self.encoder_rel_bias, self.decoder_rel_bias):
-            nn.init.normal_(table.weight, std=f * self.args.dim ** -0.5)
+        for table in (self.encoder_rel_bias, self.decoder_rel_bias, self.pos_embeddings):
+            if table is not None:
+                nn.init.normal_(table.weight, std=f * self.args.dim ** -0.5)
+        if self.output.bias is not None:
+            nn.init.zeros_(self.output.bias)
         for block in self.layers.values():
             _init_block(block, self.args)
         self.encoder_norm.reset_parameters()
@@ -190,9 +212,23 @@ class T5(nn.Module):
         if not self.tied:
             nn.init.normal_(self.output.weight, std=f * self.args.dim ** -0.5)
 
-    def position_bias(self, table: nn.Embedding, q_len: int, k_len: int, bidirectional: bool,
+    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The word vectors, plus the absolute position of each (start..) under learned positions."""
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is None:
+            return h
+        rows = self.pos_embeddings.weight.shape[0]
+        if start + tokens.shape[1] > rows:
+            raise ValueError(f"{start + tokens.shape[1]} positions but the learned position table has {rows} rows "
+                             f"(model.args.max_position_rows; 0: max_seq_len)")
+        return h + self.pos_embeddings(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+
+    def position_bias(self, table: nn.Embedding | None, q_len: int, k_len: int, bidirectional: bool,
                       q_start: int = 0, device=None) -> torch.Tensor:
-        """[1, H, q_len, k_len] the bias of queries q_start.. against keys 0..k_len-1 (H: this rank's heads)."""
+        """[1, H, q_len, k_len] the bias of queries q_start.. against keys 0..k_len-1 (H: this rank's heads); a zero
+        [1, 1, q_len, k_len] without relative positions (the mask still needs a float tensor to fill)."""
+        if table is None:
+            return torch.zeros(1, 1, q_len, k_len, device=device, dtype=self.tok_embeddings.weight.dtype)
         q = torch.arange(q_start, q_start + q_len, device=device)
         k = torch.arange(k_len, device=device)
         buckets = relative_buckets(k[None, :] - q[:, None], bidirectional, self.args.rel_buckets,
@@ -208,7 +244,7 @@ class T5(nn.Module):
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] -> the encoder output [B, S, D] (after its final norm)."""
         seqlen = tokens.shape[1]
-        h = self.tok_embeddings(tokens)
+        h = self.embed(tokens)
         keys = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         bias = self._masked(self.position_bias(self.encoder_rel_bias, seqlen, seqlen, True, device=tokens.device),
                             keys).to(h.dtype)
@@ -225,7 +261,7 @@ class T5(nn.Module):
         if start + t > self.args.decoder_limit:
             raise ValueError(f"decoder input of {start + t} tokens is longer than model.args.max_decoder_len="
                              f"{self.args.decoder_limit} allows; raise model.args.max_decoder_len (0: max_seq_len)")
-        h = self.tok_embeddings(decoder_tokens)
+        h = self.embed(decoder_tokens, start)
         q_pos = torch.arange(start, start + t, device=h.device)
         keep = (torch.arange(k_len, device=h.device)[None, :] <= q_pos[:, None])[None, None]
         if decoder_attention_mask is not None:
@@ -236,7 +272,7 @@ class T5(nn.Module):
         for block in self.decoder_layers.values():
             h = block(h, enc, bias, cross)
         h = self.decoder_norm(h)
-        if self.tied:  # the original T5 rescales before the tied head (HF: tie_word_embeddings)
+        if self.tied and self.args.tied_scale:  # the original T5 rescales before its tied head (HF's tie)
             h = h * self.args.dim ** -0.5
         return self.output(h)
 

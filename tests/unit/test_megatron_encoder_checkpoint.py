@@ -5,12 +5,11 @@ The Megatron side runs in a subprocess (this file as a script): it builds megatr
 tiny shapes with the local (Transformer-Engine-free) layer specs, random weights (norms and biases too), saves their
 torch_dist checkpoints with `dist_checkpointing.save(model.sharded_state_dict())` and the legacy TP1 format with
 `state_dict_for_save_checkpoint()`, and records their fp32 outputs: BERT's MLM logits and binary-head logits (with
-token types, as pretrain_bert.py passes them when the binary head is on), T5's decoder logits (recorded, not compared:
-see below).
+token types, as pretrain_bert.py passes them when the binary head is on), T5's decoder logits (no padding: the
+encoder and cross masks attend everywhere, the decoder's is causal).
 The T5 model is built from the layer specs (TransformerBlock then uses torch's LayerNorm for the final norms); the
 block specs Megatron-LM's pretrain_t5.py uses name TENorm for them, which needs Transformer Engine; the tensors and
-their names are the same. Megatron's T5 builds and runs on CPU, but titanlike does not import it (docs/t5.md): the
-test checks the refusal on its real checkpoint.
+their names are the same. The T5 import is flavor debugmodel_megatron's switches (models/t5/megatron.py).
 Megatron's settings are pretrain_bert.py's / pretrain_t5.py's defaults: tied output with its own bias, learned
 absolute positions, LayerNorm, GELU through the fused bias-GELU (tanh approximation), pre-LN.
 """
@@ -155,13 +154,19 @@ def _model(ckpt: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("name", ["bert_binary", "bert_plain"])
+@pytest.mark.parametrize("name", ["bert_binary", "bert_plain", "t5"])
 @pytest.mark.parametrize("layout_", ["td", "tp1"])
 def test_import_matches_megatron(mcore, tmp_path, name, layout_):
     out = str(tmp_path / "ck")
     assert convert(["import", os.path.join(mcore, name, layout_), out]) == 0
     meta = json.load(open(os.path.join(out, "step-0", "meta.json")))
     assert meta["model_name"] == name.split("_")[0]
+    if name == "t5":
+        from models.t5.flavors import t5_flavors
+
+        want = {k: v for k, v in vars(t5_flavors["debugmodel_megatron"]).items() if k not in ("vocab_size",
+                "max_seq_len", "max_decoder_len", "max_position_rows")}
+        assert {k: meta["model_args"][k] for k in want} == want, "the import is not flavor debugmodel_megatron's shape"
     ref = torch.load(os.path.join(mcore, f"{name}.out.pt"))
     model = _model(out)
     with torch.no_grad():
@@ -179,14 +184,13 @@ def test_import_matches_megatron(mcore, tmp_path, name, layout_):
         torch.testing.assert_close(got[key].float(), want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout_", ["td", "tp1"])
-def test_t5_is_refused_with_the_reason(mcore, tmp_path, capsys, layout_):
-    # Megatron's T5Model (learned positions, LayerNorm with bias, biased linears, GELU, scaled attention, tied head
-    # with a bias) is neither of titanlike's T5 variants (docs/t5.md): refused, nothing written.
+def test_t5_other_positions_are_refused(mcore, tmp_path, capsys):
+    # Megatron's T5Model with relative positions (or rope) is not the variant titanlike has: one line, nothing written
     out = str(tmp_path / "ck")
-    assert convert(["import", os.path.join(mcore, "t5", layout_), out]) == 2
+    assert convert(["import", os.path.join(mcore, "t5", "td"), out,
+                    "--megatron-arg", "position_embedding_type=relative"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "T5Model" in err and "docs/t5.md" in err, err
+    assert err.count("\n") == 0 and "T5Model" in err and "learned_absolute" in err, err
     assert not os.path.exists(out)
 
 

@@ -55,8 +55,9 @@ def choose_family(margs: dict, family: str | None, where: str, keys=None) -> str
         stacks = {parts[0] for k in keys if (parts := split_layer_key(k)) is not None}
         found = [n for n in found if set(getattr(adapters[n], "LAYER_STACKS", (LAYER_PREFIX,))) == stacks]
     if not found and keys is not None and stacks == {LAYER_PREFIX, "encoder.layers."}:
-        raise CheckpointError(f"{where}: an encoder-decoder (Megatron-Core's T5Model): titanlike's T5 variants "
-                              f"differ from Megatron's T5 architecture, so it is not imported (docs/t5.md)")
+        raise CheckpointError(f"{where}: an encoder-decoder (Megatron-Core's T5Model) with --position-embedding-type "
+                              f"{arg(margs, 'position_embedding_type')!r}: titanlike imports T5Model with "
+                              f"learned_absolute positions only (docs/t5.md)")
     if not found and keys is not None and claimed:
         raise CheckpointError(f"{where}: layer stacks {sorted(stacks)} fit no family claiming these args "
                               f"({claimed}): pass --family NAME")
