@@ -20,6 +20,14 @@ _CRASH = re.compile(r"^error: |Error: |terminate called|what\(\)|Fatal Python er
                     r"corrupted|Aborted|Current thread|Thread 0x|^  File ")
 
 
+def full_matrix() -> bool:
+    """True under TITANLIKE_TEST_FULL=1: every layout case of every multi-process launch. By default a launch runs a
+    representative subset of its cases, chosen so that each technique and each family is still compared with the
+    one-process reference at least once; the cases left to the flag repeat a code path that a default case covers
+    (CONTRIBUTING.md). Workers inherit the environment, so they read it too."""
+    return os.environ.get("TITANLIKE_TEST_FULL") == "1"
+
+
 def repo_pythonpath() -> str:
     """PYTHONPATH for a child process: this checkout first, then whatever the caller had (the GPU machine's wheels
     travel on PYTHONPATH: replacing it loses them)."""

@@ -127,7 +127,7 @@ def main() -> None:
             "tp2_pack": make_cfg(root, pairs, "tp2_pack", parallelism={"tp": 2, "dp_shard": 1}, packed=True),
             "pp2_pack": make_cfg(root, pairs, "pp2_pack", parallelism=pp2, packed=True),
             "cp2_pack": make_cfg(root, pairs, "cp2_pack", parallelism=cp2, packed=True)}
-    only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # (a subset, when debugging)
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # (a subset: test_dist_dpo.py's default)
     runs = {k: v for k, v in runs.items() if only is None or k in only}
     for name, cfg in runs.items():
         out = record(cfg)
