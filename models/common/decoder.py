@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from models.common.masks import AttnMask, forward_mask
+from models.common.mtp import MTP
 from models.common.norms import RMSNorm
 
 # The top-level modules before and after `layers` (ModelSpec.input_modules / output_modules of a Decoder family).
@@ -82,6 +83,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         # Never tied to tok_embeddings, even where the upstream model ties them: the HF adapters untie on import.
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Multi-token prediction (models/common/mtp.py), for families whose args have mtp_num_layers > 0: built from
+        # the family's own block. Absent (no attribute value, no FQNs) when off, so such models are unchanged.
+        self.mtp = MTP(args, block) if getattr(args, "mtp_num_layers", 0) > 0 else None
         # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
         # models.common.masks.CPShard (rank, degree, method) when context parallel holds this rank's share of every
@@ -112,9 +116,11 @@ class Decoder(nn.Module):
         if self.output is not None:
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.mtp is not None:
+            self.mtp.init_weights()
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, V] in the parameters' dtype.
 
         doc_ids [B, S_full]: the document of every token of the whole sequence (models.common.masks.document_ids);
@@ -122,13 +128,18 @@ class Decoder(nn.Module):
         context parallel, tokens are this rank's chunks of sequences of S_full = S * cp tokens.
 
         Pipeline stages: without tok_embeddings the input is hidden states [B, S, dim]; without output the return
-        value is hidden states."""
+        value is hidden states.
+
+        mtp_labels [B, S]: the loader's labels, from which the MTP modules (if any) take their targets; their losses
+        join the gradient, not the output (models/common/mtp.py)."""
         rope, mask = self._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
+        if self.mtp is not None and mtp_labels is not None and torch.is_grad_enabled():
+            h = self.mtp(h, tokens, mtp_labels, doc_ids, rope, mask, self.tok_embeddings, self.output)
         if self.output is not None:
             h = self.output(h)
         return h

@@ -6,6 +6,7 @@ from __future__ import annotations
 from models.common.checks import dense_checks, ffn_checks
 from models.common.decoder import INPUT_MODULES, OUTPUT_MODULES
 from models.common.moe import moe_problems
+from models.common.mtp import mtp_objective, mtp_problems
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.counts import flops_per_token, param_counts, pp_costs, shape
@@ -36,7 +37,7 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
         problems += moe_problems(args.moe, par.ep)
     else:
         problems += dense_checks(par, "deepseek_v3 with no MoE layers")
-    return problems
+    return problems + mtp_problems(args, par)
 
 
 SPEC = ModelSpec(
@@ -53,6 +54,7 @@ SPEC = ModelSpec(
     input_modules=INPUT_MODULES,  # the decoder skeleton's (models/common/decoder.py)
     output_modules=OUTPUT_MODULES,
     hf=hf,
+    objective=mtp_objective,  # next-token; with model.args.mtp_num_layers > 0 it also hands the labels to MTP
 )
 
 __all__ = ["MLA", "SPEC", "ModelArgs", "Transformer", "TransformerBlock", "deepseek_v3_flavors"]

@@ -39,6 +39,11 @@ class ModelArgs:
     n_dense_layers: int = 1
     dense_hidden_dim: int = 10944  # HF intermediate_size
     moe: MoEArgs = field(default_factory=MoEArgs)
+    # Multi-token prediction (models/common/mtp.py, docs/mtp.md): this many sequential MTP modules after the main
+    # model (0 = off; DeepSeek-V3 publishes 1), their summed losses weighted mtp_loss_weight / mtp_num_layers. The
+    # default weight is Megatron's --mtp-loss-scaling-factor (0.1); DeepSeek-V3 trained with 0.3, then 0.1.
+    mtp_num_layers: int = 0
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         # Checkpoints store dataclasses.asdict(args) (MoEArgs becomes a dict) and rebuild with ModelArgs(**d).

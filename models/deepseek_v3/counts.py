@@ -9,6 +9,7 @@ FLOPs per token (training = forward + backward = 3 x forward):
       weighted values over v_head_dim channels:                       2 * seq_len * n_heads * v_head_dim
     times 3 with the backward: 6 * seq_len * n_heads * (qk_head_dim + v_head_dim) per layer. No causal discount
     (as is customary). With qk = v = head_dim and n_heads * head_dim = dim this is Llama's 12 * dim * seq_len.
+  + multi-token prediction's modules (see flops_per_token).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def param_counts(args: ModelArgs) -> ParamCounts:
     with torch.device("meta"):
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
-    active = total - args.n_moe_layers * _inactive_per_moe_layer(args)
+    # MTP module k's block is layer n_layers + k (models/common/mtp.py): MoE by the same rule as the main layers
+    mtp_moe = sum(args.is_moe_layer(args.n_layers + k) for k in range(args.mtp_num_layers))
+    active = total - (args.n_moe_layers + mtp_moe) * _inactive_per_moe_layer(args)
     return ParamCounts(total=total, active=active, embedding=model.tok_embeddings.weight.numel())
 
 
@@ -44,8 +47,12 @@ def attention_core_flops(args: ModelArgs, seq_len: int) -> int:
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """With multi-token prediction (mtp_num_layers = D) the MTP modules' active parameters are in `active`; each
+    module adds one attention core and one more pass through the shared output head (6 * dim * vocab)."""
     counts = param_counts(args)
-    return 6 * (counts.active - counts.embedding) + args.n_layers * attention_core_flops(args, seq_len)
+    d = args.mtp_num_layers
+    return (6 * (counts.active - counts.embedding) + (args.n_layers + d) * attention_core_flops(args, seq_len)
+            + 6 * d * args.dim * args.vocab_size)
 
 
 def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:

@@ -16,7 +16,8 @@ Choices and uncertainties, stated rather than hidden:
 - Load balancing: V3 trains with the auxiliary-loss-free expert bias (update rate 0.001) plus a sequence-wise
   balance loss of 1e-4 (V3 report). V2 and V2-Lite published only the sequence-wise expert loss (alpha 0.003 for
   V2, 0.001 for V2-Lite); their flavors keep it and add the bias update at 0.001 as torchtitan's 16B does.
-- V2's device- and communication-balance losses and V3's multi-token prediction are not modelled.
+- V2's device- and communication-balance losses are not modelled. V3's multi-token prediction is off in every
+  flavor (model.args.mtp_num_layers = 1 turns it on: docs/mtp.md).
 """
 from __future__ import annotations
 

@@ -46,11 +46,45 @@ _LAYER_MAP = {
 }
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
 
+# Multi-token prediction (models/common/mtp.py): MTP module k is published as layer n_layers + k, the usual layer
+# weights (our mtp.<k>.block.*) beside these (DeepSeek-V3's checkpoint; SGLang's deepseek_nextn reads the same).
+_MTP_MAP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "norm.weight": "shared_head.norm.weight"}
+_MTP_MAP_INV = {v: k for k, v in _MTP_MAP.items()}
+# The layer's own copies of the shared embedding and output head: written on export, skipped on import.
+_MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+
+
+def _mtp_to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: dict) -> dict[str, torch.Tensor]:
+    """Writes the MTP modules' own keys into `out` under the published names; returns the rest of the state dict,
+    with each module's block renamed to layers.<n_layers + k>.* for the per-layer mapping."""
+    rest: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if not key.startswith("mtp."):
+            rest[key] = value
+            continue
+        _, k, suffix = key.split(".", 2)
+        layer = args.n_layers + int(k)
+        if suffix.startswith("block."):
+            rest[f"layers.{layer}.{suffix[len('block.'):]}"] = value
+        elif suffix in _MTP_MAP:
+            out[f"model.layers.{layer}.{_MTP_MAP[suffix]}"] = value
+        else:
+            raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
+    # The copies of the shared modules, where this (partial) dict has them: real copies, as published (safetensors
+    # refuses tensors sharing memory).
+    for k in range(args.mtp_num_layers):
+        for hf_suffix, ours in _MTP_SHARED.items():
+            if ours in state_dict and f"mtp.{k}.eh_proj.weight" in state_dict:
+                out[f"model.layers.{args.n_layers + k}.{hf_suffix}"] = state_dict[ours].clone()
+    return rest
+
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """titanlike FQNs -> HF FQNs (hub layout: one tensor per routed expert). Works on partial state dicts (one
     layer, one pipeline stage). Tensors must be full (not sharded DTensors): gather first."""
     out: dict[str, torch.Tensor] = {}
+    state_dict = _mtp_to_hf(state_dict, args, out)
     for key, layer, suffix, value in titanlike_layer_items(state_dict, out):
         prefix = f"model.layers.{layer}."
         if suffix in MLP_EXPERTS:
@@ -63,8 +97,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF FQNs -> titanlike FQNs. Layers at or past args.n_layers (the multi-token-prediction modules of DeepSeek-V3
-    checkpoints, which HF skips too) are dropped."""
+    """HF FQNs -> titanlike FQNs. The multi-token-prediction modules of DeepSeek-V3 checkpoints (layers n_layers and
+    on, which transformers skips) become mtp.<k>.* for the args.mtp_num_layers first of them; the rest are dropped."""
     fp8_scale = next((k for k in hf_state_dict if k.endswith("_scale_inv")), None)
     if fp8_scale is not None:
         raise KeyError(f"from_hf: {fp8_scale!r} is a block-quantized FP8 scale: dequantize the checkpoint to bf16 "
@@ -72,9 +106,17 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # titanlike FQN -> expert -> weight
     for key, layer, suffix, value in hf_layer_items(hf_state_dict, out):
-        if int(layer) >= args.n_layers:
+        depth = int(layer) - args.n_layers  # >= 0: an MTP module (DeepSeek-V3 publishes one)
+        if depth >= args.mtp_num_layers:
             continue
         prefix = f"layers.{layer}."
+        if depth >= 0:
+            if suffix in _MTP_SHARED:  # copies of the main embedding / output head: the model shares those
+                continue
+            if suffix in _MTP_MAP_INV:
+                out[f"mtp.{depth}.{_MTP_MAP_INV[suffix]}"] = value
+                continue
+            prefix = f"mtp.{depth}.block."
         if read_mlp_experts(suffix, value, prefix, out, experts):
             continue
         if suffix not in _LAYER_MAP_INV:
@@ -135,7 +177,8 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
         v_head_dim=config["v_head_dim"], rope_theta=rope_theta,
         n_dense_layers=min(config.get("first_k_dense_replace") or 0, n_layers),
-        dense_hidden_dim=config["intermediate_size"], moe=moe, **kw,
+        dense_hidden_dim=config["intermediate_size"], moe=moe,
+        **kw,
     )
 
 
@@ -165,7 +208,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
         "routed_scaling_factor": m.route_scale, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
         "rope_interleave": True, "rope_theta": args.rope_theta, "rope_scaling": None,
         "max_position_embeddings": max_position_embeddings or args.max_seq_len, "tie_word_embeddings": False,
-        "attention_bias": False, "num_nextn_predict_layers": 0, "torch_dtype": str(dtype).replace("torch.", ""),
+        "attention_bias": False, "num_nextn_predict_layers": args.mtp_num_layers,
+        "torch_dtype": str(dtype).replace("torch.", ""),
     }
     if args.rope_factor > 1:
         # transformers checks YaRN's factor against max_position_embeddings / original_max_position_embeddings

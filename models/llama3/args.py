@@ -28,6 +28,11 @@ class ModelArgs:
     # A kernel choice, not architecture: repeat the KV heads before SDPA instead of passing them once with
     # enable_gqa (models.common.attention.causal_attention). The trainer sets it for kernels without GQA support.
     repeat_kv_heads: bool = False
+    # Multi-token prediction (models/common/mtp.py, docs/mtp.md): this many sequential MTP modules after the main
+    # model (0 = off; DeepSeek-V3 publishes 1), their summed losses weighted mtp_loss_weight / mtp_num_layers. The
+    # default weight is Megatron's --mtp-loss-scaling-factor (0.1); DeepSeek-V3 trained with 0.3, then 0.1.
+    mtp_num_layers: int = 0
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

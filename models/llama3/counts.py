@@ -20,9 +20,14 @@ def param_counts(args: ModelArgs) -> ParamCounts:
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token: 6 per non-embedding parameter (forward 2, backward 4: every weight is one
     multiply-add per token in each matmul), plus the attention score and value matmuls, 2 * 2 * seq_len * dim per
-    layer forward, times 3 with the backward (causal masking not discounted, as is customary)."""
+    layer forward, times 3 with the backward (causal masking not discounted, as is customary).
+
+    Multi-token prediction (mtp_num_layers = D): its modules' parameters are among the counted ones; each module
+    adds one attention core and one more pass through the shared output head (6 * dim * vocab)."""
     counts = param_counts(args)
-    return 6 * (counts.active - counts.embedding) + 12 * args.n_layers * args.dim * seq_len
+    d = args.mtp_num_layers
+    return (6 * (counts.active - counts.embedding) + 12 * (args.n_layers + d) * args.dim * seq_len
+            + 6 * d * args.dim * args.vocab_size)
 
 
 def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:

@@ -389,6 +389,8 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
         return
     if cfg.model.n_layers > 0:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    # the run's seq_len, as the trainer sets it (checks such as MTP's depth against the sequence read it)
+    args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
     from models.batch import build_objective
 

@@ -175,6 +175,9 @@ class MetricsLogger:
             parts.append(f"aux {m['moe/aux_loss']:.4f} load {m['moe/load_max_over_mean']:.2f}")
             if m.get("moe/dropped_pct"):
                 parts.append(f"dropped {m['moe/dropped_pct']:.1f}%")
+        if "mtp/total_loss" in m:  # multi-token prediction: each depth's loss (loss above is the main LM loss)
+            depths = sorted((k for k in m if k.startswith("mtp/loss_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+            parts.append("mtp " + "/".join(f"{m[k]:.4f}" for k in depths) + f" total {m['mtp/total_loss']:.4f}")
         if "memory/peak_reserved_gib" in m:
             parts.append(f"mem {m['memory/peak_reserved_gib']:.1f}GiB ({m['memory/peak_reserved_pct']:.0f}%)")
         elif "memory/max_rss_gib" in m:

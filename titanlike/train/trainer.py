@@ -36,6 +36,7 @@ from titanlike.train.construct import BuildSections, build_model, lora_checkpoin
 from titanlike.train.dpo import PreferenceTuning
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
 from titanlike.train.moe import MoEBookkeeping
+from titanlike.train.mtp import MTPBookkeeping
 from titanlike.train.pipeline import PipelineRunner
 from titanlike.train.step import StepCompute
 from titanlike.train.update import UpdateSections, Updater
@@ -154,6 +155,8 @@ class Trainer:
         microbatches = self.grad_accum_steps * (self.pp.pipeline.n_microbatches if self.pp is not None else 1)
         self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
         self.moe_metrics = {}
+        self.mtp = MTPBookkeeping(self.model_parts, self.dims, microbatches)  # multi-token prediction's losses
+        self.mtp_metrics = {}
         self.in_loop_eval = None  # [eval]: made at its first interval (titanlike/train/evaluate.py)
         self.last_validation: dict[str, float] = {}  # the latest validation's loss and objective metrics
         # FSDP averages gradients over its data mesh; the loss is normalised by the global token count, so
@@ -255,6 +258,7 @@ class Trainer:
         for part in self.model_parts:
             self.float8.post_optimizer_hook(part)
         self.moe_metrics = self.moe.after_step(log=log)  # expert-bias balancing; load statistics on log steps
+        self.mtp_metrics = self.mtp.after_step(log=log)  # the MTP depths' losses on log steps
         return loss_sum, global_tokens, grad_norm
 
     def train(self) -> list[dict]:
@@ -309,8 +313,10 @@ class Trainer:
                 if self.pp is not None:  # the loss lives on the last stage: give it to every pp rank
                     loss_sum = self.pp.reduce_over_pp(loss_sum)
                 loss = self.sum_over_data(loss_sum) / tokens  # the only host sync: on log steps
-                m = self.metrics.log(self.step, {"loss": loss.item(), "grad_norm": grad_norm.item(),
+                loss = loss.item()
+                m = self.metrics.log(self.step, {"loss": loss, "grad_norm": grad_norm.item(),
                                                  "lr": self.update.step_lr, **self.moe_metrics,
+                                                 **self.mtp.with_total(loss, self.mtp_metrics),
                                                  **(self.dpo.metrics() if self.dpo is not None else {}),
                                                  **self.update.log_counts()})  # fp16 scale, skipped steps
                 if self.guard is not None:
