@@ -19,10 +19,14 @@ class EncoderAttention(nn.Module):
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """`kv`: the tokens x's queries attend over when not x itself (SigLIP's pooling probe reads an image's)."""
+        kv = x if kv is None else kv
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
-        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
+        k, v = (w(kv).view(bs, kv.shape[1], -1, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
@@ -48,3 +52,11 @@ class FirstToken(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h[:, 0]
+
+
+class MeanTokens(nn.Module):
+    """h [B, S, D] -> the token average [B, D]: what HF's SiglipForImageClassification classifies. A module of its
+    own for the same reason as FirstToken (a plan gathers its sequence-parallel input)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(dim=1)

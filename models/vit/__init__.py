@@ -1,4 +1,5 @@
-"""Vision Transformer family (HF's ViTForImageClassification): the model, flavors, counts, checks and HF adapter, as
+"""Vision Transformer family (HF's ViTForImageClassification; SigLIP's vision tower, HF's SiglipVisionModel and
+SiglipForImageClassification, through ModelArgs' options): the model, flavors, counts, checks and HF adapter, as
 one ModelSpec trained by its own objective (images + class labels, models/vit/objective.py)."""
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from models.vit.model import ViT
 from models.vit.objective import Images
 
 INPUT_MODULES = ("patch_embed",)
-OUTPUT_MODULES = ("norm", "first_token", "head")
+OUTPUT_MODULES = ("norm", "map_head", "first_token", "mean_tokens", "head")
 
 
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
     problems = []
-    if args.image_size % args.patch_size:
+    # SigLIP so400m is published at 384 with 14-pixel patches: HF's valid conv drops the remainder, as ours does.
+    if args.image_size % args.patch_size and args.class_token:
         problems.append(f"model.args.image_size={args.image_size} is not a multiple of patch_size={args.patch_size} "
                         f"(flavor {flavor!r}): set model.args.image_size to a multiple of {args.patch_size}")
     tp = getattr(par, "tp", 1)
@@ -28,10 +30,11 @@ def check(args: ModelArgs, par, flavor: str) -> list[str]:
     problems += ffn_checks(args.hidden_dim, par, flavor)
     if tp > 1 and getattr(par, "enable_sequence_parallel", False) and args.n_tokens % tp:
         # torch's sequence-parallel styles assume equal shards (the global length = tp x the local one)
+        cls = " + the class token" if args.class_token else ""
         problems.append(f"parallelism.enable_sequence_parallel=true with parallelism.tp={tp}: vit's {args.n_tokens} "
-                        f"tokens ({args.n_patches} patches + the class token) do not split evenly; set "
-                        f"parallelism.enable_sequence_parallel=false, or a model.args.image_size whose patch count "
-                        f"+ 1 is a multiple of {tp}")
+                        f"tokens ({args.n_patches} patches{cls}) do not split evenly; "
+                        f"set parallelism.enable_sequence_parallel=false, or a model.args.image_size whose token "
+                        f"count is a multiple of {tp}")
     for name in ("pp", "cp"):
         if getattr(par, name, 1) > 1:
             why = "images have no sequence to cut" if name == "cp" else "no pipeline split is tested for vit yet"

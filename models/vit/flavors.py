@@ -1,5 +1,7 @@
 """ViT flavors: the published sizes (Dosovitskiy et al. 2020; HF google/vit-{base,large}-patch16-224,
-google/vit-huge-patch14-224-in21k), 224 x 224 RGB, ImageNet-1k's 1000 classes."""
+google/vit-huge-patch14-224-in21k), 224 x 224 RGB, ImageNet-1k's 1000 classes; and SigLIP's vision towers (Zhai et
+al. 2023; HF google/siglip-base-patch16-224, google/siglip-so400m-patch14-384: LayerNorm eps 1e-6) with the MAP
+head and a 1000-class classifier on the token average, as HF's SiglipForImageClassification."""
 from __future__ import annotations
 
 from models.vit.args import ModelArgs
@@ -10,6 +12,12 @@ def _vit(dim: int, n_layers: int, n_heads: int, patch: int) -> ModelArgs:
                      n_classes=1000)
 
 
+def _siglip(dim: int, n_layers: int, n_heads: int, ffn_dim: int, image: int, patch: int, **kw) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim, image_size=image, patch_size=patch,
+                     norm_eps=1e-6, class_token=False, act="gelu_pytorch_tanh", map_head=True, pool="mean",
+                     max_seq_len=3 * image * image, **kw)
+
+
 vit_flavors: dict[str, ModelArgs] = {
     # CPU tests and smoke runs: 32 x 32 images in 8 x 8 patches (16 patches + the class token), the synthetic
     # shapes set's 10 classes (titanlike/data/images.py).
@@ -18,4 +26,8 @@ vit_flavors: dict[str, ModelArgs] = {
     "B/16": _vit(768, 12, 12, 16),  # 86.6M
     "L/16": _vit(1024, 24, 16, 16),  # 304M
     "H/14": _vit(1280, 32, 16, 14),  # 632M
+    # SigLIP at the debug size: 16 patches (no class token), the MAP head, 10 classes on the token average.
+    "debug-siglip": _siglip(64, 2, 4, 256, 32, 8, n_classes=10),
+    "siglip-B/16-224": _siglip(768, 12, 12, 3072, 224, 16),  # 92.9M tower + classifier
+    "siglip-so400m/14-384": _siglip(1152, 27, 16, 4304, 384, 14),  # 27 x 27 patches (384 // 14; HF's valid conv)
 }

@@ -1,10 +1,13 @@
 """ViT (HF's ViTForImageClassification): conv patch embedding, a class token, learned positions, pre-LN blocks
 (attention with qkv bias, exact-GELU MLP), a final LayerNorm and a linear classifier on the class token.
+The same model with ModelArgs' SigLIP options is HF's SiglipVisionModel (no class token, tanh-GELU, the MAP head
+`map_head` after the final LayerNorm) and, with pool="mean", SiglipForImageClassification.
 FQNs in titanlike's style:
 
-    patch_embed.{proj, cls_token, pos_embed},
+    patch_embed.{proj, cls_token (ViT only), pos_embed},
     layers.<i>.{attention_norm, attention.{wq, wk, wv, wo}, ffn_norm, feed_forward.{w1, w2}},
-    norm, first_token, head
+    norm, map_head.{probe, attention.{wq, wk, wv, wo}, norm, feed_forward.{w1, w2}} (SigLIP),
+    first_token | mean_tokens (no parameters), head
 
 `first_token` (no parameters) picks the class token, as BERT's pooler input: a module of its own so a plan can
 gather the sequence-parallel shards there (parallelize/vit.py) while this file stays free of distributed code.
@@ -15,17 +18,19 @@ import torch
 from torch import nn
 
 from models.vit.args import ModelArgs
-from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward
+from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward, MeanTokens
 
 
 class PatchEmbed(nn.Module):
-    """pixels [B, C, H, W] -> [B, 1 + N, dim]: a stride-p conv per patch, the class token first, plus positions."""
+    """pixels [B, C, H, W] -> [B, T, dim]: a stride-p conv per patch (an image size that is no multiple of the
+    patch drops the last rows and columns, as HF's valid conv: SigLIP so400m's 384 / 14), the class token first
+    (ViT), plus positions."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.proj = nn.Conv2d(args.channels, args.dim, kernel_size=args.patch_size, stride=args.patch_size)
-        self.cls_token = nn.Parameter(torch.empty(1, 1, args.dim))
+        self.cls_token = nn.Parameter(torch.empty(1, 1, args.dim)) if args.class_token else None
         self.pos_embed = nn.Parameter(torch.empty(1, args.n_tokens, args.dim))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -35,14 +40,27 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"images of {h}x{w}: the model was built for {self.args.image_size}x"
                              f"{self.args.image_size} (model.args.image_size)")
         x = self.proj(pixels).flatten(2).transpose(1, 2)  # [B, N, D], patches in row-major order (HF's)
-        cls = self.cls_token.expand(x.shape[0], -1, -1)
-        return torch.cat([cls, x], dim=1) + self.pos_embed
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return x + self.pos_embed
 
 
+class AttentionPool(nn.Module):
+    """SigLIP's multihead attention pooling (HF SiglipMultiheadAttentionPoolingHead): h = attention(probe, tokens),
+    then h + mlp(norm(h)); no norm before the attention and no residual around it, as HF. The attention is
+    nn.MultiheadAttention's math (biased q/k/v/o, 1 / sqrt(head_dim)) with q, k, v as the blocks' separate Linears:
+    the adapter splits HF's fused in_proj. [B, T, D] -> [B, D] (HF's pooler_output)."""
 
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.probe = nn.Parameter(torch.empty(1, 1, args.dim))
+        self.attention = EncoderAttention(args.dim, args.head_dim)
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim, args.approximate)
 
-
-
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.attention(self.probe.expand(h.shape[0], -1, -1), kv=h)
+        return (x + self.feed_forward(self.norm(x)))[:, 0]
 
 
 class TransformerBlock(nn.Module):
@@ -55,24 +73,31 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.attention = EncoderAttention(args.dim, args.head_dim)
         self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = GeluFeedForward(args.dim, args.hidden_dim, args.approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.attention.wo,
-                    self.feed_forward.w1, self.feed_forward.w2):
-            nn.init.trunc_normal_(lin.weight, std=self.init_std)  # HF ViT's init: truncated normal, zero biases
-            nn.init.zeros_(lin.bias)
+        _init_attention_mlp(self.attention_norm, self.ffn_norm, self.attention, self.feed_forward, self.init_std)
+
+
+def _init_attention_mlp(norm1: nn.LayerNorm, norm2: nn.LayerNorm, attention: EncoderAttention,
+                        feed_forward: GeluFeedForward, std: float) -> None:
+    """HF ViT's init, kept for SigLIP too (nothing needs HF's SigLIP init): unit LayerNorms, truncated normal
+    matrices, zero biases."""
+    for norm in (norm1, norm2):
+        norm.reset_parameters()
+    for lin in (attention.wq, attention.wk, attention.wv, attention.wo, feed_forward.w1, feed_forward.w2):
+        nn.init.trunc_normal_(lin.weight, std=std)
+        nn.init.zeros_(lin.bias)
 
 
 class ViT(nn.Module):
     """pixels [B, C, H, W] (normalised: HF's ViTImageProcessor gives (x / 255 - 0.5) / 0.5) -> logits
-    [B, n_classes]; with n_classes = 0 there is no head and the forward returns the final hidden states [B, T, D]."""
+    [B, n_classes]; with n_classes = 0 there is no head and the forward returns the final hidden states [B, T, D]
+    (HF's last_hidden_state; `pooled` gives the MAP head's pooler_output)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -82,7 +107,9 @@ class ViT(nn.Module):
         # String keys: a pipeline split deletes entries without renumbering, so FQNs stay those of one process.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.first_token = FirstToken() if args.n_classes else None
+        self.map_head = AttentionPool(args) if args.map_head else None
+        self.first_token = FirstToken() if args.n_classes and args.pool == "cls" else None
+        self.mean_tokens = MeanTokens() if args.n_classes and args.pool == "mean" else None
         self.head = nn.Linear(args.dim, args.n_classes) if args.n_classes else None
 
     @torch.no_grad()
@@ -93,13 +120,18 @@ class ViT(nn.Module):
         if self.patch_embed is not None:
             nn.init.trunc_normal_(self.patch_embed.proj.weight, std=std)
             nn.init.zeros_(self.patch_embed.proj.bias)
-            nn.init.trunc_normal_(self.patch_embed.cls_token, std=std)
+            if self.patch_embed.cls_token is not None:
+                nn.init.trunc_normal_(self.patch_embed.cls_token, std=std)
             nn.init.trunc_normal_(self.patch_embed.pos_embed, std=std)
         for layer in self.layers.values():
             if layer is not None:
                 layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
+        if self.map_head is not None:
+            m = self.map_head
+            nn.init.trunc_normal_(m.probe, std=std)
+            _init_attention_mlp(m.norm, m.norm, m.attention, m.feed_forward, std)
         if self.head is not None:
             nn.init.trunc_normal_(self.head.weight, std=std)
             nn.init.zeros_(self.head.bias)
@@ -112,5 +144,17 @@ class ViT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
-            h = self.head(self.first_token(h))
+            h = self.head(self._pool(h))
         return h
+
+    def _pool(self, h: torch.Tensor) -> torch.Tensor:
+        """What the classifier reads (args.pool): the class token, the token average, or the MAP head's output."""
+        if self.first_token is not None:
+            return self.first_token(h)
+        return self.mean_tokens(h) if self.mean_tokens is not None else self.map_head(h)
+
+    def pooled(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """HF SiglipVisionModel's pooler_output from the forward's output at n_classes = 0."""
+        if self.map_head is None:
+            raise ValueError("model.args.map_head=false: this model has no pooling head")
+        return self.map_head(last_hidden_state)

@@ -28,18 +28,35 @@ def build(args, seed: int = 0):
     return model
 
 
+def hf_model(transformers, args, **kw):
+    """transformers' class for our hf_config: ViTForImageClassification, SiglipForImageClassification or (SigLIP
+    without classes) SiglipVisionModel."""
+    cfg = {k: v for k, v in SPEC.hf.hf_config(args, torch.float32).items()
+           if k not in ("architectures", "model_type", "torch_dtype", "id2label", "label2id")}
+    if args.class_token:
+        return transformers.ViTForImageClassification(transformers.ViTConfig(**cfg, num_labels=args.n_classes, **kw))
+    if args.n_classes:
+        config = transformers.SiglipConfig(vision_config=cfg["vision_config"], num_labels=args.n_classes, **kw)
+        return transformers.SiglipForImageClassification(config)
+    return transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**cfg, **kw))
+
+
 @pytest.mark.parametrize("flavor", sorted(SPEC.flavors))
 def test_param_counts_equal_transformers_models(flavor):
     """Every flavor: our count = transformers' ViTForImageClassification of hf_config (built on meta), and the
     published sizes of google/vit-{base,large}-patch16-224: 86.6M, 304.3M (H/14 with 1000 classes: 632.0M)."""
     transformers = pytest.importorskip("transformers")
     args = SPEC.flavors[flavor]
-    config = transformers.ViTConfig(**{k: v for k, v in SPEC.hf.hf_config(args, torch.float32).items()
-                                       if k not in ("architectures", "model_type", "torch_dtype")})
     with torch.device("meta"):
-        theirs = transformers.ViTForImageClassification(config)
+        theirs = hf_model(transformers, args)
     assert SPEC.param_counts(args).total == sum(p.numel() for p in theirs.parameters())
-    published = {"B/16": 86_567_656, "L/16": 304_326_632}
+    if not args.class_token:  # SigLIP: the bare tower too (SiglipVisionModel)
+        bare = dataclasses.replace(args, n_classes=0)
+        with torch.device("meta"):
+            assert SPEC.param_counts(bare).total == sum(p.numel() for p in hf_model(transformers, bare).parameters())
+    # google/siglip-base-patch16-224's and siglip-so400m-patch14-384's vision towers: 92.9M, 428.2M
+    published = {"B/16": 86_567_656, "L/16": 304_326_632, "siglip-B/16-224": 92_884_224 + 769_000,
+                 "siglip-so400m/14-384": 428_225_600 + 1_153_000}
     if flavor in published:
         assert SPEC.param_counts(args).total == published[flavor]
 
@@ -206,3 +223,107 @@ def test_debug_model_learns_the_shapes():
     print(f"vit shapes: loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f}, held-out accuracy {before:.3f} -> "
           f"{after:.3f}")
     assert sum(losses[-5:]) / 5 < losses[0] - 0.4 and after > before + 0.15 and after > 0.3
+
+
+# ------------------------------------------------------------------------------------------------ SigLIP
+def _randomized(model, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g) + (1.0 if p.ndim == 1 else 0.0))
+    return model.eval()
+
+
+def _load_theirs(theirs, ours, args):
+    """Our weights into transformers' model through from_hf of its own (in-memory) names: every tensor once."""
+    sd = ours.state_dict()
+    to_hf = SPEC.hf.to_hf(sd, args)
+    names = {n: n if n in to_hf else f"vision_model.{n}" for n in theirs.state_dict()}  # SiglipVisionModel: bare
+    assert sorted(SPEC.hf.from_hf({n: to_hf[k] for n, k in names.items()}, args)) == sorted(sd)
+    theirs.load_state_dict({n: to_hf[k] for n, k in names.items()})
+    back = SPEC.hf.from_hf(theirs.state_dict(), args)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    return theirs.eval()
+
+
+def test_siglip_tower_equals_siglip_vision_model():
+    """debug-siglip without classes against transformers' SiglipVisionModel (random weights, fp32, eager): the
+    forward's hidden states = last_hidden_state and `pooled` (the MAP head) = pooler_output within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    args = dataclasses.replace(SPEC.flavors["debug-siglip"], n_classes=0)
+    ours = _randomized(build(args))
+    theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = ours(pixels)
+        got = (h, ours.pooled(h))
+        out = theirs(pixel_values=pixels)
+    for name, a, b in zip(("last_hidden_state", "pooler_output"), got, (out.last_hidden_state, out.pooler_output)):
+        assert a.shape == b.shape and b.abs().max() > 1
+        err = (a - b).abs().max().item()
+        print(f"siglip debug {name} vs transformers: max abs error {err:.2e} at max |x| {b.abs().max():.2f}")
+        assert err < 1e-4
+    assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
+
+
+def test_siglip_classifier_equals_siglip_for_image_classification():
+    """pool="mean" (the flavors'): logits = SiglipForImageClassification's (which averages the final tokens; its MAP
+    head is built but not run) within 1e-4; the config round trips."""
+    transformers = pytest.importorskip("transformers")
+    args = SPEC.flavors["debug-siglip"]
+    ours = _randomized(build(args))
+    theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = ours(pixels), theirs(pixel_values=pixels).logits
+    err = (got - want).abs().max().item()
+    print(f"siglip debug logits vs SiglipForImageClassification: max abs error {err:.2e} at {want.abs().max():.2f}")
+    assert want.abs().max() > 1 and err < 1e-4
+    assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
+
+
+@pytest.mark.parametrize("pool", ["mean", "map"])
+def test_siglip_flops_match_the_counter_and_map_pool_trains(pool):
+    """Both SigLIP pools: the FLOP counter sees our FLOPs per image (the MAP head's only where the classifier reads
+    it); the pool="map" classifier learns (loss falls) and has no HF class: its export is refused in one line."""
+    args = dataclasses.replace(SPEC.flavors["debug-siglip"], pool=pool)
+    model = build(args).train()
+    pixels = torch.randn(3, args.channels, args.image_size, args.image_size)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(pixels), torch.tensor([0, 1, 2])).backward()
+    assert counter.get_total_flops() == 3 * flops_per_image(args)
+    assert sum(SPEC.pp_costs(args, args.pixels).layers.values()) + SPEC.pp_costs(args, args.pixels).embedding + \
+        SPEC.pp_costs(args, args.pixels).output == pytest.approx(flops_per_image(args) / args.pixels)
+    if pool == "map":
+        assert not SPEC.hf.supports(args)
+        with pytest.raises(ValueError, match="model.args.pool='map'") as e:
+            SPEC.hf.hf_config(args, torch.float32)
+        assert "\n" not in str(e.value)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        labels = torch.tensor([0, 1, 2])
+        losses = []
+        for _ in range(15):
+            loss = F.cross_entropy(model(pixels), labels)
+            loss.backward()
+            assert model.map_head.probe.grad.abs().sum() > 0  # the classifier reads the MAP head
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < 0.5 * losses[0]
+
+
+def test_siglip_args_refusals_and_plan_covers_the_map_head():
+    """Bad pools refused in one line; so400m's 384 / 14 is accepted (HF's valid conv drops the remainder); the TP
+    plan names the new modules (the fake-rank plan test of test_model_contract shards debug-siglip whole)."""
+    with pytest.raises(ValueError, match="model.args.pool='cls' reads model.args.class_token"):
+        dataclasses.replace(SPEC.flavors["debug-siglip"], pool="cls")
+    with pytest.raises(ValueError, match="model.args.pool='map' reads model.args.map_head"):
+        dataclasses.replace(SPEC.flavors["debug-siglip"], map_head=False, pool="map")
+    from titanlike.distributed.parallel_dims import ParallelDims
+
+    so400m = SPEC.flavors["siglip-so400m/14-384"]
+    assert so400m.n_tokens == 729 and SPEC.check(so400m, ParallelDims(dp_shard=1, world_size=1), "so400m") == []
+    from parallelize.vit import GatheredReplicate, vit_tp_plan
+
+    plan = vit_tp_plan()
+    assert isinstance(plan["map_head"], GatheredReplicate) and "mean_tokens" in plan
