@@ -6,15 +6,17 @@ check in one line: images have no sequence to cut, and the pipeline split is not
   token, positions) runs replicated on the whole image; the first block's input is then cut to this rank's tokens
   (no communication). `first_token` gathers the shards (the class token sits on rank 0's) and the classifier runs
   replicated: its gradient comes out the same on every rank. SigLIP's readers of every token do the same:
-  `mean_tokens` gathers like `first_token`; the MAP head (`map_head`: one probe, so nothing worth sharding) runs
-  replicated on the gathered tokens (GatheredReplicate: its gradient back to the tokens is identical on every rank,
-  so the return to the shards is a local slice).
+  `mean_tokens` gathers like `first_token`; the MAP head (`map_head`) gathers the tokens (GatherTokens) and shards
+  its attention over heads and its MLP as a block's, with whole (replicated) outputs: one probe token, nothing to
+  cut along the sequence.
 - FSDP: the spec's groups (patch_embed | each block | norm + head).
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
 )
@@ -24,23 +26,29 @@ from parallelize.compose import Recipe, compose_plans
 from parallelize.tp import ReplicateParallel
 
 
-class GatheredReplicate(ReplicateParallel):
-    """ReplicateParallel for a module with parameters that reads its input whole (the MAP head): the input arrives
-    as this rank's `input_layout` part (Shard(1) under sequence parallel) and is all-gathered first."""
+class GatherTokens(ParallelStyle):
+    """For the MAP head: its input (this rank's `input_layout` part of the tokens: Shard(1) under sequence parallel)
+    is all-gathered to every token, as a plain tensor like the blocks' inputs, and its own parameter (the probe)
+    becomes a Replicate DTensor; its attention and MLP are the plan's own entries (sharded like a block's). Not
+    ReplicateParallel on the whole head: that runs its attention on DTensors, and CPU SDPA's backward has no
+    DTensor sharding rule."""
 
     def __init__(self, input_layout):
         super().__init__()
         self.input_layout = input_layout
 
-    def _apply(self, module, device_mesh):
-        from torch.distributed.tensor import distribute_module
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Replicate()]),
+                                                         requires_grad=param.requires_grad))
 
-        return distribute_module(module, device_mesh, input_fn=self._gather, output_fn=self._output_fn)
+        def gather(_, inputs):
+            # the gathered tokens' gradient is whole and equal on every rank: the way back is a local slice
+            return tuple(DTensor.from_local(x, device_mesh, [self.input_layout], run_check=False).redistribute(
+                device_mesh, [Replicate()]).to_local() if isinstance(x, torch.Tensor) else x for x in inputs)
 
-    def _gather(self, module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [self.input_layout], run_check=False).redistribute(
-            device_mesh, [Replicate()]) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-            for x in inputs)
+        module.register_forward_pre_hook(gather)
+        return module
 
 
 def vit_tp_plan(*, sequence_parallel: bool = True, **_) -> dict[str, ParallelStyle]:
@@ -66,7 +74,14 @@ def vit_tp_plan(*, sequence_parallel: bool = True, **_) -> dict[str, ParallelSty
                                           use_local_output=True),
         "mean_tokens": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
                                           use_local_output=True),
-        "map_head": GatheredReplicate(seq),
+        "map_head": GatherTokens(seq),
+        "map_head.attention.wq": ColwiseParallel(),
+        "map_head.attention.wk": ColwiseParallel(),
+        "map_head.attention.wv": ColwiseParallel(),
+        "map_head.attention.wo": RowwiseParallel(),  # -> the whole probe output on every rank
+        "map_head.norm": ReplicateParallel(),
+        "map_head.feed_forward.w1": ColwiseParallel(),
+        "map_head.feed_forward.w2": RowwiseParallel(),
         "head": ReplicateParallel(),
     }
 

@@ -13,7 +13,7 @@ import torch
 
 from models.vit.args import ModelArgs
 
-ARCHITECTURES = ("SiglipForImageClassification", "SiglipVisionModel")
+ARCHITECTURES = ("SiglipForImageClassification", "SiglipVisionModel", "SiglipModel")  # SiglipModel: its tower
 MODEL_TYPES = ("siglip", "siglip_vision_model")
 
 _TOP = {

@@ -323,7 +323,7 @@ def test_siglip_args_refusals_and_plan_covers_the_map_head():
 
     so400m = SPEC.flavors["siglip-so400m/14-384"]
     assert so400m.n_tokens == 729 and SPEC.check(so400m, ParallelDims(dp_shard=1, world_size=1), "so400m") == []
-    from parallelize.vit import GatheredReplicate, vit_tp_plan
+    from parallelize.vit import GatherTokens, vit_tp_plan
 
     plan = vit_tp_plan()
-    assert isinstance(plan["map_head"], GatheredReplicate) and "mean_tokens" in plan
+    assert isinstance(plan["map_head"], GatherTokens) and "mean_tokens" in plan
