@@ -130,3 +130,55 @@ def test_freeze_stages_train_only_the_rest(freeze):
         frozen = n.split(".")[0] in ("vision",) and "vision" in freeze or \
             n.split(".")[0] in ("tok_embeddings", "layers", "norm", "output") and "language" in freeze
         assert (id(p) in in_opt) != frozen and torch.equal(p, before[n]) == frozen, n
+
+
+def test_shapes_captions_are_deterministic_resumable_and_caption_only():
+    from titanlike.config.sections import Data
+    from titanlike.data.image_text import PIXELS, PLACEHOLDERS, WORD_ID, ShapesCaptions
+    from titanlike.data.loader import build_dataloader
+
+    ds = ShapesCaptions(PIXELS + 32, 64, seed=3)
+    ids, labels = ds[5]
+    assert torch.equal(ids, ShapesCaptions(PIXELS + 32, 64, seed=3)[5][0]) and not torch.equal(ids, ds[6][0])
+    text = ids[PIXELS:]
+    assert (text[:PLACEHOLDERS] == 63).all() and text[PLACEHOLDERS] == WORD_ID["a"]
+    targets = labels[labels != IGNORE_INDEX]
+    assert targets.tolist() == [63] * (PLACEHOLDERS - 1) + text[PLACEHOLDERS:PLACEHOLDERS + 7].tolist()
+    _, caption = ds.draw(5)
+    assert len(caption.split()) == 6 and caption.startswith("a ")
+    with pytest.raises(ValueError, match=r"set training.seq_len >= "):
+        ShapesCaptions(PIXELS + 10, 64)
+    cfg = dataclasses.replace(Data(), dataset="shapes_captions")
+    kw = dict(dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=PIXELS + 32, seed=3, vocab_size=64)
+    loader = build_dataloader(cfg, None, **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state, want = loader.state_dict(), next(it)
+    again = build_dataloader(cfg, None, **kw)
+    again.load_state_dict(state)
+    got = next(iter(again))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("freeze", [[], ["vision", "language"]])
+def test_debug_config_trains(freeze, tmp_path):
+    """configs/llava_debug.toml through the Trainer, shortened: the caption loss falls (full training: 4.5 -> ~0.8 in
+    10 steps; projector-only alignment, its 82k parameters the only trainable ones: 4.5 -> ~4.0, into a random
+    decoder)."""
+    from titanlike.config.load import load_config
+    from titanlike.train.trainer import Trainer
+
+    cfg = load_config(["--config", "configs/llava_debug.toml", f"--job.dump_folder={tmp_path}",
+                       "--training.steps=10", "--metrics.log_freq=1", "--training.device=cpu"])
+    cfg.model.args = {"freeze": freeze} if freeze else cfg.model.args
+    trainer = Trainer(cfg)
+    try:
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        history = trainer.train()
+    finally:
+        trainer.close()
+    first, last = history[0]["loss"], history[-1]["loss"]
+    print(f"llava freeze={freeze}: loss {first:.3f} -> {last:.3f}, trainable {trainable}")
+    # frozen: only the projector (64*256 + 256 + 256*256 + 256) trains, into a random decoder: it still learns a little
+    assert trainable == (82432 if freeze else 3376704)
+    assert last < first - (2.0 if not freeze else 0.3), (first, last)
