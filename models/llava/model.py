@@ -92,9 +92,8 @@ class Llava(nn.Module):
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, H, W] -> [N, image_tokens, dim]: HF LlavaModel.get_image_features (one feature layer)."""
-        h = self.vision.patch_embed(pixels)
-        for layer in self.vision.layers.values():
-            h = layer(h)
+        # through the tower's own forward (its kept blocks; no norm, no head): FSDP's hooks sit on that module
+        h = self.vision(pixels)
         if self.args.vision_feature_select_strategy == "default":
             h = h[:, 1:]
         return self.projector(h)
