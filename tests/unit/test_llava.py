@@ -62,9 +62,15 @@ def hf_model(args, sd, tmp_path):
                                                                     attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("rows", [(0, 2), (1, 2)])
-def test_logits_and_state_dict_match_transformers(rows, tmp_path):
-    args = tiny()
+def qwen3_text(args):
+    from models.qwen3.flavors import qwen3_flavors
+
+    return dataclasses.replace(args, language_family="qwen3", text=qwen3_flavors["debugmodel"])
+
+
+@pytest.mark.parametrize("rows,language", [((0, 2), "llama3"), ((1, 2), "llama3"), ((1, 2), "qwen3")])
+def test_logits_and_state_dict_match_transformers(rows, language, tmp_path):
+    args = tiny() if language == "llama3" else qwen3_text(tiny())
     ours = build(args)
     sd = ours.state_dict()
     theirs = hf_model(args, sd, tmp_path)
@@ -79,7 +85,7 @@ def test_logits_and_state_dict_match_transformers(rows, tmp_path):
         got = ours(tokens, pixels=pixels)
         want = theirs(input_ids=tokens, pixel_values=pixels).logits
     err = (got - want).abs().max().item()
-    print(f"rows {rows}: max |diff| {err:.2e} at logits up to {want.abs().max():.2f}")
+    print(f"{language} rows {rows}: max |diff| {err:.2e} at logits up to {want.abs().max():.2f}")
     assert want.abs().max() > 1 and err <= 1e-4
     back = SPEC.hf.from_hf(theirs.state_dict(), args)  # transformers 5.x's own names
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
