@@ -3,7 +3,7 @@ adds one line. Importing this package changes no global state."""
 from __future__ import annotations
 
 from models import bert, deepseek_v3, gpt, llama3, t5
-from models import mamba2, mixtral, nemotron_h, qwen3, qwen3_next, vit
+from models import llava, mamba2, mixtral, nemotron_h, qwen3, qwen3_next, vit
 from models.spec import ModelSpec
 
 # The family that the default config and the tools' defaults use (configs/debug_model.toml names it too).
@@ -21,6 +21,7 @@ MODELS: dict[str, ModelSpec] = {
     bert.SPEC.name: bert.SPEC,
     t5.SPEC.name: t5.SPEC,
     vit.SPEC.name: vit.SPEC,
+    llava.SPEC.name: llava.SPEC,
 }
 
 

@@ -42,6 +42,7 @@ WORLD_SIZES = {
     "gpt2_debug.toml": [1, 2],
     "bert_debug.toml": [1, 2],
     "vit_debug.toml": [1, 2],
+    "llava_debug.toml": [1, 2],
     "bert_megatron_debug.toml": [1, 2],
     "t5_megatron_debug.toml": [1, 2],
     "bert_base.toml": [8],

@@ -8,7 +8,8 @@ import math
 from typing import Any
 
 # titanlike.data.dataset.DATASETS
-DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder")
+DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder",
+                 "shapes_captions")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
 
@@ -83,7 +84,7 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
                 "image_folder": "one root folder in ImageNet's layout (ROOT/train/<class>/*.JPEG, ROOT/val/..)"
                 }[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
-    elif dataset in ("stdlib", "mock", "shapes") and paths:
+    elif dataset in ("stdlib", "mock", "shapes", "shapes_captions") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
                       "data.dataset=indexed (Megatron .bin/.idx prefixes) or data.dataset=text (JSONL/Parquet/text)")
     elif dataset == "chat":

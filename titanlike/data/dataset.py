@@ -201,12 +201,19 @@ def _build_image_folder(data_cfg, tokenizer, **kw):
     return build_image_folder(data_cfg, tokenizer, **kw)
 
 
+def _build_shapes_captions(data_cfg, tokenizer, **kw):
+    from titanlike.data.image_text import build_shapes_captions
+
+    return build_shapes_captions(data_cfg, tokenizer, **kw)
+
+
 # bert / t5: masked-LM samples from sentence-split .bin/.idx (titanlike/data/bert_dataset.py, t5_dataset.py)
 # chat: conversations for SFT (titanlike/data/sft.py); preference: (chosen, rejected) pairs for DPO
 # (titanlike/data/preference.py); shapes / image_folder: one image's bytes per row (titanlike/data/images.py)
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
             "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked,
-            "shapes": _build_shapes, "image_folder": _build_image_folder}
+            "shapes": _build_shapes, "image_folder": _build_image_folder,
+            "shapes_captions": _build_shapes_captions}  # image + caption rows (titanlike/data/image_text.py)
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,

@@ -1,0 +1,50 @@
+"""LLaVA family (HF's LlavaForConditionalGeneration): a vision family's tower, a projector MLP and a decoder
+family's language model, as one ModelSpec trained on image + text rows (models/llava/objective.py)."""
+from __future__ import annotations
+
+from models.common.decoder import OUTPUT_MODULES
+from models.llava import families, hf
+from models.llava.args import FREEZE_KEYS, ModelArgs
+from models.llava.counts import flops_per_image, flops_per_token, param_counts, pp_costs, shape
+from models.llava.flavors import llava_flavors
+from models.llava.model import Llava
+from models.llava.objective import ImageText
+from models.spec import ModelSpec
+
+INPUT_MODULES = ("tok_embeddings", "vision", "projector")
+
+
+def check(args: ModelArgs, par, flavor: str) -> list[str]:
+    problems = []
+    v = args.vision
+    if v.image_size % v.patch_size:
+        problems.append(f"model.args.vision.image_size={v.image_size} is not a multiple of patch_size="
+                        f"{v.patch_size} (flavor {flavor!r}): set it to a multiple of {v.patch_size}")
+    for name, why in (("tp", "no llava TP plan yet (the tower's and the decoder's plans are not joined)"),
+                      ("pp", "the pipeline split is not done for llava (the tower feeds the first stage)"),
+                      ("cp", "the image splice needs the whole sequence"), ("ep", "llava has no routed experts")):
+        if getattr(par, name, 1) > 1:
+            problems.append(f"parallelism.{name}={getattr(par, name)}: {why}; set parallelism.{name}=1")
+    lang = families.language(args.language_family)
+    return problems + [p for p in lang.check(args.text_args, par, flavor) if p not in problems
+                       and not any(p.startswith(f"parallelism.{n}=") for n in ("tp", "pp", "cp", "ep"))]
+
+
+SPEC = ModelSpec(
+    name="llava",
+    model_cls=Llava,
+    args_cls=ModelArgs,
+    flavors=llava_flavors,
+    plans="parallelize.llava",
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    pp_costs=pp_costs,
+    shape=shape,
+    check=check,
+    input_modules=INPUT_MODULES,
+    output_modules=OUTPUT_MODULES,
+    hf=hf,
+    objective=ImageText,
+)
+
+__all__ = ["FREEZE_KEYS", "SPEC", "ImageText", "Llava", "ModelArgs", "flops_per_image", "llava_flavors"]

@@ -1,0 +1,53 @@
+"""LLaVA parameter counts, FLOPs and pipeline costs: the language model's (per token, its family's formulas) plus the
+images' (tower + projector, matmuls only, as models/vit/counts.py) spread over the loader row: a row of seq_len
+values carries images_per_row images (objective.py), so FLOPs per loader value = text per token + images / seq_len.
+The image share is what full slots cost; rows with fewer images cost less."""
+from __future__ import annotations
+
+import torch
+
+from models.llava.args import ModelArgs
+from models.spec import ModelShape, ParamCounts, PipelineCosts
+
+
+def _spec(args: ModelArgs):
+    from models.llava import families
+
+    return families.language(args.language_family)
+
+
+def param_counts(args: ModelArgs) -> ParamCounts:
+    """Exact counts of the model as built (meta). transformers' LlavaForConditionalGeneration holds more: the tower's
+    blocks past the feature layer, its final LayerNorm and ViTModel's pooler, which never reach the logits."""
+    from models.llava.model import Llava
+
+    with torch.device("meta"):
+        model = Llava(args)
+    total = sum(p.numel() for p in model.parameters())
+    pe = model.vision.patch_embed
+    emb = model.tok_embeddings.weight.numel() + pe.cls_token.numel() + pe.pos_embed.numel()
+    return ParamCounts(total=total, active=total, embedding=emb)
+
+
+def flops_per_image(args: ModelArgs) -> int:
+    """Training FLOPs of one image: the tower's used blocks on every token, the patch conv (no input gradient: 4 per
+    weight and patch), the projector on the image's placeholders (6 per weight)."""
+    v, t = args.vision, args.vision.n_tokens
+    block = 6 * t * (4 * v.dim * v.dim + 2 * v.dim * v.ffn_dim) + 12 * v.dim * t * t
+    conv = 4 * v.n_patches * v.channels * v.patch_size ** 2 * v.dim
+    proj = 6 * args.image_tokens * (v.dim * args.dim + args.dim * args.dim)
+    return args.vision_layers_used * block + conv + proj
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    return _spec(args).flops_per_token(args.text_args, seq_len) + args.images_per_row * flops_per_image(args) / seq_len
+
+
+def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
+    c = _spec(args).pp_costs(args.text_args, seq_len)
+    return PipelineCosts(layers=c.layers, embedding=c.embedding + args.images_per_row * flops_per_image(args) / seq_len,
+                         output=c.output)
+
+
+def shape(args: ModelArgs) -> ModelShape:
+    return _spec(args).shape(args.text_args)

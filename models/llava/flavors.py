@@ -1,0 +1,27 @@
+"""LLaVA flavors: a vision family's args + a decoder family's args (their own flavors, so sizes stay defined once)."""
+from __future__ import annotations
+
+import dataclasses
+
+from models.llama3.flavors import llama3_flavors
+from models.llava.args import ModelArgs
+from models.vit.args import ModelArgs as ViTArgs
+from models.vit.flavors import vit_flavors
+
+
+def _llava(vision: ViTArgs, text, **kw) -> ModelArgs:
+    return ModelArgs(vision=dataclasses.replace(vision, n_classes=0), text=text, n_layers=text.n_layers,
+                     vocab_size=text.vocab_size, max_seq_len=text.max_seq_len, **kw)
+
+
+# ViT-L/14 at 336 px as LLaVA-1.5's CLIP tower (576 patches); a ViT stands in for CLIP/SigLIP (not built yet: CLIP's
+# pre-LN on the embeddings and quick-GELU differ from HF ViT's).
+_VIT_L14_336 = dataclasses.replace(vit_flavors["L/16"], patch_size=14, image_size=336, n_classes=0)
+
+llava_flavors: dict[str, ModelArgs] = {
+    # CPU tests and smoke runs: the debug ViT (32x32, 8x8 patches: 16 placeholders an image) with 3 blocks (the
+    # feature layer -2 uses 2) and the debug Llama.
+    "debugmodel": _llava(dataclasses.replace(vit_flavors["debugmodel"], n_layers=3), llama3_flavors["debugmodel"]),
+    # 1B-class: ViT-L/14-336 + Llama 3.2 1B shapes (untied output, see models/llama3/flavors.py).
+    "1B": _llava(_VIT_L14_336, llama3_flavors["1B"]),
+}

@@ -1,0 +1,136 @@
+"""State-dict adapter between titanlike LLaVA and transformers' LlavaForConditionalGeneration with a ViT tower
+(vision_config: ViTConfig, AutoModel -> ViTModel) and a decoder family's text_config (LlamaConfig, Qwen3Config, ...).
+The tower's and the language model's tensors go through their own families' adapters (RoPE row permutations
+included); this file only moves prefixes. Pure dict code (no transformers import).
+
+Export writes the hub layout of llava-hf checkpoints (vision_tower.*, multi_modal_projector.*,
+language_model.model.*, language_model.lm_head.*), which transformers 4.x and 5.x load; import also reads 5.x's
+in-memory names (model.vision_tower.*, model.language_model.*, lm_head.*). What HF holds but never reaches the
+logits (tower blocks past vision_feature_layer, the tower's final LayerNorm, ViTModel's pooler) is dropped on import
+and written as zeros (LayerNorm: ones) on export, so the folder is complete and computes our logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from models.llava.args import ModelArgs
+from models.vit import hf as vit_hf
+
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
+MODEL_TYPES = ("llava",)
+AUTO_CLASS = "AutoModelForImageTextToText"
+
+_VISION = ("model.vision_tower.", "vision_tower.")
+_PROJ = ("model.multi_modal_projector.", "multi_modal_projector.")
+_LANG = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+         "lm_head.": "lm_head."}
+
+
+def supports(args: ModelArgs) -> bool:
+    """False: the shared contract test (tests/unit/test_model_contract.py) compares parameter counts with
+    transformers', which hold the unused tower parts; tests/unit/test_llava.py checks this adapter instead."""
+    return False
+
+
+def _lang_spec(args: ModelArgs):
+    from models.llava import families
+
+    return families.language(args.language_family)
+
+
+def _split(key: str, prefixes) -> str | None:
+    return next((key[len(p):] for p in prefixes if key.startswith(p)), None)
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    vision, lang, out = {}, {}, {}
+    for key, value in state_dict.items():
+        if key.startswith("vision."):
+            vision[key[len("vision."):]] = value
+        elif key.startswith("projector."):
+            out["multi_modal_projector." + key[len("projector."):]] = value
+        else:
+            lang[key] = value
+    for key, value in vit_hf.to_hf(vision, args.vision).items():
+        out["vision_tower." + key[len("vit."):]] = value
+    out.update(_unused_tower(args, next(iter(state_dict.values())).dtype))
+    for key, value in _lang_spec(args).hf.to_hf(lang, args.text_args).items():
+        out["language_model." + key] = value  # model.* and lm_head.*
+    return out
+
+
+def _unused_tower(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    v, d = args.vision, args.vision.dim
+    out = {"vision_tower.layernorm.weight": torch.ones(d, dtype=dtype),
+           "vision_tower.layernorm.bias": torch.zeros(d, dtype=dtype),
+           "vision_tower.pooler.dense.weight": torch.zeros(d, d, dtype=dtype),
+           "vision_tower.pooler.dense.bias": torch.zeros(d, dtype=dtype)}
+    shapes = {"attention.attention.query": (d, d), "attention.attention.key": (d, d),
+              "attention.attention.value": (d, d), "attention.output.dense": (d, d), "layernorm_before": (d,),
+              "layernorm_after": (d,), "intermediate.dense": (v.ffn_dim, d), "output.dense": (d, v.ffn_dim)}
+    for j in range(args.vision_layers_used, v.n_layers):
+        for name, shape in shapes.items():
+            out[f"vision_tower.encoder.layer.{j}.{name}.weight"] = torch.zeros(shape, dtype=dtype)
+            out[f"vision_tower.encoder.layer.{j}.{name}.bias"] = torch.zeros(shape[0], dtype=dtype)
+    return out
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    vision, lang, out = {}, {}, {}
+    used = args.vision_layers_used
+    for key, value in hf_state_dict.items():
+        if (rest := _split(key, _VISION)) is not None:
+            if rest.startswith(("layernorm.", "pooler.")):
+                continue
+            vision["vit." + rest] = value
+        elif (rest := _split(key, _PROJ)) is not None:
+            out["projector." + rest] = value
+        elif (new := next((n for p, n in _LANG.items() if key.startswith(p)), None)) is not None:
+            lang[new + key[len(next(p for p in _LANG if key.startswith(p))):]] = value
+        else:
+            raise KeyError(f"from_hf: unexpected LLaVA key {key!r}")
+    for key, value in vit_hf.from_hf(vision, args.vision).items():
+        if key.startswith("layers.") and int(key.split(".")[1]) >= used:
+            continue  # past the feature layer
+        out["vision." + key] = value
+    lang_sd = _lang_spec(args).hf.from_hf(lang, args.text_args)
+    return {**lang_sd, **out}
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    from models.llava import families
+
+    vc, tc = dict(config["vision_config"]), dict(config["text_config"])
+    if vc.get("model_type", "vit") != "vit":
+        raise ValueError(f"LLaVA vision_config model_type={vc.get('model_type')!r}: only a ViT tower ('vit') is "
+                         f"supported yet (CLIP/SigLIP towers are not built)")
+    family = next((n for n, s in families.LANGUAGE.items() if tc.get("model_type") in s.hf.MODEL_TYPES), None)
+    if family is None:
+        raise ValueError(f"LLaVA text_config model_type={tc.get('model_type')!r}: no titanlike decoder family reads it")
+    layer = config.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"LLaVA vision_feature_layer={layer}: several feature layers are not supported")
+    vision = vit_hf.args_from_hf_config({**vc, "architectures": ["ViTModel"]})
+    text = families.language(family).hf.args_from_hf_config(tc)
+    token = config.get("image_token_id", config.get("image_token_index"))
+    return ModelArgs(vision=vision, language_family=family, text=text, vocab_size=text.vocab_size,
+                     max_seq_len=text.max_seq_len, n_layers=text.n_layers, vision_feature_layer=layer,
+                     vision_feature_select_strategy=config.get("vision_feature_select_strategy", "default"),
+                     projector_act=config.get("projector_hidden_act", "gelu"),
+                     projector_bias=config.get("multimodal_projector_bias", True), image_token_id=token)
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
+    vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=1), dtype)
+    for k in ("id2label", "label2id"):
+        vision.pop(k)
+    vision["architectures"] = ["ViTModel"]
+    text = _lang_spec(args).hf.hf_config(args.text_args, dtype, max_position_embeddings)
+    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "vision_config": vision,
+            "text_config": text, "image_token_id": args.image_token, "image_token_index": args.image_token,
+            "vision_feature_layer": args.vision_feature_layer,
+            "vision_feature_select_strategy": args.vision_feature_select_strategy,
+            "projector_hidden_act": args.projector_act, "multimodal_projector_bias": args.projector_bias,
+            "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", "")}

@@ -1,0 +1,47 @@
+"""The LLaVA objective: a loader row = images_per_row image slots of pixel bytes (C*H*W values each, channel-major,
+0..255, as the ViT rows of titanlike/data/images.py), then the token sequence with one run of image_tokens
+placeholders per image. The k-th run of a row is its k-th slot's image; unused slots are ignored (a row may hold 0
+to images_per_row images). The pixels are normalised as HF's ViTImageProcessor does ((x/255 - 0.5) / 0.5).
+
+Targets: the loader's next-token labels of the token part (already IGNORE_INDEX where an SFT loader masks prompts:
+loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.batch import IGNORE_INDEX, Batch, StepContext
+from models.llava.args import ModelArgs
+
+LLAVA_DATASETS = ("shapes_captions",)
+
+
+@dataclass(frozen=True)
+class ImageText:
+    args: ModelArgs
+    loss: str = "cross_entropy"
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
+        a = self.args
+        head = a.images_per_row * a.pixels
+        if input_ids.shape[1] <= head:
+            raise ValueError(f"training.seq_len={input_ids.shape[1]}: a llava row starts with {a.images_per_row} "
+                             f"image slots of {a.pixels} values; set training.seq_len above {head}")
+        tokens, labels = input_ids[:, head:], labels[:, head:]
+        v = a.vision
+        slots = input_ids[:, :head].reshape(input_ids.shape[0], a.images_per_row, v.channels, v.image_size,
+                                            v.image_size)
+        # images per row from its placeholders (a wrong count is the model's one-line error, naming both counts)
+        used = ((tokens == a.image_token).sum(1) + a.image_tokens - 1) // a.image_tokens
+        take = torch.arange(a.images_per_row, device=tokens.device)[None, :] < used.clamp(max=a.images_per_row)[:, None]
+        pixels = slots[take].to(torch.float32) / 127.5 - 1.0
+        labels = labels.masked_fill(labels == a.image_token, IGNORE_INDEX)
+        return Batch(inputs={"tokens": tokens, "pixels": pixels}, labels=labels)
+
+    def data_problem(self, data: Any) -> str | None:
+        if data.dataset not in LLAVA_DATASETS:
+            return (f"data.dataset={data.dataset!r}: llava trains on image + text rows; set data.dataset to one "
+                    f"of {list(LLAVA_DATASETS)}")
+        return None

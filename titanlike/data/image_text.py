@@ -1,0 +1,81 @@
+"""Image + text rows for image-text families (models/llava): "shapes_captions", a procedural set that needs no
+download. Sample i (a function of (seed, split, i) alone: deterministic, endless, resumable like the other sets) is
+one 32x32 RGB image of a coloured shape on a noisy background and its caption, e.g. "a red circle at top left".
+
+Row layout (models/llava/objective.py reads it): the image's bytes (3 * 32 * 32 values, channel-major), then
+PLACEHOLDERS copies of the image token (the last id of the vocabulary: model.args.image_token_id = -1), the caption's
+word ids and an end id, zero-padded to training.seq_len. Labels are the next token of the text part; everything
+else (pixels, the padding) is IGNORE_INDEX, and the objective ignores targets that are placeholders, so the loss is
+on the caption alone. Words are ids of a fixed list (WORDS: id = index + 1; 0 pads), so any tokenizer with a
+vocabulary above len(WORDS) + 2 (NullTokenizer, builtin_vocab_size) works and none is read."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from models.batch import IGNORE_INDEX
+
+SIDE, CHANNELS, PATCH = 32, 3, 8
+PIXELS = CHANNELS * SIDE * SIDE
+PLACEHOLDERS = (SIDE // PATCH) ** 2  # the llava debug flavor's patches per image
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220), "yellow": (220, 210, 40)}
+SHAPES = ("square", "circle", "triangle")
+ROWS, COLS = ("top", "middle", "bottom"), ("left", "center", "right")
+WORDS = ("a", "at", "<end>", *COLOURS, *SHAPES, *ROWS, *COLS)
+WORD_ID = {w: i + 1 for i, w in enumerate(WORDS)}
+
+
+class ShapesCaptions(Dataset):
+    def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, split: str = "train",
+                 num_samples: int = 1 << 30):
+        text = seq_len - PIXELS
+        if text < PLACEHOLDERS + 8:
+            raise ValueError(f"training.seq_len={seq_len}: a shapes_captions row holds {PIXELS} pixel values, "
+                             f"{PLACEHOLDERS} image tokens and an 8-token caption; set training.seq_len >= "
+                             f"{PIXELS + PLACEHOLDERS + 8}")
+        if vocab_size < len(WORDS) + 2:
+            raise ValueError(f"model.vocab_size={vocab_size}: shapes_captions needs {len(WORDS) + 2} ids (its words, "
+                             f"padding and the image token); set data.builtin_vocab_size >= {len(WORDS) + 2}")
+        self.seq_len, self.image_token = seq_len, vocab_size - 1
+        self.seed, self.split_id = int(seed), ("train", "valid", "test").index(split)
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def draw(self, i: int) -> tuple[np.ndarray, str]:
+        """(image uint8 [C, H, W], caption)."""
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.split_id, int(i), 0xCA9710])
+        colour, shape = rng.integers(len(COLOURS)), rng.integers(len(SHAPES))
+        row, col = rng.integers(3), rng.integers(3)
+        image = rng.normal(110, 20, (CHANNELS, SIDE, SIDE))
+        yy, xx = np.mgrid[0:SIDE, 0:SIDE].astype(np.float64)
+        r = rng.uniform(3.5, 5.0)
+        cy, cx = (row + 0.5) * SIDE / 3 + rng.uniform(-1, 1), (col + 0.5) * SIDE / 3 + rng.uniform(-1, 1)
+        if shape == 0:
+            mask = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r)
+        elif shape == 1:
+            mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
+        else:  # apex up
+            mask = (yy >= cy - r) & (yy <= cy + r) & (np.abs(xx - cx) <= (yy - (cy - r)) / 2)
+        name = list(COLOURS)[colour]
+        image[:, mask] = (np.array(COLOURS[name]) + rng.normal(0, 12, 3))[:, None]
+        caption = f"a {name} {SHAPES[shape]} at {ROWS[row]} {COLS[col]}"
+        return np.clip(image, 0, 255).astype(np.uint8), caption
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, caption = self.draw(i)
+        words = [WORD_ID[w] for w in caption.split()] + [WORD_ID["<end>"]]
+        text = [self.image_token] * PLACEHOLDERS + words
+        ids = torch.zeros(self.seq_len, dtype=torch.int64)
+        ids[:PIXELS] = torch.from_numpy(image.astype(np.int64).reshape(-1))
+        ids[PIXELS:PIXELS + len(text)] = torch.tensor(text)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[PIXELS:PIXELS + len(text) - 1] = torch.tensor(text[1:])  # next token; the end predicts nothing
+        return ids, labels
+
+
+def build_shapes_captions(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size=None, **_):
+    vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
+    return ShapesCaptions(seq_len, vocab, seed=seed, split=split)
