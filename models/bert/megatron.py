@@ -63,12 +63,7 @@ def args_from_megatron(margs: dict) -> ModelArgs:
     hidden, heads = margs["hidden_size"], margs["num_attention_heads"]
     if arg(margs, "group_query_attention") and arg(margs, "num_query_groups") not in (None, heads):
         bad.append(f"--num-query-groups {margs['num_query_groups']}: titanlike BERT has one KV head per query head")
-    if arg(margs, "normalization") != "LayerNorm":
-        bad.append(f"--normalization {arg(margs, 'normalization')}: titanlike BERT uses LayerNorm")
-    if arg(margs, "swiglu"):
-        bad.append("--swiglu: titanlike BERT has a GELU MLP")
-    if not arg(margs, "add_bias_linear"):
-        bad.append("--disable-bias-linear: titanlike BERT has biases on every linear")
+    bad += megatron_utils.layernorm_gelu_refusals(margs, "titanlike BERT")
     if arg(margs, "position_embedding_type") != "learned_absolute":
         bad.append(f"--position-embedding-type {arg(margs, 'position_embedding_type')}: titanlike BERT has learned "
                    f"absolute positions")

@@ -109,6 +109,19 @@ def common_refusals(margs: dict) -> list[str]:
     return bad
 
 
+def layernorm_gelu_refusals(margs: dict, who: str) -> list[str]:
+    """The GPT-2 / BERT / Megatron-T5 block (LayerNorm, a GELU MLP, biases on every linear): what else a checkpoint
+    of `who` (e.g. "titanlike GPT") cannot follow, one line each."""
+    bad = []
+    if arg(margs, "normalization") != "LayerNorm":
+        bad.append(f"--normalization {arg(margs, 'normalization')}: {who} uses LayerNorm")
+    if arg(margs, "swiglu"):
+        bad.append(f"--swiglu: {who} has a GELU MLP")
+    if not arg(margs, "add_bias_linear"):
+        bad.append(f"--disable-bias-linear: {who} has biases on every linear")
+    return bad
+
+
 def split_qkv(fused: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Tensor, ...]:
     """Megatron's fused QKV weight [(n_heads + 2 n_groups) head_dim, dim] (or its bias) -> (q, k, v), each a copy."""
     per = n_heads // n_groups

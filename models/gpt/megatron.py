@@ -50,12 +50,7 @@ def args_from_megatron(margs: dict) -> ModelArgs:
     if groups != heads:
         bad.append(f"--num-query-groups {groups}: titanlike GPT has one KV head per query head; import it as "
                    f"--family llama3 if it also uses rope/swiglu/RMSNorm")
-    if arg(margs, "normalization") != "LayerNorm":
-        bad.append(f"--normalization {arg(margs, 'normalization')}: titanlike GPT uses LayerNorm")
-    if arg(margs, "swiglu"):
-        bad.append("--swiglu: titanlike GPT has a GELU MLP")
-    if not arg(margs, "add_bias_linear"):
-        bad.append("--disable-bias-linear: titanlike GPT has biases on every linear")
+    bad += megatron_utils.layernorm_gelu_refusals(margs, "titanlike GPT")
     ffn = arg(margs, "ffn_hidden_size") or 4 * hidden
     if ffn % hidden:
         bad.append(f"--ffn-hidden-size {ffn} is not a multiple of --hidden-size {hidden}")

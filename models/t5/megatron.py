@@ -62,12 +62,7 @@ def args_from_megatron(margs: dict) -> ModelArgs:
     if arg(margs, "group_query_attention") and arg(margs, "num_query_groups") not in (None, heads):
         bad.append(f"--num-query-groups {margs['num_query_groups']}: Megatron's T5 cross-attention has one KV head "
                    f"per query head, and so does titanlike T5")
-    if arg(margs, "normalization") != "LayerNorm":
-        bad.append(f"--normalization {arg(margs, 'normalization')}: the Megatron T5 variant uses LayerNorm")
-    if arg(margs, "swiglu"):
-        bad.append("--swiglu: the Megatron T5 variant has a GELU FFN")
-    if not arg(margs, "add_bias_linear"):
-        bad.append("--disable-bias-linear: the Megatron T5 variant has biases on every linear")
+    bad += megatron_utils.layernorm_gelu_refusals(margs, "the Megatron T5 variant")
     if arg(margs, "position_embedding_type") != "learned_absolute":
         bad.append(f"--position-embedding-type {arg(margs, 'position_embedding_type')}: the Megatron T5 variant has "
                    f"learned absolute positions")
