@@ -64,7 +64,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             out[f"{_PREFIX}encoder.layers.{layer}.{_LAYER[name]}.{kind}"] = value
     if args.map_head:
         for kind in ("weight", "bias"):
-            out[f"{_PREFIX}head.attention.in_proj_{kind}"] = torch.cat([state_dict[f"{q}.{kind}"] for q in _QKV])
+            parts = [state_dict.get(f"{q}.{kind}") for q in _QKV]
+            if all(p is not None for p in parts):  # a partial dict (one key, as the PEFT probe sends) has no in_proj
+                out[f"{_PREFIX}head.attention.in_proj_{kind}"] = torch.cat(parts)
     return out
 
 
