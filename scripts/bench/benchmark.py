@@ -61,17 +61,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+from bench_proc import environment, run, stop_runs  # the runs themselves: processes, their environment
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
 from bench_report import (compare_to_bf16, format_table, pack_fill, parse_ours, parse_peer,
                           summarize)
@@ -235,67 +233,6 @@ def flops_per_token(model: str, flavor: str, seq: int, vocab: int, dec_seq: int 
         return None
 
 
-_CHILDREN: list[subprocess.Popen] = []  # the run in flight, for _stop
-
-
-def _stop(signum, frame) -> None:
-    """SIGTERM/SIGINT to this script (an outer `timeout`, Ctrl-C): the run in flight lives in its own session, so
-    take its whole group down first; left alone it would keep the GPU (and its memory) through whatever runs next."""
-    for p in _CHILDREN:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    raise SystemExit(128 + signum)
-
-
-def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
-    t0 = time.time()
-    # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
-    # holding GPU memory through the next case).
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    _CHILDREN[:] = [p]
-    try:
-        text, _ = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        text, rc = p.communicate()[0], 124
-    wall = time.time() - t0
-    if log_path:
-        with open(log_path, "w") as f:
-            f.write(text)
-    print(f"$ {' '.join(cmd)}\n  exit {rc} in {wall:.0f}s", flush=True)
-    if rc != 0:
-        print(text[-4000:], flush=True)
-    return text, rc, wall
-
-
-def _environment() -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-    except ImportError:
-        pass
-    # nvidia-smi, not torch.cuda: a CUDA context in this parent process would hold GPU 0 memory through every run
-    try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.split("\n")
-        gpus = [g.strip() for g in gpus if g.strip()]
-    except (OSError, subprocess.TimeoutExpired):
-        gpus = []
-    env["device"], env["device_count"] = (gpus[0] if gpus else "cpu"), len(gpus)
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip()
-    except OSError:
-        pass
-    return env
-
-
 def cache_env(opts, case: dict, who: str, keep: bool) -> dict:
     """Environment for one run's compile caches: its own Inductor and Triton directories under the dump folder
     (emptied first unless `keep`), or nothing with --compile-cache shared."""
@@ -364,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         ensure(a.post_data)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = {"environment": _environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data,
+    out = {"environment": environment(), "steps": a.steps, "warmup": a.warmup, "data": a.data,
            "vocab": a.vocab or "per case"}
     results, peer_runs = [], {}
     for i, case in enumerate(cases):
@@ -414,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+        signal.signal(sig, stop_runs)
     res = main()
     failed = [r["label"] for r in res["results"] if r["titanlike"].get("rc")]
     sys.exit(1 if failed else 0)
