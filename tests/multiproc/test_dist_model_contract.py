@@ -19,7 +19,8 @@ way ("t5", "t5_tp": TP 2 + SP over both stacks and the cross-attention); and BER
 types, padding mask, MLM + sentence order; "bert_sop", data preprocessed by the reference phase) under PP 2
 ("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards);
 ViT's debugmodel on the synthetic shapes (images + class labels, its own objective) under FSDP 2 and TP 2 +
-sequence parallel ("vit", "vit_tp").
+sequence parallel ("vit", "vit_tp"); LLaVA (ViT tower, projector, Llama; images spliced at placeholders) on
+shapes_captions under FSDP 2 ("llava").
 
 Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
 families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
@@ -84,7 +85,7 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     assert ref["world"] == 1 and fsdp["world"] == 2
     toy = _toy(monkeypatch)
     spec = toy.SPEC
-    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit"):
+    for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit", "llava"):
         _same_run(ref["runs"][family]["history"], fsdp["runs"][family]["history"])
     # BERT and T5 under TP 2 + sequence parallel (the same 2 processes, no FSDP) follow the one-process run too.
     _same_run(ref["runs"]["bert"]["history"], fsdp["runs"]["bert_tp"]["history"])
@@ -135,7 +136,7 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
 
     # The masked-LM encoder and the image classifier learn too (slowly: 15% of 128 tokens / 4 images per step;
     # ~7.57 -> ~7.43 and ~2.18 -> ~1.99 here).
-    for family in ("toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit"):
+    for family in ("toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit", "llava"):
         losses = [h["loss"] for h in ref["runs"][family]["history"]]
         assert losses[-1] < losses[0], (family, losses)
     # Masked-LM's loss is over the masked tokens only: a fresh model's is near ln(vocab), as for next-token.

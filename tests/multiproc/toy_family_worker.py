@@ -44,6 +44,8 @@ FAMILIES["bert_sop_tp"] = models.get_spec("bert")
 FAMILIES["t5"] = FAMILIES["t5_tp"] = models.get_spec("t5")
 # ViT (images + class labels, its own objective, on the synthetic shapes set) the same two ways.
 FAMILIES["vit"] = FAMILIES["vit_tp"] = models.get_spec("vit")
+# LLaVA (a ViT tower, the projector, a Llama; images spliced at placeholder runs) on shapes_captions, under FSDP.
+FAMILIES["llava"] = models.get_spec("llava")
 TP_FAMILIES = ("bert_tp", "t5_tp", "bert_sop_tp", "vit_tp")
 # a loader row is one 24x24 RGB image (1728 bytes): 9 patches + the class token, which sequence parallel cuts
 # evenly over 2 ranks; the null tokenizer: no text to read
@@ -59,7 +61,11 @@ EXTRA = {"nemotron_h": {"model": {"flavor": "debugmodel"}, "data": {"document_ma
          # 100 sentinel rows past the builtin tokenizer's 2048 tokens (the flavor's sentinel_top -1)
          "t5": {"model": {"flavor": "debugmodel", "vocab_size": 2148}},
          "t5_tp": {"model": {"name": "t5", "flavor": "debugmodel", "vocab_size": 2148}},
-         "vit": VIT, "vit_tp": VIT}
+         "vit": VIT, "vit_tp": VIT,
+         # a row: one 32x32 RGB image (3072 bytes), then 16 placeholders, the caption and padding (32 tokens)
+         "llava": {"model": {"flavor": "debugmodel", "vocab_size": 64}, "training": {"seq_len": 3072 + 32},
+                   "data": {"dataset": "shapes_captions", "tokenizer": "", "tokenizer_type": "NullTokenizer",
+                            "builtin_vocab_size": 64}}}
 TP_ONLY = {"parallelism": {"dp_shard": 1, "tp": 2}}  # bert_tp's and t5_tp's layout under 2 processes
 # bert_sop_tp's: the sentence-order loss does not go with loss parallel (models/bert/__init__.py's check)
 TP_SOP = {"parallelism": {"dp_shard": 1, "tp": 2, "enable_loss_parallel": False}}
@@ -180,7 +186,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
                 for p in part.parameters())
     return {
         "history": history,
-        "args": {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")},
+        "args": {k: getattr(args, k, None) for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")},
         "counts": {"total": counts.total, "active": counts.active, "embedding": counts.embedding},
         "flops_per_token": trainer.flops_per_token,
         "spec_flops_per_token": spec.flops_per_token(args, trainer.cfg.training.seq_len),
@@ -237,7 +243,7 @@ def saved_keys(step_dir: str) -> list[str]:
 def run_families(root: str, phase: str, fsdp: bool) -> dict:
     out = {}
     runs = (("toy", True), ("toy_encoder", False), ("toy_vision", True), ("nemotron_h", False), ("bert", False),
-            ("t5", False), ("vit", False))
+            ("t5", False), ("vit", False), ("llava", False))
     runs += ((("bert_tp", False), ("t5_tp", False), ("bert_sop", False), ("bert_pp", False), ("bert_sop_tp", False),
               ("vit_tp", False))
              if fsdp else
