@@ -40,6 +40,7 @@ def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) 
         text, rc = p.communicate()[0], 124
     wall = time.time() - t0
     if log_path:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)  # --log may name a new folder
         with open(log_path, "w") as f:
             f.write(text)
     print(f"$ {' '.join(cmd)}\n  exit {rc} in {wall:.0f}s", flush=True)
