@@ -15,7 +15,7 @@ import torch
 from models.batch import IGNORE_INDEX, Batch, StepContext
 from models.llava.args import ModelArgs
 
-LLAVA_DATASETS = ("shapes_captions",)
+LLAVA_DATASETS = ("shapes_captions", "webdataset")
 
 
 @dataclass(frozen=True)
@@ -44,4 +44,19 @@ class ImageText:
         if data.dataset not in LLAVA_DATASETS:
             return (f"data.dataset={data.dataset!r}: llava trains on image + text rows; set data.dataset to one "
                     f"of {list(LLAVA_DATASETS)}")
+        if data.dataset == "webdataset":  # tar shards (titanlike/data/webdataset.py): their rows need the geometry
+            return self._shards_problem(data)
+        return None
+
+    def _shards_problem(self, data: Any) -> str | None:
+        a = self.args
+        if data.wds_target == "cls":
+            return "data.wds_target='cls': llava trains on text; set data.wds_target to \"txt\" or \"json\""
+        if a.images_per_row != 1:
+            return (f"model.args.images_per_row={a.images_per_row}: a webdataset sample holds one image; set "
+                    "model.args.images_per_row=1")
+        if (data.image_size, data.image_tokens) != (a.vision.image_size, a.image_tokens):
+            return (f"data.image_size={data.image_size}, data.image_tokens={data.image_tokens}: the model takes "
+                    f"{a.vision.image_size}x{a.vision.image_size} images as {a.image_tokens} tokens; set "
+                    f"data.image_size={a.vision.image_size} and data.image_tokens={a.image_tokens}")
         return None

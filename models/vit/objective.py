@@ -17,7 +17,7 @@ import torch
 from models.batch import Batch, StepContext
 from models.vit.args import ModelArgs
 
-IMAGE_DATASETS = ("shapes", "image_folder", "mock")  # mock: random bytes and classes (throughput runs)
+IMAGE_DATASETS = ("shapes", "image_folder", "webdataset", "mock")  # mock: random bytes and classes (throughput)
 
 
 @dataclass(frozen=True)
@@ -39,4 +39,10 @@ class Images:
         if data.dataset not in IMAGE_DATASETS:
             return (f"data.dataset={data.dataset!r}: vit trains on images; set data.dataset to one of "
                     f"{list(IMAGE_DATASETS)}")
+        if data.dataset == "webdataset" and data.wds_target != "cls":  # tar shards: the class is the .cls member
+            return (f"data.wds_target={data.wds_target!r}: vit trains on classes; set data.wds_target=\"cls\" "
+                    "(the shards' .cls members)")
+        if data.dataset == "webdataset" and data.image_size not in (0, self.args.image_size):
+            return (f"data.image_size={data.image_size} but the model's image_size is {self.args.image_size}; set "
+                    f"data.image_size={self.args.image_size} (or 0: from training.seq_len)")
         return None

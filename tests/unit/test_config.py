@@ -43,6 +43,7 @@ WORLD_SIZES = {
     "bert_debug.toml": [1, 2],
     "vit_debug.toml": [1, 2],
     "llava_debug.toml": [1, 2],
+    "llava_wds_debug.toml": [1, 2],
     "bert_megatron_debug.toml": [1, 2],
     "t5_megatron_debug.toml": [1, 2],
     "bert_base.toml": [8],

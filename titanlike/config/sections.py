@@ -294,6 +294,14 @@ class Data:
     # R/X: share of the tokens in spans; S: the suffix's mean share of the row (its length uniform in 1..2 x that)
     ul2_noise_densities: list[float] = field(default_factory=lambda: [0.15, 0.25, 0.15, 0.5])
     ul2_probabilities: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125, 0.125])  # sum to 1
+    # webdataset (tar shards of image + caption / conversation / class, titanlike/data/webdataset.py; docs/llava.md,
+    # docs/vit.md): which member is the target: txt (captions) | json (conversations: loss on the answers) | cls
+    wds_target: str = "txt"
+    image_size: int = 0  # webdataset txt/json rows: the llava tower's image side (cls: 0 = from training.seq_len)
+    image_tokens: int = 0  # webdataset txt/json rows: placeholders per image (the llava model's image_tokens)
+    # webdataset / image_folder: an image that does not decode, a bad class or conversation, a truncated shard:
+    # error (stop, naming the shard and member) | skip (the next good sample instead, logged with a count)
+    bad_samples: str = "error"
 
 
 @dataclass

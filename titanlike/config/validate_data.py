@@ -9,7 +9,9 @@ from typing import Any
 
 # titanlike.data.dataset.DATASETS
 DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder",
-                 "shapes_captions")
+                 "shapes_captions", "webdataset")
+WDS_TARGETS = ("txt", "json", "cls")  # data.wds_target: titanlike/data/webdataset.py
+BAD_SAMPLES = ("error", "skip")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
 
@@ -73,7 +75,7 @@ def parse_blend(paths, key: str = "data.paths") -> tuple[list[str], list[float] 
 
 
 def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: list[str]) -> None:
-    if dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder") and not paths:
+    if dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder", "webdataset") and not paths:
         what = {"indexed": "Megatron .bin/.idx prefixes, optionally weighted: "
                            "\"0.3 /data/a_text_document 0.7 /data/b\"",
                 "bert": "sentence-split .bin/.idx prefixes (scripts/preprocess_data.py --split-sentences)",
@@ -81,8 +83,9 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
                 "text": "JSONL/Parquet/text files, globs or folders",
                 "chat": "JSONL/Parquet conversation files, globs, or folders saved by datasets' save_to_disk",
                 "preference": "JSONL files of {\"prompt\", \"chosen\", \"rejected\"} pairs",
-                "image_folder": "one root folder in ImageNet's layout (ROOT/train/<class>/*.JPEG, ROOT/val/..)"
-                }[dataset]
+                "image_folder": "one root folder in ImageNet's layout (ROOT/train/<class>/*.JPEG, ROOT/val/..)",
+                "webdataset": ".tar shards: files, a brace pattern (\"/data/shards-{000000..000099}.tar\"), a glob "
+                              "or a folder"}[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
     elif dataset in ("stdlib", "mock", "shapes", "shapes_captions") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
@@ -118,6 +121,7 @@ def check_data(cfg: Any, errors: list[str]) -> None:
         errors.append("GPT-2 BPE needs both data.vocab_file (vocab.json) and data.merge_file (merges.txt)")
     _check_chat(d, errors)
     _check_masked(d, errors)
+    _check_images(d, errors)
     if v.split not in VALIDATION_SPLITS:
         errors.append(f"validation.split={v.split!r} is not one of {', '.join(VALIDATION_SPLITS)}")
     v_dataset = v.dataset or d.dataset
@@ -126,11 +130,24 @@ def check_data(cfg: Any, errors: list[str]) -> None:
                       "data.dataset)")
     elif v.paths:
         _check_paths(v_dataset, v.paths, "0,100,0", "validation.paths", errors)
-    elif v.enable and v_dataset == "text":
-        errors.append("validation.enable with a streaming text dataset needs validation.paths (held-out files): "
-                      "text files have no split, so validation would score training documents")
+    elif v.enable and v_dataset in ("text", "webdataset"):
+        errors.append(f"validation.enable with data.dataset={v_dataset!r} needs validation.paths (held-out "
+                      f"{'files' if v_dataset == 'text' else 'shards'}): they have no split, so validation would "
+                      "score training samples")
     elif v.enable and v.dataset and v.dataset != d.dataset and v_dataset in ("indexed", "chat"):
         errors.append(f"validation.dataset={v.dataset!r} differs from data.dataset; give validation.paths too")
+
+
+def _check_images(d: Any, errors: list[str]) -> None:
+    """The webdataset / image keys (titanlike/data/webdataset.py); checked whatever the dataset."""
+    if d.wds_target not in WDS_TARGETS:
+        errors.append(f"data.wds_target={d.wds_target!r} is not one of {', '.join(WDS_TARGETS)} (the shard member "
+                      "holding the target: caption, conversation or class)")
+    if d.bad_samples not in BAD_SAMPLES:
+        errors.append(f"data.bad_samples={d.bad_samples!r} is not one of {', '.join(BAD_SAMPLES)}")
+    for key in ("image_size", "image_tokens"):
+        if getattr(d, key) < 0:
+            errors.append(f"data.{key}={getattr(d, key)} must be >= 0")
 
 
 def _check_chat(d: Any, errors: list[str]) -> None:

@@ -201,6 +201,12 @@ def _build_image_folder(data_cfg, tokenizer, **kw):
     return build_image_folder(data_cfg, tokenizer, **kw)
 
 
+def _build_webdataset(data_cfg, tokenizer, **kw):
+    from titanlike.data.webdataset import build_webdataset
+
+    return build_webdataset(data_cfg, tokenizer, **kw)
+
+
 def _build_shapes_captions(data_cfg, tokenizer, **kw):
     from titanlike.data.image_text import build_shapes_captions
 
@@ -213,7 +219,8 @@ def _build_shapes_captions(data_cfg, tokenizer, **kw):
 DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_indexed, "text": _build_text,
             "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked,
             "shapes": _build_shapes, "image_folder": _build_image_folder,
-            "shapes_captions": _build_shapes_captions}  # image + caption rows (titanlike/data/image_text.py)
+            "shapes_captions": _build_shapes_captions,  # image + caption rows (titanlike/data/image_text.py)
+            "webdataset": _build_webdataset}  # tar shards of images + captions / classes (titanlike/data/webdataset.py)
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
@@ -225,12 +232,12 @@ def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", se
         raise ValueError(f"data.dataset={data_cfg.dataset!r}: expected one of {sorted(DATASETS)}")
     if split not in ALL_SPLITS:
         raise ValueError(f"split={split!r}: expected one of {ALL_SPLITS}")
-    if data_cfg.dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder") \
+    if data_cfg.dataset in ("indexed", "text", "chat", "preference", "bert", "t5", "image_folder", "webdataset") \
             and not data_cfg.paths:
         raise ValueError(f"data.dataset={data_cfg.dataset!r} needs data.paths (.bin/.idx prefixes, optionally "
                          "weighted, for indexed; JSONL/Parquet/text files or globs for text; conversation files or "
                          "saved HF datasets for chat; JSONL pairs for preference; sentence-split prefixes for bert/t5; "
-                         "the root folder for image_folder)")
+                         "the root folder for image_folder; .tar shards for webdataset)")
     return DATASETS[data_cfg.dataset](data_cfg, tokenizer, seq_len=seq_len, split=split, seed=seed,
                                       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes, dp_rank=dp_rank,
                                       dp_degree=dp_degree, paths_key=paths_key)

@@ -10,16 +10,23 @@ objective (models/vit/objective.py) makes them pixels and one label per image.
   noise. Sample i is drawn from (seed, split, i) alone: deterministic, endless, any layout sees the same images.
 - "image_folder": ImageNet's layout, data.paths = [ROOT]: ROOT/<split>/<class>/<image> (split "train" / "val";
   validation reads "val"), classes numbered in sorted order; each image resized (shorter side) and centre-cropped to
-  the square side, RGB. Needs Pillow.
+  the square side, RGB (decode_square, shared with WebDataset shards: titanlike/data/webdataset.py). Needs Pillow.
+  An image Pillow cannot decode stops the run naming the file, or with data.bad_samples = "skip" is replaced by the
+  next one (logged with a count).
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from titanlike.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 CHANNELS = 3
 N_SHAPES, N_COLOURS = 5, 2
@@ -87,8 +94,9 @@ class ShapesDataset(Dataset):
 class ImageFolderDataset(Dataset):
     """ROOT/<split>/<class>/<image> files, decoded with Pillow on access (in the loader's workers)."""
 
-    def __init__(self, root: str, seq_len: int, split: str = "train"):
+    def __init__(self, root: str, seq_len: int, split: str = "train", bad_samples: str = "error"):
         self.side = image_side(seq_len, "image_folder")
+        self.bad_samples, self.skipped = bad_samples, 0
         folder = Path(root) / ("train" if split == "train" else "val")
         if not folder.is_dir():
             raise ValueError(f"data.paths={root!r}: no {folder.name}/ folder of class folders (ImageNet's layout "
@@ -104,19 +112,77 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from PIL import Image
-
+    def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         path, label = self.files[i]
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            scale = self.side / min(im.size)
-            w, h = max(self.side, round(im.size[0] * scale)), max(self.side, round(im.size[1] * scale))
-            im = im.resize((w, h), Image.BILINEAR)
-            left, top = (w - self.side) // 2, (h - self.side) // 2
-            im = im.crop((left, top, left + self.side, top + self.side))
-            image = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)  # HWC -> CHW
-        return _row(image, label)
+        try:
+            with open(path, "rb") as f:
+                return _row(decode_square(f, self.side), label)
+        except BadImage as e:
+            raise BadImage(f"{path}: {e}") from None
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return first_good(self, i, self._load, "remove the file")
+
+
+class BadImage(ValueError):
+    """A sample that cannot become a row (an image Pillow cannot decode, a bad label); its message names where."""
+
+
+class BadSampleError(ConfigError):
+    """A bad sample with data.bad_samples = "error": one line naming the file (and member) and the fix.
+
+    Raised in a loader worker, torch re-raises it in the main process as `type(e)(msg)` with msg = "Caught ... in
+    DataLoader worker process N.\nOriginal Traceback ...": the constructor keeps the original last line, so the run
+    still stops with the one line (scripts/train.py prints a ConfigError without a traceback)."""
+
+    def __init__(self, message: str):
+        if "Original Traceback" in message:
+            last = message.rstrip().splitlines()[-1]
+            message = last.split(": ", 1)[1] if last.startswith(("BadSampleError", "titanlike.")) else last
+        super().__init__(message)
+
+
+MAX_BAD_IN_A_ROW = 100  # skipping more than this many consecutive samples: the data, not a sample, is broken
+
+
+def first_good(dataset, i: int, load, fix: str):
+    """load(i), or with dataset.bad_samples == "skip" the first of i+1, i+2, ... (wrapping) that loads: the same
+    sample for any layout, worker count or resume, so skipping keeps the resumed run equal to the uninterrupted one.
+    Each skip is logged with this process's count (dataset.skipped)."""
+    n = len(dataset)
+    for k in range(min(n, MAX_BAD_IN_A_ROW + 1)):
+        try:
+            return load((i + k) % n)
+        except BadImage as e:
+            if dataset.bad_samples != "skip":
+                raise BadSampleError(f"{e}; set data.bad_samples=\"skip\" to skip bad samples, or {fix}") from None
+            dataset.skipped += 1
+            logger.warning(f"data.bad_samples='skip': skipped {e} ({dataset.skipped} skipped in this process)")
+    raise BadSampleError(f"{min(n, MAX_BAD_IN_A_ROW + 1)} bad samples in a row from sample {i} (the last: see the "
+                         "warnings above): check data.paths; the data, not a sample, is broken")
+
+
+def decode_square(fileobj, side: int) -> np.ndarray:
+    """Encoded image bytes -> uint8 [3, side, side]: RGB, resized on the shorter side (bilinear), centre-cropped.
+    Any decoding failure is BadImage with Pillow's reason (the caller names the file and the key)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(fileobj) as im:
+            im = im.convert("RGB")  # decodes everything: a truncated file fails here, not later
+            scale = side / min(im.size)
+            w, h = max(side, round(im.size[0] * scale)), max(side, round(im.size[1] * scale))
+            if (w, h) != im.size:
+                im = im.resize((w, h), Image.BILINEAR)
+            left, top = (w - side) // 2, (h - side) // 2
+            im = im.crop((left, top, left + side, top + side))
+            return np.asarray(im, dtype=np.uint8).transpose(2, 0, 1).copy()  # HWC -> CHW
+    except UnidentifiedImageError:  # (its message names a BytesIO object: nothing to read in it)
+        raise BadImage("cannot decode the image (not a format Pillow reads)") from None
+    except (OSError, SyntaxError, ValueError, ZeroDivisionError) as e:
+        # (OSError: "image file is truncated"; SyntaxError: some of Pillow's plugins on bad headers)
+        raise BadImage(f"cannot decode the image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                       ) from None
 
 
 def build_shapes(data_cfg, tokenizer, *, seq_len, split, seed, **_):
@@ -131,4 +197,4 @@ def build_image_folder(data_cfg, tokenizer, *, seq_len, split, paths_key="data.p
                          "pip install pillow, or use data.dataset='shapes'") from None
     if len(data_cfg.paths) != 1:
         raise ValueError(f"{paths_key}={data_cfg.paths}: image_folder reads one root folder (ROOT/train/<class>/..)")
-    return ImageFolderDataset(data_cfg.paths[0], seq_len, split=split)
+    return ImageFolderDataset(data_cfg.paths[0], seq_len, split=split, bad_samples=data_cfg.bad_samples)

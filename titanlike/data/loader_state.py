@@ -64,6 +64,9 @@ def identity(data_cfg, dataset, *, split: str, seq_len: int, seed: int, global_b
                      "data.sft_layout": data_cfg.sft_layout, "data.sft_truncation": data_cfg.sft_truncation})
     if data_cfg.dataset == "preference":
         keys["data.preference_layout"] = data_cfg.preference_layout  # (samples are pairs, or rows of pairs)
+    if data_cfg.dataset == "webdataset":  # what a row is made of (the shards are its sources, by size)
+        keys.update({"data.wds_target": data_cfg.wds_target, "data.image_size": int(data_cfg.image_size),
+                     "data.image_tokens": int(data_cfg.image_tokens)})
     if data_cfg.dataset == "text":
         keys.update({"data.text_key": data_cfg.text_key, "data.add_bos": bool(data_cfg.add_bos),
                      "data.add_eod": bool(data_cfg.add_eod)})

@@ -1,0 +1,31 @@
+"""Write a tiny WebDataset shard set of procedural shapes (image + caption + conversation + class), no download:
+
+    python scripts/make_shape_shards.py /tmp/titanlike_shapes_wds              # 256 train + 64 valid samples
+    python scripts/train.py --config configs/llava_wds_debug.toml
+
+Shards are shapes-train-000000.tar ... and shapes-valid-000000.tar ...; titanlike/data/webdataset_write.py says what
+each sample holds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from titanlike.data.webdataset_write import write_shapes_shards
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder")
+    p.add_argument("--samples", type=int, default=256, help="training samples (validation: a quarter)")
+    p.add_argument("--per-shard", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for split, n in (("train", a.samples), ("valid", max(1, a.samples // 4))):
+        paths = write_shapes_shards(a.folder, n, a.per_shard, a.seed, split)
+        print(f"{split}: {n} samples in {len(paths)} shard(s): {paths[0]} ...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""WebDataset tar shards (titanlike/data/webdataset.py): rows for llava (captions, conversations) and vit (classes),
+exact resume, disjoint data-parallel shares, bad input in one line (data.bad_samples), training from shards."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tarfile
+
+import pytest
+import torch
+
+from models.batch import IGNORE_INDEX
+from titanlike.config.errors import ConfigError
+from titanlike.config.sections import Data
+from titanlike.data.image_text import COLOURS, PIXELS, WORD_ID, ShapesCaptions
+from titanlike.data.loader import build_dataloader
+
+pytest.importorskip("PIL")
+from titanlike.data.dataset import build_dataset  # noqa: E402
+from titanlike.data.webdataset_write import write_shards, write_shapes_shards  # noqa: E402
+
+torch.set_num_threads(1)
+SEQ = PIXELS + 32
+N, PER_SHARD = 24, 8  # 3 shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wds")
+    return folder, write_shapes_shards(folder, N, PER_SHARD)
+
+
+def cfg(paths, **kw):
+    base = dict(dataset="webdataset", paths=[str(p) for p in paths], image_size=32, image_tokens=16)
+    return dataclasses.replace(Data(), **{**base, **kw})
+
+
+def one_line(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    return msg
+
+
+def test_rows_are_the_drawn_samples_for_every_target(shards):
+    folder, paths = shards
+    assert [p.rsplit("/", 1)[1] for p in paths] == [f"shapes-train-00000{i}.tar" for i in range(3)]
+    assert not list(folder.glob("*.tmp"))  # written under temporary names, renamed whole
+    again = write_shapes_shards(folder / "again", N, PER_SHARD)
+    assert all(open(a, "rb").read() == open(b, "rb").read() for a, b in zip(paths, again))  # byte-identical
+    brace = cfg([f"{folder}/shapes-train-{{000000..000002}}.tar"])
+    ds = build_dataset(brace, None, seq_len=SEQ, vocab_size=64)
+    for other in ([folder / "shapes-train-*.tar"], [folder]):  # glob, folder (again/ holds the same 24 once more)
+        assert len(build_dataset(cfg(other), None, seq_len=SEQ, vocab_size=64)) in (N, 2 * N)
+    assert len(ds) == N and ds.sources()[0][1] == f"{tarfile.os.path.getsize(paths[0])} bytes"
+
+    # captions: the exact shapes_captions row (PNG is lossless); its labels but for the placeholders' own targets,
+    # which the objective ignores anyway
+    ref = ShapesCaptions(SEQ, 64)
+    for i in (0, 9, 23):
+        ids, labels = ds[i]
+        want_ids, want_labels = ref[i]
+        assert torch.equal(ids, want_ids)
+        assert torch.equal(labels, want_labels.masked_fill(want_labels == 63, IGNORE_INDEX))
+    assert int((ds[0][1] != IGNORE_INDEX).sum()) == 7  # 6 words + <end>, the first predicted by the last placeholder
+
+    # conversations: loss on the two answers (and their ends) only
+    conv = build_dataset(cfg(paths, wds_target="json"), None, seq_len=SEQ, vocab_size=64)
+    ids, labels = conv[0]
+    text = ids[PIXELS:].tolist()
+    q1 = [WORD_ID[w] for w in ("what", "is", "it")]
+    assert text[16:19] == q1 and text[:16] == [63] * 16
+    _, caption = ref.draw(0)
+    a1 = [WORD_ID[w] for w in caption.split()[:3]] + [WORD_ID["<end>"]]
+    q2 = [WORD_ID[w] for w in ("where", "is", "it")]
+    a2 = [WORD_ID[w] for w in caption.split()[3:]] + [WORD_ID["<end>"]]
+    assert text[:16 + 3 + 4 + 3 + 4] == [63] * 16 + q1 + a1 + q2 + a2
+    targets = labels[PIXELS:].tolist()
+    assert [t for t in targets if t != IGNORE_INDEX] == a1 + a2  # the questions are never targets
+    assert targets[18] == a1[0] and targets[16 + 3 + 4 + 3 - 1] == a2[0]
+
+    # classes: the image's bytes, every label its colour
+    cls = build_dataset(cfg(paths, wds_target="cls", image_size=0), None, seq_len=PIXELS)
+    ids, labels = cls[9]
+    assert torch.equal(ids, ref[9][0][:PIXELS])
+    assert labels.unique().tolist() == [list(COLOURS).index(ref.draw(9)[1].split()[1])]
+
+
+def test_resume_is_exact_and_ranks_read_disjoint_samples(shards):
+    _, paths = shards
+    data = cfg(paths)
+    kw = dict(local_batch_size=4, seq_len=SEQ, seed=3, vocab_size=64)
+    loader = build_dataloader(data, None, dp_rank=0, dp_degree=1, **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    want = [next(it) for _ in range(5)]  # across the epoch boundary (24 samples = 6 batches)
+    again = build_dataloader(data, None, dp_rank=0, dp_degree=1, **kw)
+    again.load_state_dict(state)
+    got_it = iter(again)
+    got = [next(got_it) for _ in range(5)]
+    assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+    # decoded in a worker, resumed with another worker count: the same rows
+    workers = build_dataloader(dataclasses.replace(data, num_workers=1), None, dp_rank=0, dp_degree=1, **kw)
+    workers.load_state_dict(state)
+    first = next(iter(workers))
+    assert torch.equal(first[0], want[0][0])
+    other = build_dataloader(dataclasses.replace(data, wds_target="json"), None, dp_rank=0, dp_degree=1, **kw)
+    with pytest.raises(ConfigError, match=r"data.wds_target 'txt' -> 'json'"):
+        other.load_state_dict(state)
+
+    # two data-parallel ranks, no process group: one epoch (3 global batches of 2 x 4) is split with no overlap
+    ds = build_dataset(data, None, seq_len=SEQ, vocab_size=64)
+    index = {ds[i][0][:PIXELS].numpy().tobytes(): i for i in range(N)}
+    seen = []
+    for rank in (0, 1):
+        rank_loader = iter(build_dataloader(data, None, dp_rank=rank, dp_degree=2, **kw))
+        seen.append({index[row[:PIXELS].numpy().tobytes()] for _ in range(3) for row in next(rank_loader)[0]})
+    assert len(seen[0]) == len(seen[1]) == 12 and not seen[0] & seen[1] and seen[0] | seen[1] == set(range(N))
+
+
+def _rewrite(src: str, dst, change):
+    """A copy of shard src with change(key, members) applied to every sample."""
+    samples = {}
+    with tarfile.open(src) as tar:
+        for m in tar:
+            key, ext = m.name.split(".", 1)
+            samples.setdefault(key, {})[ext] = tar.extractfile(m).read()
+    return write_shards(dst, [(k, change(k, dict(v))) for k, v in samples.items()], per_shard=100, prefix="bad")[0]
+
+
+def test_bad_samples_error_in_one_line_or_skip_with_a_count(shards, tmp_path, caplog):
+    _, paths = shards
+
+    def corrupt(key, members):
+        if key == "000005":
+            members["png"] = members["png"][:60]  # truncated PNG
+        if key == "000006":
+            members["cls"] = b"cat"
+        return members
+
+    bad = _rewrite(paths[0], tmp_path, corrupt)
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cfg([bad]), None, seq_len=SEQ, vocab_size=64)[5]
+    msg = one_line(e)
+    assert bad in msg and "member '000005.png'" in msg and 'data.bad_samples="skip"' in msg
+    # the same one line out of a loader worker (torch re-raises with the worker's traceback)
+    loader = build_dataloader(cfg([bad], num_workers=1), None, dp_rank=0, dp_degree=1, local_batch_size=8,
+                              seq_len=SEQ, seed=0, vocab_size=64, split="valid")
+    with pytest.raises(ConfigError) as e:
+        next(iter(loader))
+    assert "member '000005.png'" in one_line(e)
+
+    skip = build_dataset(cfg([bad], bad_samples="skip"), None, seq_len=SEQ, vocab_size=64)
+    good = build_dataset(cfg([paths[0]]), None, seq_len=SEQ, vocab_size=64)
+    with caplog.at_level(logging.WARNING, logger="titanlike.data.images"):
+        assert torch.equal(skip[5][0], good[6][0]) and torch.equal(skip[4][0], good[4][0])
+    assert skip.skipped == 1 and "1 skipped in this process" in caplog.text and "000005.png" in caplog.text
+    classes = build_dataset(cfg([bad], wds_target="cls", image_size=0), None, seq_len=PIXELS)
+    with pytest.raises(ConfigError, match=r"member 000006.'cls'|not a class id") as e:
+        classes[6]
+    one_line(e)
+
+    # truncated shard: found while indexing
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(open(paths[1], "rb").read()[:40_000])
+    with pytest.raises(ConfigError, match=r"shard .*cut.tar: truncated") as e:
+        build_dataset(cfg([cut]), None, seq_len=SEQ, vocab_size=64)
+    one_line(e)
+    kept = build_dataset(cfg([cut], bad_samples="skip"), None, seq_len=SEQ, vocab_size=64)
+    assert 0 < len(kept) < PER_SHARD and kept.left_out
+    whole = build_dataset(cfg([paths[1]]), None, seq_len=SEQ, vocab_size=64)
+    assert all(torch.equal(kept[i][0], whole[i][0]) for i in range(len(kept)))
+    # a sample without its target member
+    no_txt = _rewrite(paths[0], tmp_path / "no_txt", lambda k, m: {e: v for e, v in m.items()
+                                                                   if not (k == "000002" and e == "txt")})
+    with pytest.raises(ConfigError, match=r"sample '000002' has no a .txt member") as e:
+        build_dataset(cfg([no_txt]), None, seq_len=SEQ, vocab_size=64)
+    one_line(e)
+    assert len(build_dataset(cfg([no_txt], bad_samples="skip"), None, seq_len=SEQ, vocab_size=64)) == PER_SHARD - 1
+
+
+def test_bad_paths_and_sizes_are_one_line(shards, tmp_path):
+    folder, paths = shards
+    cases = [
+        ([f"{folder}/shapes-train-{{000000..000004}}.tar"], r"shard .*shapes-train-000003.tar' does not exist \(from "
+                                                            r"the pattern"),
+        ([f"{folder}/nothing-*.tar"], r"matches no file"),
+        ([str(tmp_path / "empty")], r"holds no \*.tar shard"),
+    ]
+    (tmp_path / "empty").mkdir()
+    gz = tmp_path / "x.tar"
+    import gzip
+
+    gz.write_bytes(gzip.compress(open(paths[0], "rb").read()))
+    cases.append(([str(gz)], r"not a readable tar file .*decompress it"))
+    for p, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as e:
+            build_dataset(cfg(p), None, seq_len=SEQ, vocab_size=64)
+        assert "data.paths" in one_line(e)
+    with pytest.raises(ConfigError, match=r"data.image_size=0, data.image_tokens=0: .* need both") as e:
+        build_dataset(cfg(paths, image_size=0, image_tokens=0), None, seq_len=SEQ, vocab_size=64)
+    one_line(e)
+    with pytest.raises(ValueError, match=r"training.seq_len=3000: .*set training.seq_len = 3 \* image_size"):
+        build_dataset(cfg(paths, wds_target="cls", image_size=0), None, seq_len=3000)
+
+
+def _load(config, *overrides):
+    from titanlike.config.load import load_config
+
+    return load_config(["--config", config, "--training.device=cpu", *overrides])
+
+
+def test_config_refusals_name_the_key(shards):
+    _, paths = shards
+    brace = f"--data.paths={paths[0]}"
+    for overrides, pattern in (
+        (["--data.wds_target=png"], r"data.wds_target='png' is not one of txt, json, cls"),
+        (["--data.bad_samples=ignore"], r"data.bad_samples='ignore' is not one of error, skip"),
+        (["--data.image_tokens=9"], r"set data.image_size=32 and data.image_tokens=16"),
+        (["--data.wds_target=cls"], r"llava trains on text"),
+        (["--validation.enable=true"], r"needs validation.paths \(held-out shards\)"),
+    ):
+        with pytest.raises(ConfigError, match=pattern):
+            _load("configs/llava_wds_debug.toml", brace, *overrides)
+    vit = ["--data.dataset=webdataset", brace]
+    with pytest.raises(ConfigError, match=r'set data.wds_target="cls"'):
+        _load("configs/vit_debug.toml", *vit)
+    with pytest.raises(ConfigError, match=r"data.image_size=48 but the model's image_size is 32"):
+        _load("configs/vit_debug.toml", *vit, "--data.wds_target=cls", "--data.image_size=48")
+
+
+@pytest.mark.parametrize("config,extra", [
+    ("configs/llava_wds_debug.toml", ["--data.wds_target=json"]),
+    ("configs/llava_wds_debug.toml", []),
+    ("configs/vit_debug.toml", ["--data.dataset=webdataset", "--data.wds_target=cls", "--optimizer.lr=2e-3"]),
+])
+def test_trains_a_few_steps_from_shards(config, extra, shards, tmp_path):
+    from titanlike.train.trainer import Trainer
+
+    folder, _ = shards
+    c = _load(config, f"--job.dump_folder={tmp_path}", "--training.steps=8", "--metrics.log_freq=1",
+              f"--data.paths={folder}/shapes-train-{{000000..000002}}.tar", "--training.local_batch_size=8", *extra)
+    trainer = Trainer(c)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    first, last = history[0]["loss"], history[-1]["loss"]
+    print(f"{config} {extra}: loss {first:.3f} -> {last:.3f}")
+    assert last < first - 0.5, (first, last)
+
+
+def test_image_folder_bad_images_error_or_skip(tmp_path):
+    from PIL import Image
+
+    for name, colour in (("a.png", (255, 0, 0)), ("c.png", (0, 255, 0))):
+        (tmp_path / "train" / "cat").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), colour).save(tmp_path / "train" / "cat" / name)
+    (tmp_path / "train" / "cat" / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    data = dataclasses.replace(Data(), dataset="image_folder", paths=[str(tmp_path)])
+    ds = build_dataset(data, None, seq_len=3 * 16 * 16)
+    with pytest.raises(ConfigError, match=r"b.png: cannot decode the image .*data.bad_samples=\"skip\"") as e:
+        ds[1]
+    one_line(e)
+    skip = build_dataset(dataclasses.replace(data, bad_samples="skip"), None, seq_len=3 * 16 * 16)
+    assert skip[1][0].view(3, 16, 16)[:, 8, 8].tolist() == [0, 255, 0] and skip.skipped == 1  # c.png instead
