@@ -179,11 +179,14 @@ def mtp_problems(args: Any, par: Any, seq_len: int | None = None) -> list[str]:
     if args.mtp_loss_weight < 0:
         out.append(f"model.args.mtp_loss_weight={args.mtp_loss_weight} is negative; use a weight >= 0 (0.1: "
                    f"Megatron's --mtp-loss-scaling-factor default)")
+    # Not built (docs/mtp.md says why): PP would need the last stage to hold a tied embedding copy and the input ids;
+    # TP would need plans for the MTP modules and a loss-parallel head inside the forward.
+    why = {"pp": "the MTP modules are not placed on the last stage", "tp": "the MTP modules have no TP plan"}
     for name in ("pp", "tp"):
         if getattr(par, name, 1) > 1:
             out.append(f"model.args.mtp_num_layers={d} with parallelism.{name}={getattr(par, name)}: multi-token "
-                       f"prediction is not built for {name.upper()} yet; set parallelism.{name}=1 or "
-                       f"mtp_num_layers=0")
+                       f"prediction is not built for {name.upper()} yet ({why[name]}); set parallelism.{name}=1 "
+                       f"(CP and FSDP work) or mtp_num_layers=0")
     return out
 
 

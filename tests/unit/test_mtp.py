@@ -213,12 +213,15 @@ def _load(*extra: str):
 def test_bad_inputs_are_refused_in_one_line():
     from titanlike.config.load import ConfigError
 
+    ok = _load("--model.args={mtp_num_layers = 1}", "--parallelism.cp=2", "--parallelism.dp_shard=1")  # CP is built
+    assert ok.parallelism.cp == 2
     cases = [
         (["--model.args={mtp_num_layers = 8}", "--training.seq_len=8"], "leaves no target in sequences of 8"),
         (["--model.args={mtp_num_layers = 1}", "--parallelism.pp=2"], "not built for PP yet"),
         (["--model.args={mtp_num_layers = 1}", "--parallelism.tp=2"], "not built for TP yet"),
         (["--model.name=gpt", "--model.flavor=debugmodel", "--model.args={mtp_num_layers = 1}"],
-         "model.args.mtp_num_layers is not a field of gpt's args"),
+         "model.args.mtp_num_layers is not a field of gpt's args: multi-token prediction needs a decoder whose "
+         "embedding and output head"),
     ]
     for extra, text in cases:
         with pytest.raises(ConfigError) as e:
