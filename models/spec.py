@@ -132,6 +132,10 @@ class ModelSpec:
             return base
         names = {f.name: f for f in dataclasses.fields(base)}
         for key, value in changes.items():
+            if key not in names and key.startswith("mtp_"):  # the one family-independent option worth a pointer
+                raise ValueError(f"model.args.{key} is not a field of {self.name}'s args: multi-token prediction "
+                                 f"needs a decoder whose embedding and output head the MTP modules can share "
+                                 f"(llama3, deepseek_v3; docs/mtp.md): use one of those or drop model.args.{key}")
             if key not in names:
                 raise ValueError(f"model.args.{key} is not a field of {self.name}'s args; choose from {sorted(names)}")
             old = getattr(base, key)

@@ -60,6 +60,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--system", default=None, help="--chat: a system message before each prompt")
     p.add_argument("--chat-template", default=None, help="--chat: a built-in name, .jinja file or tokenizer folder "
                    "instead of the run's template")
+    p.add_argument("--speculative", choices=("mtp",), default=None, help="mtp: draft with the model's multi-token-"
+                   "prediction modules, verify with one main forward (greedy; titanlike/infer/speculative.py)")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p.parse_args(argv)
 
@@ -203,6 +205,11 @@ def run(a: argparse.Namespace) -> int:
             raise ValueError(f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens={a.max_new_tokens} that "
                              f"exceeds the model's context of {loaded.max_seq_len} tokens: shorten the prompt or "
                              f"lower --max-new-tokens")
+    if a.speculative:  # the same tokens as greedy generate; prints the acceptance rate to stderr
+        from titanlike.infer.speculative import for_script
+
+        generate = for_script(a.speculative, loaded.model, a.temperature, a.compile,
+                              lambda line: print(line, file=sys.stderr))
     print(f"loaded {_what(loaded)}", file=sys.stderr)  # stderr: stdout holds only the text
     kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, stop=stop or None,
               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile,

@@ -120,7 +120,8 @@ class Decoder(nn.Module):
             self.mtp.init_weights()
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, V] in the parameters' dtype.
 
         doc_ids [B, S_full]: the document of every token of the whole sequence (models.common.masks.document_ids);
@@ -130,8 +131,9 @@ class Decoder(nn.Module):
         Pipeline stages: without tok_embeddings the input is hidden states [B, S, dim]; without output the return
         value is hidden states.
 
-        mtp_labels [B, S]: the loader's labels, from which the MTP modules (if any) take their targets; their losses
-        join the gradient, not the output (models/common/mtp.py)."""
+        mtp_labels, mtp_tokens [B, S_full]: the loader's labels and input ids of the whole sequences (not cut by CP),
+        from which the MTP modules (if any) take their targets and embedding inputs (mtp_tokens defaults to
+        `tokens`); their losses join the gradient, not the output (models/common/mtp.py)."""
         rope, mask = self._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -139,7 +141,8 @@ class Decoder(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.mtp is not None and mtp_labels is not None and torch.is_grad_enabled():
-            h = self.mtp(h, tokens, mtp_labels, doc_ids, rope, mask, self.tok_embeddings, self.output)
+            h = self.mtp(h, tokens if mtp_tokens is None else mtp_tokens, mtp_labels, doc_ids, rope, mask,
+                         self.tok_embeddings, self.output, self.cp_shard)
         if self.output is not None:
             h = self.output(h)
         return h

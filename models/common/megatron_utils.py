@@ -44,6 +44,9 @@ TP_SPLIT = {
     "mlp.linear_fc1.layer_norm_weight": "rep", "mlp.linear_fc1.layer_norm_bias": "rep",
     "mlp.linear_fc1.weight": "col", "mlp.linear_fc1.bias": "col",
     "mlp.linear_fc2.weight": "row", "mlp.linear_fc2.bias": "rep",
+    # an MTP layer's own tensors (mtp.layers.<i>.*; its transformer_layer.* split as any layer): eh_proj is a
+    # ColumnParallelLinear without gather_output
+    "enorm.weight": "rep", "hnorm.weight": "rep", "eh_proj.weight": "col", "final_layernorm.weight": "rep",
 }
 GLU_SPLIT = {**TP_SPLIT, "mlp.linear_fc1.weight": "glu", "mlp.linear_fc1.bias": "glu"}
 
@@ -60,6 +63,7 @@ ARG_DEFAULTS = {
     "hybrid_override_pattern": None, "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0, "is_hybrid_model": False,
     "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8, "mamba_num_heads": None,
     "squared_relu": False, "spec": None, "tensor_model_parallel_size": 1,
+    "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,  # multi-token prediction (off; Megatron's weight)
 }
 
 

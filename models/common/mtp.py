@@ -34,6 +34,9 @@ from models.common.norms import RMSNorm
 from models.common.router import AuxLossGrad
 
 MTP_INPUT = "mtp_labels"  # the Batch input carrying the loader's labels to the forward (the MTP targets' source)
+# The Batch input carrying the whole input ids (the embedding input t+k): under context parallel the shift by k
+# reads tokens and labels of the next CP chunk, so both stay whole on every CP rank (not in Batch.sequence).
+MTP_TOKENS = "mtp_tokens"
 
 
 def shifted_targets(labels: torch.Tensor, k: int, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -115,16 +118,33 @@ class MTP(nn.ModuleDict):
         self.passes = 0
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None,
-                rope: torch.Tensor, mask, embed: nn.Module, head: nn.Module) -> torch.Tensor:
+                rope: torch.Tensor, mask, embed: nn.Module, head: nn.Module, cp_shard: tuple | None = None
+                ) -> torch.Tensor:
         """h: the main hidden state [B, S, dim] (after the final norm); returns it unchanged, with the weighted
-        MTP losses attached to its gradient."""
+        MTP losses attached to its gradient. tokens, labels [B, S_full]: the whole sequences.
+
+        cp_shard (context parallel, the model's CPShard): h holds this rank's load-balanced chunks of sequences of
+        S_full = S * degree tokens. The shifted inputs and targets are cut from the whole sequences at this rank's
+        positions (so t+k past a chunk end reads the next chunk, and document ends are the whole sequence's), and
+        loss_k is this rank's summed loss over the whole sequences' target count times the degree: the mean over
+        the CP ranks, which the gradient's average over them takes, is the one-process loss."""
+        index, scale = None, 1.0
+        if cp_shard is not None:
+            from models.common.masks import chunk_positions, load_balanced_chunks
+
+            rank, degree = cp_shard[0], cp_shard[1]
+            index = chunk_positions(load_balanced_chunks(tokens.shape[1], rank, degree), h.device)
+            scale = float(degree)
         losses = []
         prev = h
         for k, layer in enumerate(self.values(), start=1):
-            prev = layer(prev, embed(shifted_tokens(tokens, k)), rope, mask)
+            shifted = shifted_tokens(tokens, k)
             targets = shifted_targets(labels, k, doc_ids)
-            count = (targets != IGNORE_INDEX).sum().clamp_min(1)
-            losses.append(head_loss(head, prev, targets) / count)
+            count = (targets != IGNORE_INDEX).sum().clamp_min(1)  # the whole sequences' targets
+            if index is not None:
+                shifted, targets = shifted[:, index], targets[:, index]
+            prev = layer(prev, embed(shifted), rope, mask)
+            losses.append(head_loss(head, prev, targets) * scale / count)
         losses = torch.stack(losses)
         done = losses.detach().float()
         self.loss_sums = done if self.loss_sums is None else self.loss_sums + done
@@ -159,22 +179,26 @@ def mtp_problems(args: Any, par: Any, seq_len: int | None = None) -> list[str]:
     if args.mtp_loss_weight < 0:
         out.append(f"model.args.mtp_loss_weight={args.mtp_loss_weight} is negative; use a weight >= 0 (0.1: "
                    f"Megatron's --mtp-loss-scaling-factor default)")
-    for name in ("pp", "tp", "cp"):
+    # Not built (docs/mtp.md says why): PP would need the last stage to hold a tied embedding copy and the input ids;
+    # TP would need plans for the MTP modules and a loss-parallel head inside the forward.
+    why = {"pp": "the MTP modules are not placed on the last stage", "tp": "the MTP modules have no TP plan"}
+    for name in ("pp", "tp"):
         if getattr(par, name, 1) > 1:
             out.append(f"model.args.mtp_num_layers={d} with parallelism.{name}={getattr(par, name)}: multi-token "
-                       f"prediction is not built for {name.upper()} yet; set parallelism.{name}=1 or "
-                       f"mtp_num_layers=0")
+                       f"prediction is not built for {name.upper()} yet ({why[name]}); set parallelism.{name}=1 "
+                       f"(CP and FSDP work) or mtp_num_layers=0")
     return out
 
 
 class MTPNextToken:
-    """Next-token objective that also hands the loader's labels to the forward (as `mtp_labels`), which the MTP
-    modules shift into their targets. The main loss is the usual cross-entropy of `labels`."""
+    """Next-token objective that also hands the loader's labels and input ids to the forward (as `mtp_labels`,
+    `mtp_tokens`: whole sequences, which context parallel does not cut), which the MTP modules shift into their
+    targets and embedding inputs. The main loss is the usual cross-entropy of `labels`."""
     loss = "cross_entropy"
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> Batch:
-        return Batch(inputs={"tokens": input_ids, MTP_INPUT: labels}, labels=labels,
-                     sequence=("tokens", "labels", MTP_INPUT))
+        return Batch(inputs={"tokens": input_ids, MTP_INPUT: labels, MTP_TOKENS: input_ids}, labels=labels,
+                     sequence=("tokens", "labels"))
 
 
 def mtp_objective(args: Any):

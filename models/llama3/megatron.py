@@ -57,63 +57,101 @@ def args_from_megatron(margs: dict) -> ModelArgs:
                      multiple_of=multiple_of, ffn_dim_multiplier=ffn_mult, norm_eps=float(arg(margs, "norm_epsilon")),
                      rope_theta=float(arg(margs, "rotary_base")), use_scaled_rope=bool(arg(margs, "use_rope_scaling")),
                      rope_scaling_factor=float(arg(margs, "rope_scaling_factor")),
-                     max_seq_len=margs.get("seq_length") or margs.get("max_position_embeddings") or 4096)
+                     max_seq_len=margs.get("seq_length") or margs.get("max_position_embeddings") or 4096,
+                     mtp_num_layers=arg(margs, "mtp_num_layers") or 0,
+                     mtp_loss_weight=float(arg(margs, "mtp_loss_scaling_factor")))
 
 
 def notes(margs: dict) -> list[str]:
     return []
 
 
+# Multi-token prediction (models/common/mtp.py): megatron-core's GPTModel keeps its MTP block as
+# `mtp.layers.<i>.{enorm, hnorm, eh_proj, transformer_layer.*, final_layernorm}` (0.16's names; later releases call the
+# block `mtp_model_layer`, read as well). eh_proj halves are [embedding; hidden] in both, as here.
+MTP_PREFIX = "mtp.layers."
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "norm.weight": "final_layernorm.weight"}
+_MTP_OWN_INV = {v: k for k, v in _MTP_OWN.items()}
+_MTP_BLOCK_NAMES = ("transformer_layer.", "mtp_model_layer.")
+
+
 def from_megatron(msd: dict[str, torch.Tensor], args: ModelArgs, margs: dict | None = None
                   ) -> dict[str, torch.Tensor]:
     """Canonical Megatron dict -> titanlike FQNs. A tied checkpoint (no output_layer) gets a copy of the embedding:
     titanlike's Llama has no tied flavor (only GPT ties). With --rotary-interleaved in `margs` the q/k rows are already
-    titanlike's layout."""
+    titanlike's layout. MTP layers past args.mtp_num_layers are dropped (as the HF adapters drop them)."""
     interleaved = bool(arg(margs or {}, "rotary_interleaved"))
     out: dict[str, torch.Tensor] = {}
     for key, value in msd.items():
         if key in _TOP_INV:
             out[_TOP_INV[key]] = value
+        elif key.startswith(MTP_PREFIX):
+            depth, suffix = key[len(MTP_PREFIX):].split(".", 1)
+            if int(depth) >= args.mtp_num_layers:
+                continue
+            block = next((suffix[len(b):] for b in _MTP_BLOCK_NAMES if suffix.startswith(b)), None)
+            if block is not None:
+                _layer_in(out, f"mtp.{depth}.block.", block, value, args, interleaved, key)
+            elif suffix in _MTP_OWN_INV:
+                out[f"mtp.{depth}.{_MTP_OWN_INV[suffix]}"] = value
+            else:
+                raise KeyError(f"unexpected Megatron key {key!r} for titanlike llama3")
         elif not key.startswith(LAYER_PREFIX):
             raise KeyError(f"unexpected Megatron key {key!r} for titanlike llama3")
     for layer, suffix, value in layer_items(msd):
-        pre = f"layers.{layer}."
-        if suffix == _QKV:
-            q, k, v = split_qkv(value, args.n_heads, args.n_kv_heads)
-            if not interleaved:
-                q, k = half_to_interleaved(q, args.n_heads), half_to_interleaved(k, args.n_kv_heads)
-            out[pre + "attention.wq.weight"], out[pre + "attention.wk.weight"] = q, k
-            out[pre + "attention.wv.weight"] = v
-        elif suffix == _FC1:
-            gate, up = value.chunk(2, dim=0)
-            out[pre + "feed_forward.w1.weight"], out[pre + "feed_forward.w3.weight"] = gate.clone(), up.clone()
-        elif suffix in _LAYER_INV:
-            out[pre + _LAYER_INV[suffix]] = value
-        else:
-            raise KeyError(f"unexpected Megatron key {LAYER_PREFIX}{layer}.{suffix} for titanlike llama3")
+        _layer_in(out, f"layers.{layer}.", suffix, value, args, interleaved, f"{LAYER_PREFIX}{layer}.{suffix}")
     if "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"].clone()
     return out
 
 
+def _layer_in(out: dict, pre: str, suffix: str, value: torch.Tensor, args: ModelArgs, interleaved: bool,
+              key: str) -> None:
+    """One Megatron transformer-layer tensor (`suffix` within the layer) into `out` under the block prefix `pre`."""
+    if suffix == _QKV:
+        q, k, v = split_qkv(value, args.n_heads, args.n_kv_heads)
+        if not interleaved:
+            q, k = half_to_interleaved(q, args.n_heads), half_to_interleaved(k, args.n_kv_heads)
+        out[pre + "attention.wq.weight"], out[pre + "attention.wk.weight"] = q, k
+        out[pre + "attention.wv.weight"] = v
+    elif suffix == _FC1:
+        gate, up = value.chunk(2, dim=0)
+        out[pre + "feed_forward.w1.weight"], out[pre + "feed_forward.w3.weight"] = gate.clone(), up.clone()
+    elif suffix in _LAYER_INV:
+        out[pre + _LAYER_INV[suffix]] = value
+    else:
+        raise KeyError(f"unexpected Megatron key {key} for titanlike llama3")
+
+
 def to_megatron(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """titanlike FQNs -> canonical Megatron dict (RoPE rows in Megatron's default halves layout)."""
+    """titanlike FQNs -> canonical Megatron dict (RoPE rows in Megatron's default halves layout; MTP modules under
+    megatron-core 0.16's names)."""
     out: dict[str, torch.Tensor] = {}
-    parts: dict[int, dict[str, torch.Tensor]] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # Megatron layer prefix -> the pieces of its fused tensors
     for key, value in state_dict.items():
         if key in _TOP:
             out[_TOP[key]] = value
             continue
-        _, layer, suffix = key.split(".", 2)
+        if key.startswith("mtp."):
+            _, depth, suffix = key.split(".", 2)
+            if suffix in _MTP_OWN:
+                out[f"{MTP_PREFIX}{depth}.{_MTP_OWN[suffix]}"] = value
+                continue
+            if not suffix.startswith("block."):
+                raise KeyError(f"to_megatron: unexpected titanlike key {key!r}")
+            pre, suffix = f"{MTP_PREFIX}{depth}.{_MTP_BLOCK_NAMES[0]}", suffix[len("block."):]
+        else:
+            _, layer, suffix = key.split(".", 2)
+            pre = f"{LAYER_PREFIX}{layer}."
         if suffix in _LAYER:
-            out[f"{LAYER_PREFIX}{layer}.{_LAYER[suffix]}"] = value
+            out[pre + _LAYER[suffix]] = value
         elif suffix in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                         "feed_forward.w1.weight", "feed_forward.w3.weight"):
-            parts.setdefault(int(layer), {})[suffix.split(".")[1]] = value
+            parts.setdefault(pre, {})[suffix.split(".")[1]] = value
         else:
             raise KeyError(f"to_megatron: unexpected titanlike key {key!r}")
-    for layer, p in sorted(parts.items()):
-        pre = f"{LAYER_PREFIX}{layer}."
+    for pre, p in parts.items():
         q, k = interleaved_to_half(p["wq"], args.n_heads), interleaved_to_half(p["wk"], args.n_kv_heads)
         out[pre + _QKV] = fuse_qkv(q, k, p["wv"], args.n_heads, args.n_kv_heads)
         out[pre + _FC1] = torch.cat([p["w1"], p["w3"]], dim=0)
@@ -133,4 +171,6 @@ def megatron_args(args: ModelArgs) -> dict:
             "rotary_interleaved": False, "use_rope_scaling": args.use_scaled_rope,
             "rope_scaling_factor": args.rope_scaling_factor, "normalization": "RMSNorm", "norm_epsilon": args.norm_eps,
             "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,
-            "untie_embeddings_and_output_weights": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+            "untie_embeddings_and_output_weights": True, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+            **({"mtp_num_layers": args.mtp_num_layers, "mtp_loss_scaling_factor": args.mtp_loss_weight}
+               if args.mtp_num_layers else {})}

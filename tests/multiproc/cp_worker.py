@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import models
-from models.batch import Batch
+from models.batch import Batch, StepContext
+from models.common.mtp import mtp_objective
 from models.common.masks import document_ids
 from par_helpers import exit_without_teardown
 from parallelize import PlanSections, get_plan
@@ -54,9 +55,14 @@ TOL = 1e-5
 FAMILIES = {"llama3": ("llama3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe"),
             "deepseek_v3": ("deepseek_v3", "debugmodel"), "nemotron_h": ("nemotron_h", "debugmodel"),
             "mamba2": ("mamba2", "debugmodel"), "qwen3_next": ("qwen3_next", "debugmodel")}
+# Multi-token prediction (models/common/mtp.py) on the same models: two depths, weight 0.3 (its gradient share then
+# shows any error), the shifted targets and embedding inputs crossing the CP chunk borders and document ends.
+FAMILIES |= {"llama3_mtp": FAMILIES["llama3"], "deepseek_v3_mtp": FAMILIES["deepseek_v3"]}
 
 
 def model_args(family: str):
+    if family.endswith("_mtp"):
+        return dataclasses.replace(model_args(family[:-4]), mtp_num_layers=2, mtp_loss_weight=0.3)
     name, flavor = FAMILIES[family]
     spec = models.get_spec(name)
     if family == "llama3":
@@ -99,30 +105,51 @@ def expert_biases(model) -> list[torch.Tensor]:
     return [full(b).clone() for n, b in model.named_buffers() if n.endswith("expert_bias")]
 
 
+def make_batch(family: str, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+    """The family's objective's Batch (MTP families: the labels and input ids handed to the forward too)."""
+    if family.endswith("_mtp"):
+        return mtp_objective(model_args(family))(inputs, labels, StepContext(1, 0))
+    return Batch({"tokens": inputs}, labels)
+
+
+def mtp_losses(model, group=None) -> torch.Tensor:
+    """The MTP depths' losses since the last call (mean over the data ranks, as titanlike/train/mtp.py logs them)."""
+    if getattr(model, "mtp", None) is None:
+        return torch.zeros(1)
+    losses = model.mtp.take_losses()
+    if group is not None:
+        dist.all_reduce(losses, group=group)
+        losses /= dist.get_world_size(group)
+    return losses
+
+
 def one_process_layout(docs: bool, pos: bool) -> BatchLayout:
     return BatchLayout(SimpleNamespace(get_mesh=lambda _: None),
                        Data(document_masking=docs, reset_position_ids=pos), EOD)
 
 
 def reference(family: str, docs: bool, pos: bool, dp: int):
-    """(initial state dict, CE loss, {name: grad}, expert biases after the update) of one process, dp micro-batches."""
+    """(initial state dict, CE loss, {name: grad}, expert biases after the update, MTP losses) of one process, dp
+    micro-batches."""
     torch.manual_seed(0)
     model = build(family)
     model.init_weights()
+    if getattr(model, "mtp", None) is not None:  # the trainer's weight per micro-batch (titanlike/train/mtp.py)
+        model.mtp.grad_scale = 1.0 / dp
     state = {k: v.clone() for k, v in model.state_dict().items()}  # before the update moves the expert biases
     moe = MoEBookkeeping([model], ParallelDims(world_size=1), microbatches=dp)
     inputs, labels = batch()
     tokens = (labels != IGNORE_INDEX).sum()
     loss = torch.zeros(())
     for x, y in zip(inputs.chunk(dp), labels.chunk(dp)):
-        b = one_process_layout(docs, pos)(Batch({"tokens": x}, y))
+        b = one_process_layout(docs, pos)(make_batch(family, x, y))
         x, y, kwargs = b.inputs["tokens"], b.labels, b.kwargs()
         loss_sum = cross_entropy_sum(model(x, **kwargs), y)
         (loss_sum / tokens).backward()
         loss += loss_sum.detach() / tokens
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     moe.after_step(log=False)
-    return state, loss, grads, expert_biases(model)
+    return state, loss, grads, expert_biases(model), mtp_losses(model)
 
 
 def check_docs_isolated() -> float:
@@ -161,7 +188,7 @@ def parse(layout: str):
 
 def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, compile: bool,
                ref) -> tuple[float, tuple[float, str], float]:
-    ref_state, ref_loss, ref_grads, ref_biases = ref
+    ref_state, ref_loss, ref_grads, ref_biases, ref_mtp = ref
     name, flavor = FAMILIES[family]
     cfg = config_from_dict({"model": {"name": name, "flavor": flavor}, "parallelism": degrees,
                             "training": {"seq_len": SEQ, "device": "cpu"},
@@ -183,7 +210,7 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     inputs, labels = batch()
     rows = ROWS // dims.dp_degree  # each data-parallel rank its rows, as the loader would give them
     inputs, labels = (x[dims.dp_rank() * rows:][:rows] for x in (inputs, labels))
-    b = BatchLayout(dims, cfg.data, EOD)(Batch({"tokens": inputs}, labels))
+    b = BatchLayout(dims, cfg.data, EOD)(make_batch(family, inputs, labels))
     inputs, labels, kwargs = b.inputs["tokens"], b.labels, b.kwargs()
     tokens = (labels != IGNORE_INDEX).sum().float()
     group = dims.get_mesh("dp_cp").get_group()
@@ -197,6 +224,10 @@ def run_layout(family: str, degrees: dict, docs: bool, pos: bool, sac: bool, com
     worst = max(diffs, key=diffs.get)
     if compile:  # the blocks ran compiled (fullgraph: the K/V gather inside the graph)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, torch._dynamo.utils.counters["stats"]
+    mtp_diff = (mtp_losses(model, group) - ref_mtp).abs().max().item()
+    assert mtp_diff <= TOL, (family, mtp_diff)
+    if family.endswith("_mtp") and dist.get_rank() == 0:
+        print(f"MTP {family} losses {ref_mtp.tolist()} diff {mtp_diff:.1e}", flush=True)
     moe.after_step(log=False)
     biases = expert_biases(model)
     assert len(biases) == len(ref_biases)

@@ -55,12 +55,14 @@ LAYOUTS = ["docs_isolated",
            # cp_method="alltoall": the same families (qwen3_moe's 4 KV heads: 2 per TP rank, 1 per CP 4 rank; its
            # only parity check under TP)
            "qwen3_moe/cp2xtp2+a2a", "qwen3_moe/cp4+docs+a2a", "deepseek_v3/cp2xtp2+docs+a2a",
-           "qwen3_next/cp2xdp2+docs+a2a"]
+           "qwen3_next/cp2xdp2+docs+a2a",
+           # multi-token prediction: targets and embedding inputs shifted across CP chunk borders and document ends
+           "llama3_mtp/cp2xdp2+docs", "deepseek_v3_mtp/cp4+docs+ring"]
 # TITANLIKE_TEST_FULL=1 adds the other combinations of the same paths.
 FULL_ONLY = ["llama3/cp4", "llama3/cp2xdp2+docs", "llama3/cp2xtp2+docs", "qwen3_moe/cp2xdp2xep2", "deepseek_v3/cp2xdp2",
              "deepseek_v3/cp2xdp2xep2+docs", "nemotron_h/cp2xdp2+docs", "qwen3_next/cp2xdp2+docs",
              "llama3/cp2xtp2+docs+ring", "deepseek_v3/cp4+ring",
-             "qwen3_moe/cp2xdp2xep2+docs+a2a"]
+             "qwen3_moe/cp2xdp2xep2+docs+a2a", "llama3_mtp/cp4+docs+a2a", "deepseek_v3_mtp/cp2xdp2"]
 
 
 @pytest.mark.dist

@@ -213,12 +213,15 @@ def _load(*extra: str):
 def test_bad_inputs_are_refused_in_one_line():
     from titanlike.config.load import ConfigError
 
+    ok = _load("--model.args={mtp_num_layers = 1}", "--parallelism.cp=2", "--parallelism.dp_shard=1")  # CP is built
+    assert ok.parallelism.cp == 2
     cases = [
         (["--model.args={mtp_num_layers = 8}", "--training.seq_len=8"], "leaves no target in sequences of 8"),
         (["--model.args={mtp_num_layers = 1}", "--parallelism.pp=2"], "not built for PP yet"),
         (["--model.args={mtp_num_layers = 1}", "--parallelism.tp=2"], "not built for TP yet"),
         (["--model.name=gpt", "--model.flavor=debugmodel", "--model.args={mtp_num_layers = 1}"],
-         "model.args.mtp_num_layers is not a field of gpt's args"),
+         "model.args.mtp_num_layers is not a field of gpt's args: multi-token prediction needs a decoder whose "
+         "embedding and output head"),
     ]
     for extra, text in cases:
         with pytest.raises(ConfigError) as e:
@@ -251,3 +254,44 @@ def test_debug_run_trains_with_mtp(tmp_path, config):
         assert last[f"mtp/loss_{k}"] < first[f"mtp/loss_{k}"] - 0.3
     assert last["mtp/total_loss"] == pytest.approx(last["loss"] + 0.15 * (last["mtp/loss_1"] + last["mtp/loss_2"]))
     assert "mtp " in MetricsLogger.format_line(8, last)
+
+
+def test_megatron_mtp_keys_round_trip(tmp_path):
+    """Llama with D=2 <-> megatron-core's names (mtp.layers.<i>.{enorm, hnorm, eh_proj, transformer_layer.*,
+    final_layernorm}, megatron-core 0.16.1's MultiTokenPredictionLayer): the exact keys, a torch_dist folder written
+    and read back with the MTP args, and the local layer spec's norm names / later releases' mtp_model_layer read
+    the same; an import asking for one depth drops the second."""
+    from models.llama3 import megatron
+    from titanlike.checkpoint import megatron_format
+
+    args = tiny_llama(mtp_num_layers=2, mtp_loss_weight=0.3)
+    sd = build("llama3", args).state_dict()
+    msd = megatron.to_megatron(sd, args)
+    layer = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.layer_norm_weight",
+             "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+             "mlp.linear_fc2.weight"}
+    for i in (0, 1):
+        own = {k[len(f"mtp.layers.{i}."):] for k in msd if k.startswith(f"mtp.layers.{i}.")}
+        assert own == {"enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"} | {
+            "transformer_layer." + s for s in layer}
+    assert torch.equal(msd["mtp.layers.1.final_layernorm.weight"], sd["mtp.1.norm.weight"])
+    margs = {**megatron.megatron_args(args), "padded_vocab_size": 64}
+    assert margs["mtp_num_layers"] == 2 and margs["mtp_loss_scaling_factor"] == 0.3
+    megatron_format.write_torch_dist(str(tmp_path), 5, msd, margs, ())
+    read_args, read = megatron_format.read_torch_dist(str(tmp_path / "iter_0000005"))
+    back_args = megatron.args_from_megatron(read_args)
+    assert back_args.mtp_num_layers == 2 and back_args.mtp_loss_weight == 0.3
+    back = megatron.from_megatron(read, back_args, read_args)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    local = {k.replace("transformer_layer.self_attention.linear_qkv.layer_norm_weight",
+                       "mtp_model_layer.input_layernorm.weight")
+              .replace("transformer_layer.mlp.linear_fc1.layer_norm_weight", "mtp_model_layer.pre_mlp_layernorm.weight")
+              .replace("transformer_layer.", "mtp_model_layer."): v for k, v in msd.items()}
+    local = {megatron_format._canonical(k): v for k, v in local.items()}
+    again = megatron.from_megatron(local, args)
+    assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+    one = megatron.from_megatron(msd, dataclasses.replace(args, mtp_num_layers=1))
+    assert not any(k.startswith("mtp.1.") for k in one) and "mtp.0.eh_proj.weight" in one
+    assert megatron_format._rule("mtp.layers.0.eh_proj.weight", megatron.TP_SPLIT, "x") == "col"
+    fc1 = "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"
+    assert megatron_format._rule(fc1, megatron.TP_SPLIT, "x") == "glu"

@@ -29,7 +29,8 @@ _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # (encoder.*, lm_head.*, pooler.*, binary_head.*, position_embeddings.*: BERT and T5)
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "lm_head.", "pooler.", "binary_head.",
-                  "position_embeddings.")
+                  "position_embeddings.", "mtp.")  # mtp.*: a GPTModel's multi-token-prediction layers
+_MTP_RE = re.compile(r"^(mtp\.layers\.\d+\.(?:transformer_layer\.|mtp_model_layer\.)?)(.+)$")
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes and checks for
 
 
@@ -163,6 +164,9 @@ def _canonical(key: str) -> str:
     if parts is not None:
         stack, layer, suffix = parts
         return f"{stack}{layer}.{LOCAL_NORM_NAMES.get(suffix, suffix)}"
+    m = _MTP_RE.match(key)  # an MTP layer's transformer layer has the decoder layers' local norm names too
+    if m is not None:
+        return m.group(1) + LOCAL_NORM_NAMES.get(m.group(2), m.group(2))
     return key
 
 
@@ -218,8 +222,8 @@ def read_legacy(path: str, tp_split: dict[str, str]) -> tuple[dict, dict[str, to
 
 
 def _rule(key: str, tp_split: dict[str, str], where: str) -> str:
-    parts = split_layer_key(key)
-    suffix = key if parts is None else parts[2]
+    parts, mtp = split_layer_key(key), _MTP_RE.match(key)
+    suffix = parts[2] if parts is not None else mtp.group(2) if mtp is not None else key
     if suffix not in tp_split:
         raise CheckpointError(f"{where}: tensor {key!r} is not part of the model family being imported (a mixture "
                               f"of experts or another architecture?); only the keys of models/<name>/megatron.py "
