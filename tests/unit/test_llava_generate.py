@@ -142,3 +142,41 @@ def _llama_folder(path):
     save_file({k: v.contiguous() for k, v in spec.hf.to_hf(model.state_dict(), args).items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(spec.hf.hf_config(args, torch.float32)))
+
+
+def test_titanlike_checkpoint_and_its_export_generate_alike(tmp_path, capsys):
+    """A titanlike step folder and its HF export (whose preprocessor_config.json transformers' AutoImageProcessor
+    reads into the pixels we compute) print the same tokens for the same --image."""
+    from titanlike.checkpoint.hf import export_hf, write_model_step
+
+    args = tiny()
+    model = build(args)
+    step = write_model_step(str(tmp_path / "ck"), "llava", args, model.state_dict(), {}, "test", "test", "test")
+    out = export_hf(step, str(tmp_path / "hf"), dtype="float32", progress=False, with_tokenizer=False)
+    png = write_png(tmp_path / "x.png", 40, 3)  # resized to 32
+    proc = transformers.AutoImageProcessor.from_pretrained(out)
+    want = proc(images=[Image.open(png).convert("RGB")], return_tensors="pt")["pixel_values"]
+    loaded = load_for_inference(out)
+    from titanlike.infer.images import image_prep
+
+    assert image_prep(loaded).source.endswith("preprocessor_config.json")
+    assert (load_pixels([png], image_prep(loaded)) - want).abs().max() <= 1e-5
+    script, printed = _script(), []
+    for source in (step, out):
+        assert script.main([source, "--tokens", f"3,{args.image_token},4", "--image", png,
+                            "--max-new-tokens", "6"]) == 0
+        printed.append(capsys.readouterr().out)
+    new = generate(model, expand_placeholders([[3, args.image_token, 4]], args.image_token, args.image_tokens, 1),
+                   max_new_tokens=6, pixels=want)[0]
+    assert printed[0] == printed[1] == f"3 {args.image_token} 4 -> {' '.join(map(str, new))} \n", printed
+
+
+def test_text_prompt_placeholders_split_the_encoding():
+    """--prompt text: each <image> is one image id, the pieces around it encoded alone, BOS on the first only."""
+    from types import SimpleNamespace
+
+    args = tiny()
+    loaded = SimpleNamespace(args=args)
+    encode = lambda piece, first: ([1] if first else []) + [10 + len(piece)]  # noqa: E731 (a stand-in tokenizer)
+    got = _script()._encode_pieces(encode, loaded, "ab<image>cde<image>")
+    assert got == [1, 12, args.image_token, 13, args.image_token, 10]
