@@ -5,6 +5,8 @@
     python scripts/generate.py SOURCE --prompts-file prompts.txt --max-new-tokens 32 --compile --device cuda
     python scripts/generate.py SOURCE --tokens 1,2,3 --max-new-tokens 8            # ids in, ids out
     python scripts/generate.py SOURCE --chat --prompt "What is 2 + 2?" [--system "Be brief."]   # a chat reply
+    python scripts/generate.py LLAVA --image cat.png --prompt "USER: <image>\nWhat is this? ASSISTANT:"
+    python scripts/generate.py LLAVA --image a.png --image b.png --tokens 1,63,63,5     # 63: the image token id
 
 SOURCE: a run folder (job.dump_folder/job.run_name), a checkpoint folder, a step folder (any training layout; the
 newest complete step unless --step N), a scripts/convert_hf.py import, or an HF folder (titanlike/infer/load.py).
@@ -20,8 +22,15 @@ writes any BOS itself); only the assistant's reply is printed, and it ends at th
 template is the run's (data.chat_template; titanlike/data/chat.py), the HF folder's own, or --chat-template (a
 built-in name, a .jinja file or a tokenizer folder).
 
+--image PATH (repeatable; an image-text model such as llava): each placeholder of the prompts takes the next image,
+prompt by prompt: "<image>" in a text prompt (also inside a --chat turn), the model's image token id in --tokens. It
+becomes the tower's feature count of placeholders (model.args.image_tokens), as HF's llava processor expands it. The
+files are read with Pillow, resized to the tower's size and normalised by an HF folder's preprocessor_config.json
+(what export writes) or the tower's defaults (mean = std = 0.5, as training normalises); titanlike/infer/images.py.
+
 Bad input (missing or damaged checkpoint, unknown model, a prompt longer than the model's context, bad sampling
-values) exits with status 2 and one line naming the problem and the fix; --debug shows the traceback.
+values, a missing or unreadable --image file, images that do not match the placeholders, --image for a model
+without a vision tower) exits with status 2 and one line naming the problem and the fix; --debug shows the traceback.
 """
 from __future__ import annotations
 
@@ -43,6 +52,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="a text file, one prompt per non-empty line")
     p.add_argument("--tokens", action="append", default=[], help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
+    p.add_argument("--image", action="append", default=[], help="an image file for the prompts' next <image> "
+                   "placeholder (repeatable; image-text models such as llava)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
@@ -169,10 +180,32 @@ def _chat_prompts(a: argparse.Namespace, loaded, texts: list[str]) -> tuple[list
         data = dataclasses.replace(data, chat_template=a.chat_template)
     template = load_chat_template(data, loaded.tokenizer, key="--chat-template")
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
-    prompts = [loaded.tokenizer.encode_with_offsets(template.render(system + [{"role": "user", "content": t}],
-                                                                    add_generation_prompt=True))[0] for t in texts]
+    prompts = [_encode_pieces(lambda piece, first: loaded.tokenizer.encode_with_offsets(piece)[0], loaded,
+                              template.render(system + [{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in texts]
     eot = end_of_turn(template).strip()
     return prompts, ([loaded.tokenizer.encode_with_offsets(eot)[0]] if eot else []), eot
+
+
+def _encode_pieces(encode, loaded, text: str) -> list[int]:
+    """A text prompt's ids, each <image> in it as one image token (an image-text model; other models: as text).
+    The pieces around the placeholders are encoded separately, BOS (if any) on the first only."""
+    from titanlike.infer.images import join_pieces, split_text, takes_images
+
+    if not takes_images(loaded.args):
+        return encode(text, True)
+    return join_pieces([encode(piece, i == 0) for i, piece in enumerate(split_text(text))], loaded.args.image_token)
+
+
+def _with_images(a: argparse.Namespace, loaded, prompts: list[list[int]]):
+    """(prompts with each image placeholder expanded to the tower's features, the images' pixels or None)."""
+    from titanlike.infer.images import expand_placeholders, image_prep, load_pixels, takes_images
+
+    if not a.image and not takes_images(loaded.args):
+        return prompts, None
+    prep = image_prep(loaded)  # refuses --image on a model without a tower
+    pixels = load_pixels(a.image, prep) if a.image else None
+    return expand_placeholders(prompts, loaded.args.image_token, loaded.args.image_tokens, len(a.image)), pixels
 
 
 def _what(loaded) -> str:
@@ -199,7 +232,10 @@ def run(a: argparse.Namespace) -> int:
     elif a.chat:
         prompts, stop, eot = _chat_prompts(a, loaded, texts)
     else:
-        prompts = [loaded.encode(t, bos=a.bos) for t in texts]
+        prompts = [_encode_pieces(lambda piece, first: loaded.encode(piece, bos=a.bos if first else False), loaded, t)
+                   for t in texts]
+    given = prompts  # as the user wrote them (shown with --tokens), before the image placeholders are expanded
+    prompts, pixels = _with_images(a, loaded, prompts)
     for i, p in enumerate(prompts):
         if len(p) + a.max_new_tokens > loaded.max_seq_len:
             raise ValueError(f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens={a.max_new_tokens} that "
@@ -213,15 +249,15 @@ def run(a: argparse.Namespace) -> int:
     print(f"loaded {_what(loaded)}", file=sys.stderr)  # stderr: stdout holds only the text
     kw = dict(max_new_tokens=a.max_new_tokens, eos_id=loaded.stop_ids or None, stop=stop or None,
               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, compile=a.compile,
-              spec=loaded.spec)
+              spec=loaded.spec, pixels=pixels)
     if len(prompts) == 1:
         if not a.chat:  # a chat prints the reply alone
-            sys.stdout.write(texts[0] if texts else " ".join(map(str, prompts[0])) + " -> ")
+            sys.stdout.write(texts[0] if texts else " ".join(map(str, given[0])) + " -> ")
         stream = _ChatStream(tok, eot) if a.chat else _Stream(tok if texts else None)
         generate(loaded.model, prompts, on_token=stream, **kw)
         sys.stdout.write("\n")
         return 0
-    for i, (prompt, new) in enumerate(zip(prompts, generate(loaded.model, prompts, **kw))):
+    for i, (prompt, new) in enumerate(zip(given, generate(loaded.model, prompts, **kw))):
         shown = ((_reply(tok.decode(new), eot) if a.chat else texts[i] + tok.decode(new)) if texts else
                  f"{' '.join(map(str, prompt))} -> {' '.join(map(str, new))}")
         sys.stdout.write(f"{'' if i == 0 else chr(10)}=== prompt {i + 1}\n{shown}\n")

@@ -17,7 +17,7 @@ INPUT_MODULES = ("tok_embeddings", "vision", "projector")
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
     problems = []
     v = args.vision
-    if v.image_size % v.patch_size:
+    if v.image_size % v.patch_size and v.class_token:  # SigLIP so400m: 384 / 14, HF's valid conv drops the rest
         problems.append(f"model.args.vision.image_size={v.image_size} is not a multiple of patch_size="
                         f"{v.patch_size} (flavor {flavor!r}): set it to a multiple of {v.patch_size}")
     for name, why in (("tp", "no llava TP plan yet (the tower's and the decoder's plans are not joined)"),

@@ -22,7 +22,9 @@ def family_args(family: str, value: Any) -> Any:
 
 @dataclass
 class ModelArgs:
-    vision_family: str = "vit"  # the tower's family (a SigLIP tower plugs in as its flavor/args, not a new field)
+    # The tower's family. A SigLIP tower is the vit family with its SigLIP options (class_token=False, tanh GELU: the
+    # "debug-siglip" / "siglip-*" flavors of models/vit), so it needs no family of its own; HF: SiglipVisionModel.
+    vision_family: str = "vit"
     vision: Any = None  # that family's args (n_classes ignored: the tower has no head)
     language_family: str = "llama3"  # any decoder family on models/common/decoder.py
     # That family's args, its architecture only: vocab_size / max_seq_len / n_layers below are authoritative (the
@@ -32,7 +34,8 @@ class ModelArgs:
     max_seq_len: int = 2048
     n_layers: int = 4  # the language model's blocks
     # HF LlavaConfig: hidden_states[vision_feature_layer] of the tower (index 0: the embeddings, i: after block i;
-    # negative from the end) and "default" drops the class token ("full" keeps it).
+    # negative from the end) and "default" drops the first token (a ViT/CLIP class token; HF drops it from a SigLIP
+    # tower too, a patch: llava-hf's SigLIP models use "full"), "full" keeps every token.
     vision_feature_layer: int = -2
     vision_feature_select_strategy: str = "default"
     projector_act: str = "gelu"  # HF projector_hidden_act
@@ -78,8 +81,9 @@ class ModelArgs:
 
     @property
     def image_tokens(self) -> int:
-        """Placeholders per image: its patches (+ the class token with strategy 'full')."""
-        return self.vision.n_patches + (self.vision_feature_select_strategy == "full")
+        """Placeholders per image: the tower's tokens (patches, + a class token if it has one), less the first with
+        strategy 'default'."""
+        return self.vision.n_tokens - (self.vision_feature_select_strategy == "default")
 
     @property
     def image_token(self) -> int:

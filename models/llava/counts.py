@@ -18,14 +18,16 @@ def _spec(args: ModelArgs):
 
 def param_counts(args: ModelArgs) -> ParamCounts:
     """Exact counts of the model as built (meta). transformers' LlavaForConditionalGeneration holds more: the tower's
-    blocks past the feature layer, its final LayerNorm and ViTModel's pooler, which never reach the logits."""
+    blocks past the feature layer, its final LayerNorm and ViTModel's pooler (SigLIP: post_layernorm), which never reach
+    the logits."""
     from models.llava.model import Llava
 
     with torch.device("meta"):
         model = Llava(args)
     total = sum(p.numel() for p in model.parameters())
     pe = model.vision.patch_embed
-    emb = model.tok_embeddings.weight.numel() + pe.cls_token.numel() + pe.pos_embed.numel()
+    cls = pe.cls_token.numel() if pe.cls_token is not None else 0  # a SigLIP tower has none
+    emb = model.tok_embeddings.weight.numel() + cls + pe.pos_embed.numel()
     return ParamCounts(total=total, active=total, embedding=emb)
 
 

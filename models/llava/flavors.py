@@ -14,9 +14,15 @@ def _llava(vision: ViTArgs, text, **kw) -> ModelArgs:
                      vocab_size=text.vocab_size, max_seq_len=text.max_seq_len, **kw)
 
 
-# ViT-L/14 at 336 px as LLaVA-1.5's CLIP tower (576 patches); a ViT stands in for CLIP/SigLIP (not built yet: CLIP's
-# pre-LN on the embeddings and quick-GELU differ from HF ViT's).
+# ViT-L/14 at 336 px as LLaVA-1.5's CLIP tower (576 patches); a ViT stands in for CLIP (not built: CLIP's pre-LN on
+# the embeddings and quick-GELU differ from HF ViT's).
 _VIT_L14_336 = dataclasses.replace(vit_flavors["L/16"], patch_size=14, image_size=336, n_classes=0)
+
+
+def _siglip(name: str, **kw) -> ViTArgs:
+    """A models/vit SigLIP flavor as a tower: no MAP head (HF's llava reads hidden_states, never the pooler)."""
+    return dataclasses.replace(vit_flavors[name], n_classes=0, map_head=False, **kw)
+
 
 llava_flavors: dict[str, ModelArgs] = {
     # CPU tests and smoke runs: the debug ViT (32x32, 8x8 patches: 16 placeholders an image) with 3 blocks (the
@@ -24,4 +30,12 @@ llava_flavors: dict[str, ModelArgs] = {
     "debugmodel": _llava(dataclasses.replace(vit_flavors["debugmodel"], n_layers=3), llama3_flavors["debugmodel"]),
     # 1B-class: ViT-L/14-336 + Llama 3.2 1B shapes (untied output, see models/llama3/flavors.py).
     "1B": _llava(_VIT_L14_336, llama3_flavors["1B"]),
+    # The debug SigLIP tower (3 blocks, 2 used; 16 patches, no class token) with strategy "full", as llava-hf's
+    # SigLIP-based checkpoints: every token is a feature, 16 placeholders an image (shapes_captions' layout).
+    "debug-siglip": _llava(_siglip("debug-siglip", n_layers=3), llama3_flavors["debugmodel"],
+                           vision_feature_select_strategy="full"),
+    # SigLIP so400m/14-384 (27 x 27 = 729 patches, all 27 blocks: feature layer -1, strategy "full", as llava-hf's
+    # llava-interleave / llava-onevision) + Llama 3.2 1B shapes.
+    "1B-siglip": _llava(_siglip("siglip-so400m/14-384"), llama3_flavors["1B"], vision_feature_layer=-1,
+                        vision_feature_select_strategy="full"),
 }

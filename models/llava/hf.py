@@ -1,13 +1,15 @@
 """State-dict adapter between titanlike LLaVA and transformers' LlavaForConditionalGeneration with a ViT tower
-(vision_config: ViTConfig, AutoModel -> ViTModel) and a decoder family's text_config (LlamaConfig, Qwen3Config, ...).
+(vision_config: ViTConfig, AutoModel -> ViTModel) or a SigLIP tower (SiglipVisionConfig -> SiglipVisionModel: the
+vit family with class_token=False) and a decoder family's text_config (LlamaConfig, Qwen3Config, ...).
 The tower's and the language model's tensors go through their own families' adapters (RoPE row permutations
 included); this file only moves prefixes. Pure dict code (no transformers import).
 
 Export writes the hub layout of llava-hf checkpoints (vision_tower.*, multi_modal_projector.*,
 language_model.model.*, language_model.lm_head.*), which transformers 4.x and 5.x load; import also reads 5.x's
 in-memory names (model.vision_tower.*, model.language_model.*, lm_head.*). What HF holds but never reaches the
-logits (tower blocks past vision_feature_layer, the tower's final LayerNorm, ViTModel's pooler) is dropped on import
-and written as zeros (LayerNorm: ones) on export, so the folder is complete and computes our logits.
+logits (tower blocks past vision_feature_layer, the tower's final LayerNorm, ViTModel's pooler; SigLIP's
+post_layernorm and MAP head) is dropped on import and written as zeros (LayerNorm: ones) on export (a SigLIP tower
+is exported with vision_use_head=false), so the folder is complete and computes our logits.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from models.llava.args import ModelArgs
 from models.vit import hf as vit_hf
+from models.vit import hf_siglip
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 MODEL_TYPES = ("llava",)
@@ -53,8 +56,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             out["multi_modal_projector." + key[len("projector."):]] = value
         else:
             lang[key] = value
-    for key, value in vit_hf.to_hf(vision, args.vision).items():
-        out["vision_tower." + key[len("vit."):]] = value
+    for key, value in vit_hf.to_hf(vision, args.vision).items():  # ViT: vit.*; SigLIP: vision_model.*
+        out["vision_tower." + key.removeprefix("vit.")] = value
     out.update(_unused_tower(args, next(iter(state_dict.values())).dtype))
     for key, value in _lang_spec(args).hf.to_hf(lang, args.text_args).items():
         out["language_model." + key] = value  # model.* and lm_head.*
@@ -63,6 +66,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 
 def _unused_tower(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     v, d = args.vision, args.vision.dim
+    if not v.class_token:
+        return _unused_siglip(args, dtype)
     out = {"vision_tower.layernorm.weight": torch.ones(d, dtype=dtype),
            "vision_tower.layernorm.bias": torch.zeros(d, dtype=dtype),
            "vision_tower.pooler.dense.weight": torch.zeros(d, d, dtype=dtype),
@@ -77,14 +82,35 @@ def _unused_tower(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor
     return out
 
 
+def _unused_siglip(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    v, d, pre = args.vision, args.vision.dim, "vision_tower.vision_model."
+    out = {pre + "post_layernorm.weight": torch.ones(d, dtype=dtype),
+           pre + "post_layernorm.bias": torch.zeros(d, dtype=dtype)}
+    shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (d, d), "self_attn.v_proj": (d, d),
+              "self_attn.out_proj": (d, d), "layer_norm1": (d,), "layer_norm2": (d,), "mlp.fc1": (v.ffn_dim, d),
+              "mlp.fc2": (d, v.ffn_dim)}
+    for j in range(args.vision_layers_used, v.n_layers):
+        for name, shape in shapes.items():
+            ones = name.startswith("layer_norm")
+            out[f"{pre}encoder.layers.{j}.{name}.weight"] = (torch.ones if ones else torch.zeros)(shape, dtype=dtype)
+            out[f"{pre}encoder.layers.{j}.{name}.bias"] = torch.zeros(shape[0], dtype=dtype)
+    return out
+
+
+def _tower_key(rest: str, siglip: bool) -> str | None:
+    """A tower key (after vision_tower.) as the vit adapter reads it; None for what never reaches the features."""
+    if siglip:  # hub files: vision_model.*; transformers 5.x in memory: no prefix
+        return None if rest.removeprefix("vision_model.").startswith(("post_layernorm.", "head.")) else rest
+    return None if rest.startswith(("layernorm.", "pooler.")) else "vit." + rest
+
+
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     vision, lang, out = {}, {}, {}
     used = args.vision_layers_used
     for key, value in hf_state_dict.items():
         if (rest := _split(key, _VISION)) is not None:
-            if rest.startswith(("layernorm.", "pooler.")):
-                continue
-            vision["vit." + rest] = value
+            if (name := _tower_key(rest, not args.vision.class_token)) is not None:
+                vision[name] = value
         elif (rest := _split(key, _PROJ)) is not None:
             out["projector." + rest] = value
         elif (new := next((n for p, n in _LANG.items() if key.startswith(p)), None)) is not None:
@@ -103,16 +129,20 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     from models.llava import families
 
     vc, tc = dict(config["vision_config"]), dict(config["text_config"])
-    if vc.get("model_type", "vit") != "vit":
-        raise ValueError(f"LLaVA vision_config model_type={vc.get('model_type')!r}: only a ViT tower ('vit') is "
-                         f"supported yet (CLIP/SigLIP towers are not built)")
+    if vc.get("model_type", "vit") not in ("vit", *hf_siglip.MODEL_TYPES):
+        raise ValueError(f"LLaVA vision_config model_type={vc.get('model_type')!r}: only ViT ('vit') and SigLIP "
+                         f"('siglip_vision_model') towers are supported (CLIP's is not built)")
     family = next((n for n, s in families.LANGUAGE.items() if tc.get("model_type") in s.hf.MODEL_TYPES), None)
     if family is None:
         raise ValueError(f"LLaVA text_config model_type={tc.get('model_type')!r}: no titanlike decoder family reads it")
     layer = config.get("vision_feature_layer", -2)
     if not isinstance(layer, int):
         raise ValueError(f"LLaVA vision_feature_layer={layer}: several feature layers are not supported")
-    vision = vit_hf.args_from_hf_config({**vc, "architectures": ["ViTModel"]})
+    if vc.get("model_type", "vit") == "vit":
+        vision = vit_hf.args_from_hf_config({**vc, "architectures": ["ViTModel"]})
+    else:  # the tower without its MAP head: llava reads hidden states, never the pooler
+        vision = dataclasses.replace(hf_siglip.args_from_hf_config({**vc, "architectures": ["SiglipVisionModel"]}),
+                                     n_classes=0, map_head=False)
     text = families.language(family).hf.args_from_hf_config(tc)
     token = config.get("image_token_id", config.get("image_token_index"))
     return ModelArgs(vision=vision, language_family=family, text=text, vocab_size=text.vocab_size,
@@ -123,10 +153,13 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
-    vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=1), dtype)
-    for k in ("id2label", "label2id"):
-        vision.pop(k)
-    vision["architectures"] = ["ViTModel"]
+    if args.vision.class_token:
+        vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=1), dtype)
+        for k in ("id2label", "label2id"):
+            vision.pop(k)
+        vision["architectures"] = ["ViTModel"]
+    else:  # SiglipVisionModel's config (no head: what llava-hf's SigLIP checkpoints hold too)
+        vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=0, map_head=False), dtype)
     text = _lang_spec(args).hf.hf_config(args.text_args, dtype, max_position_embeddings)
     return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "vision_config": vision,
             "text_config": text, "image_token_id": args.image_token, "image_token_index": args.image_token,
@@ -134,3 +167,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
             "vision_feature_select_strategy": args.vision_feature_select_strategy,
             "projector_hidden_act": args.projector_act, "multimodal_projector_bias": args.projector_bias,
             "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", "")}
+
+
+def preprocessor_config(args: ModelArgs) -> dict:
+    """The image processor's settings (preprocessor_config.json beside an export): the normalisation training used
+    (models/llava/objective.py: (x / 255 - 0.5) / 0.5) at the tower's size, with the resampling of the tower's HF
+    processor (ViT: bilinear, SigLIP: bicubic). titanlike/infer/images.py reads the same file of an HF folder."""
+    v = args.vision
+    proc = "ViTImageProcessor" if v.class_token else "SiglipImageProcessor"
+    return {"image_processor_type": proc, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
+            "resample": 2 if v.class_token else 3, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": [0.5] * v.channels, "image_std": [0.5] * v.channels}

@@ -65,7 +65,7 @@ class Llava(nn.Module):
         vit = families.vision(args.vision_family).model_cls(dataclasses.replace(args.vision, n_classes=0))
         for j in range(args.vision_layers_used, args.vision.n_layers):
             del vit.layers[str(j)]  # past the feature layer: HF computes them, nothing reads them
-        vit.norm = None
+        vit.norm = vit.map_head = None  # the final norm and SigLIP's pooling head come after every feature layer
         self.vision = vit
         self.projector = Projector(args)
         for part in args.freeze:

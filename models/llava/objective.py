@@ -4,7 +4,16 @@ placeholders per image. The k-th run of a row is its k-th slot's image; unused s
 to images_per_row images). The pixels are normalised as HF's ViTImageProcessor does ((x/255 - 0.5) / 0.5).
 
 Targets: the loader's next-token labels of the token part (already IGNORE_INDEX where an SFT loader masks prompts:
-loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets."""
+loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets.
+
+Validation metrics (eval_metrics, logged as validation/<name> by titanlike/train/evaluate.py):
+  caption_accuracy        rows whose every target is the logits' argmax, over rows with targets. On shapes_captions
+                          (a row's targets are its caption and the end word after the image) this is the exact-match
+                          rate of greedy captioning: a greedy decode from the image emits the caption and stops iff
+                          each step's argmax, given the caption so far, is the caption's next word, which is what the
+                          teacher-forced logits show. So one validation forward measures it, no decode loop
+                          (tests/unit/test_llava.py holds it to titanlike.infer.generate, image by image).
+  caption_token_accuracy  targets that are the argmax, over targets."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +48,15 @@ class ImageText:
         pixels = slots[take].to(torch.float32) / 127.5 - 1.0
         labels = labels.masked_fill(labels == a.image_token, IGNORE_INDEX)
         return Batch(inputs={"tokens": tokens, "pixels": pixels}, labels=labels)
+
+    @staticmethod
+    def eval_metrics(output: torch.Tensor, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        labels = batch.labels
+        target = labels != IGNORE_INDEX
+        hit = (output.argmax(-1) == labels) & target
+        rows = target.any(1)
+        exact = rows & (hit.sum(1) == target.sum(1))
+        return {"caption_accuracy": (exact.sum(), rows.sum()), "caption_token_accuracy": (hit.sum(), target.sum())}
 
     def data_problem(self, data: Any) -> str | None:
         if data.dataset not in LLAVA_DATASETS:

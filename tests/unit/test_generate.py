@@ -36,7 +36,7 @@ LOGITS_ATOL = 1e-4
 
 # Families titanlike.infer does not generate with, and why; a new family must land in one list or the other.
 NOT_HERE = {"bert": "an encoder: nothing to generate", "vit": "an image classifier",
-            "llava": "images in the prompt: titanlike.infer passes no pixels yet (docs/llava.md)",
+            "llava": "images in the prompt: tests/unit/test_llava_generate.py (pixels at the prefill, HF's generate)",
             "t5": "an encoder-decoder: models/t5/generate.py, held to transformers' generate in test_t5.py"}
 
 

@@ -17,8 +17,8 @@ SPEC = models.get_spec("llava")
 VOCAB = 128
 
 
-def tiny(**kw):
-    return dataclasses.replace(SPEC.flavors["debugmodel"], vocab_size=VOCAB, max_seq_len=64, **kw)
+def tiny(flavor="debugmodel", **kw):
+    return dataclasses.replace(SPEC.flavors[flavor], vocab_size=VOCAB, max_seq_len=64, **kw)
 
 
 def build(args, seed=0):
@@ -68,24 +68,31 @@ def qwen3_text(args):
     return dataclasses.replace(args, language_family="qwen3", text=qwen3_flavors["debugmodel"])
 
 
-@pytest.mark.parametrize("rows,language", [((0, 2), "llama3"), ((1, 2), "llama3"), ((1, 2), "qwen3")])
-def test_logits_and_state_dict_match_transformers(rows, language, tmp_path):
-    args = tiny() if language == "llama3" else qwen3_text(tiny())
+# what HF's tower holds that never reaches the logits: the last block here, the final norm, ViT's pooler
+UNUSED = {"debugmodel": ("vision_tower.layernorm", "vision_tower.pooler", "vision_tower.layers.2."),
+          "debug-siglip": ("vision_tower.post_layernorm", "vision_tower.encoder.layers.2.")}
+
+
+@pytest.mark.parametrize("rows,language,flavor", [((0, 2), "llama3", "debugmodel"), ((1, 2), "llama3", "debugmodel"),
+                                                  ((1, 2), "qwen3", "debugmodel"), ((0, 2), "llama3", "debug-siglip"),
+                                                  ((1, 2), "qwen3", "debug-siglip")])
+def test_logits_and_state_dict_match_transformers(rows, language, flavor, tmp_path):
+    args = tiny(flavor) if language == "llama3" else qwen3_text(tiny(flavor))
     ours = build(args)
     sd = ours.state_dict()
     theirs = hf_model(args, sd, tmp_path)
     assert type(theirs).__name__ == "LlavaForConditionalGeneration"
-    # counts: HF's minus what never reaches the logits (the tower's last block here, its final norm, the pooler)
-    unused = sum(p.numel() for n, p in theirs.named_parameters()
-                 if any(s in n for s in ("vision_tower.layernorm", "vision_tower.pooler",
-                                         f"vision_tower.layers.{args.vision_layers_used}.")))
+    tower = type(theirs.model.vision_tower).__name__
+    assert tower == ("ViTModel" if flavor == "debugmodel" else "SiglipVisionModel"), tower
+    # counts: HF's minus what never reaches the logits
+    unused = sum(p.numel() for n, p in theirs.named_parameters() if any(s in n for s in UNUSED[flavor]))
     assert sum(p.numel() for p in theirs.parameters()) - unused == SPEC.param_counts(args).total
     tokens, pixels = batch(args, rows)
     with torch.no_grad():
         got = ours(tokens, pixels=pixels)
         want = theirs(input_ids=tokens, pixel_values=pixels).logits
     err = (got - want).abs().max().item()
-    print(f"{language} rows {rows}: max |diff| {err:.2e} at logits up to {want.abs().max():.2f}")
+    print(f"{flavor} {language} rows {rows}: max |diff| {err:.2e} at logits up to {want.abs().max():.2f}")
     assert want.abs().max() > 1 and err <= 1e-4
     back = SPEC.hf.from_hf(theirs.state_dict(), args)  # transformers 5.x's own names
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
@@ -181,10 +188,44 @@ def test_debug_config_trains(freeze, tmp_path):
     try:
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         history = trainer.train()
+        val = trainer.last_validation  # [validation] at step 10: 64 held-out images
     finally:
         trainer.close()
     first, last = history[0]["loss"], history[-1]["loss"]
-    print(f"llava freeze={freeze}: loss {first:.3f} -> {last:.3f}, trainable {trainable}")
+    print(f"llava freeze={freeze}: loss {first:.3f} -> {last:.3f}, trainable {trainable}, validation {val}")
+    assert 0 <= val["caption_accuracy"] <= 1 and 0 <= val["caption_token_accuracy"] <= 1
+    if not freeze:  # "a", "at" and the end word are 3 of a caption's 7 targets: learnt within 10 steps
+        assert val["caption_token_accuracy"] > 3 / 7, val
     # frozen: only the projector (64*256 + 256 + 256*256 + 256) trains, into a random decoder: it still learns a little
     assert trainable == (82432 if freeze else 3376704)
     assert last < first - (2.0 if not freeze else 0.3), (first, last)
+
+
+def test_caption_accuracy_is_greedy_exact_match():
+    """eval_metrics' caption_accuracy on a tiny random model: rows whose targets are the model's own greedy captions
+    of their images (titanlike.infer.generate, 7 tokens) count as exact, a row with one target changed does not: 2 of
+    3 rows, 20 of 21 tokens, by hand."""
+    from titanlike.data.image_text import ShapesCaptions
+    from titanlike.infer import generate
+
+    args = tiny()
+    model = build(args)
+    objective = build_objective(SPEC.objective, args)
+    data = ShapesCaptions(args.pixels + 32, VOCAB, seed=0, split="valid")
+    per, n = args.image_tokens, 7
+    bytes_ = torch.stack([torch.from_numpy(data.draw(i)[0].astype("int64").reshape(-1)) for i in range(3)])
+    prompt = torch.full((3, per), args.image_token)
+    pixels = objective(torch.cat([bytes_, prompt], 1), torch.cat([bytes_, prompt], 1), StepContext(0, 0)).inputs
+    captions = generate(model, prompt.tolist(), max_new_tokens=n, pixels=pixels["pixels"])  # greedy, no EOS
+    text = torch.cat([prompt, torch.tensor(captions)], 1)
+    labels = torch.full_like(text, IGNORE_INDEX)
+    labels[:, per - 1:per - 1 + n] = torch.tensor(captions)  # the last placeholder predicts the first word
+    labels[2, per + 2] = (captions[2][3] + 1) % (VOCAB - 1)  # row 2: one word is not what greedy decoding says
+    full = torch.full((3, args.pixels), IGNORE_INDEX)
+    b = objective(torch.cat([bytes_, text], 1), torch.cat([full, labels], 1), StepContext(0, 0))
+    with torch.no_grad():
+        got = objective.eval_metrics(model(*b.args(), **b.kwargs()), b)
+    print(f"greedy captions {captions}")
+    assert len({tuple(c) for c in captions}) > 1  # the images matter
+    assert [int(x) for x in got["caption_accuracy"]] == [2, 3]
+    assert [int(x) for x in got["caption_token_accuracy"]] == [20, 21]

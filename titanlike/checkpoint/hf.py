@@ -278,6 +278,9 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
                        f"config.json has no bos/eos ids; give --tokenizer PATH")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=1)
+    if hasattr(spec.hf, "preprocessor_config"):  # an image family: how its pixels were normalised (HF processors)
+        with open(os.path.join(tmp, "preprocessor_config.json"), "w") as f:
+            json.dump(spec.hf.preprocessor_config(args), f, indent=1)
     if tok is not None:
         write_tokenizer(*tok, tmp)
     if os.path.exists(out_dir):

@@ -6,7 +6,9 @@ default, models/common/kv_cache.py), for any model of the registry.
 
 Prompts are left-padded into one batch: every row's next token then sits in the same cache slot, the mask hides the pad
 slots (a carried state skips them: Step.valid), and positions count from each row's first real token, so a row gives the
-tokens it gives alone. A prefill forward fills the cache, then each step feeds one token per row. The returned lists
+tokens it gives alone. A prefill forward fills the cache, then each step feeds one token per row. An image-text model
+(models/llava) takes `pixels` [N, C, H, W], its prompts' images in order: they enter the prefill only (their features
+replace the placeholders there and live on as the cache's K/V), as the decode steps feed text tokens. The returned lists
 hold only the new tokens, without the EOS token or the stop sequence that ended a row (as vLLM does; transformers keeps
 the EOS).
 """
@@ -121,12 +123,14 @@ class _Stops:
 def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              eos_id: int | list[int] | None = None, stop: list[list[int]] | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, compile: bool = False,
-             on_token: Callable[[int, int], None] | None = None, spec=None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None, spec=None,
+             pixels: torch.Tensor | None = None) -> list[list[int]]:
     """The new tokens of each prompt (see the module docstring). `eos_id` (one id or several) and `stop` (token
     sequences) end a row; `seed` makes sampling reproducible (a torch.Generator on the model's device);
     `compile` compiles the one-token decode step over static cache shapes; `on_token(row, token)` is called for each
     returned token as soon as it is final; `spec`: the model's ModelSpec (default: the registry's for its class),
-    whose `cache` is used. The model should be in eval mode."""
+    whose `cache` is used; `pixels`: the prompts' images for an image-text model's prefill (see the module
+    docstring; titanlike/infer/images.py reads files). The model should be in eval mode."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (give a BOS token for an empty prompt)")
@@ -147,9 +151,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
         generator = torch.Generator(device).manual_seed(seed)
     cache, step = _cache_and_step(model, spec or models.spec_of(model), rows, length, device, compile)
     stops = _Stops(rows, eos_id, stop, on_token)
+    images = {} if pixels is None else {"pixels": pixels.to(device, next(model.parameters()).dtype)}
     with cache.attached(model):
         cache.set_step(step_at(valid, 0, longest, longest))
-        logits = model(tokens, positions=positions[:, :longest])[:, -1]
+        logits = model(tokens, positions=positions[:, :longest], **images)[:, -1]
         for t in range(max_new_tokens):
             new = next_tokens(logits, temperature, top_k, top_p, generator)
             for row, token in enumerate(new.tolist()):
