@@ -75,10 +75,12 @@ def mtp_generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_to
                  eos_id: int | list[int] | None = None, stop: list[list[int]] | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  compile: bool = False, on_token: Callable[[int, int], None] | None = None, spec=None,
-                 draft_tokens: int | None = None) -> tuple[list[list[int]], SpeculativeStats]:
+                 draft_tokens: int | None = None, pixels=None) -> tuple[list[list[int]], SpeculativeStats]:
     """generate()'s arguments and greedy result (see titanlike/infer/generate.py), drafted by the model's MTP modules
     `draft_tokens` at a time (default: all of them); returns (new tokens per prompt, SpeculativeStats)."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if pixels is not None:  # the MTP families are text decoders: an image-text model has no MTP modules here
+        raise ValueError("--speculative mtp takes text prompts only: drop --image (or --speculative)")
     k_max = _refusals(model, temperature, compile, draft_tokens)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (give a BOS token for an empty prompt)")
