@@ -38,12 +38,13 @@ from titanlike.config.validate import check_mixed_precision
 from titanlike.optim.adamw import clip_with_norm_, param_groups
 
 
-def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool
-                         ) -> str:
+def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool,
+                         master_ok: bool = True) -> str:
     """What casts the weights to the compute dtype: "fsdp" (its MixedPrecisionPolicy; fp32 on CPU), "autocast",
     "master_weights" (this file) or "none" (fp32 throughout). training.mixed_precision_impl picks among the last
-    three on one device ("auto": master weights when the update compiles, else autocast); ValueError naming the
-    key when the choice cannot be honoured. fault_tolerant: fault_tolerance.enable (torchft's replica groups)."""
+    three on one device ("auto": master weights when the update compiles and the optimizer has a master-weight path,
+    `master_ok`; else autocast); ValueError naming the key when the choice cannot be honoured. fault_tolerant:
+    fault_tolerance.enable (torchft's replica groups)."""
     errors: list[str] = []
     check_mixed_precision(t, fault_tolerant, dims.world_size, errors)  # the config rule, for configs built in code
     if errors:
@@ -57,7 +58,8 @@ def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.
     if device.type != "cuda" or t.mixed_precision_param == "float32":
         return "none"
     compiled = compile_cfg.enable and "optimizer" in compile_cfg.components
-    if t.mixed_precision_impl == "auto" and compiled and t.mixed_precision_param in ("bfloat16", "float16"):
+    if (t.mixed_precision_impl == "auto" and compiled and master_ok
+            and t.mixed_precision_param in ("bfloat16", "float16")):
         return "master_weights"
     return "autocast"
 

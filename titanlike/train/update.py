@@ -47,7 +47,9 @@ class Updater:
         t, opt, comp, ckpt = sections.training, sections.optimizer, sections.compile, sections.checkpoint
         self.max_norm = t.max_norm
         # Who casts weights to the compute dtype: FSDP's policy, autocast, or bf16/fp16 weights + fp32 masters.
-        self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable)
+        # Muon has no master-weight path: "auto" then means autocast (an explicit master_weights is refused below)
+        self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable,
+                                              master_ok=opt.name != "Muon")
         if self.precision == "master_weights" and opt.name == "Muon":
             raise ValueError("optimizer.name=\"Muon\" has no master-weight path: set "
                              "training.mixed_precision_impl=\"autocast\" or leave \"optimizer\" out of "
