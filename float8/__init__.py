@@ -16,6 +16,8 @@ Float8 FSDP all-gather (tensorwise): FSDP2 all-gathers the float8 weight (half t
 `precompute_float8_dynamic_scale_for_fsdp` the scales of all weights come from one all-reduce after the optimizer
 step instead of one small all-reduce per layer inside the all-gather, and (`compile_fsdp_cast`) each weight's cast
 to float8 before its all-gather is one compiled kernel (float8/fsdp_cast.py).
+Routed experts (float8.moe_experts, with any recipe): the MoE's grouped GEMMs through torchao's float8 rowwise grouped
+GEMM on token groups padded to 16 rows (float8/experts.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import torch
 from torch import nn
 
+from float8.experts import convert_experts
 from float8.filter import build_filter, fqn_matches, tied_linears
 
 logger = logging.getLogger("titanlike")
@@ -55,6 +58,7 @@ class Float8Converter:
     enabled: bool = False
     recipe: str = ""
     converted: list[str] = dataclasses.field(default_factory=list)  # FQNs now Float8Linear
+    experts: list[str] = dataclasses.field(default_factory=list)  # routed-experts FQNs on the float8 grouped GEMM
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # Linear FQN -> why it stays high precision
     fsdp_float8_all_gather: bool = False
     precompute_scales: bool = False
@@ -82,6 +86,9 @@ def _check_device() -> None:
 def config_problems(cfg) -> list[str]:
     """What is wrong with the Float8 config section `cfg` (config validation reports these at load time)."""
     problems = []
+    if cfg.moe_experts and not cfg.enable:
+        problems.append("float8.moe_experts=true needs float8.enable=true (float8 is one switch; to leave the dense "
+                        "layers in bf16, list them in float8.filter_fqns)")
     # torchao casts FSDP all-gathers to float8 only with one scale per tensor.
     if cfg.enable_fsdp_float8_all_gather and cfg.recipe != "tensorwise":
         problems.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=\"tensorwise\" (got "
@@ -143,11 +150,14 @@ def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False, model_keep: tu
     stale = [p for p in cfg.filter_fqns if p and p != "output" and not any(fqn_matches(name, p) for name in before)]
     if stale:
         logger.warning(f"float8.filter_fqns entries {stale} match no Linear layer of the model (typo?)")
-    if not converted:
+    # After the Linear swap, which leaves the experts' 3-D weights alone.
+    experts = convert_experts(model) if cfg.moe_experts else []
+    if not converted and not experts:
         logger.warning("float8.enable=true but no Linear layer was converted (all filtered): float8 does nothing")
     all_gather = config.enable_fsdp_float8_all_gather
     result = Float8Converter(
-        enabled=True, recipe=cfg.recipe, converted=converted, skipped=skipped, fsdp_float8_all_gather=all_gather,
+        enabled=True, recipe=cfg.recipe, converted=converted, experts=experts, skipped=skipped,
+        fsdp_float8_all_gather=all_gather,
         precompute_scales=all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp)
     if result.precompute_scales and cfg.compile_fsdp_cast:
         from float8.fsdp_cast import enable_compiled_fsdp_cast
@@ -156,8 +166,8 @@ def convert(model: nn.Module, cfg, *, fsdp_enabled: bool = False, model_keep: tu
             logger.warning("float8.compile_fsdp_cast: this torchao has no fsdp_pre_all_gather hook; casts stay eager")
     kept = ", ".join(f"{k} ({v})" for k, v in list(skipped.items())[:4]) + (" ..." if len(skipped) > 4 else "")
     logger.info(f"float8 {cfg.recipe}: {len(converted)} Linear layers converted, {len(skipped)} kept in high "
-                f"precision{': ' + kept if kept else ''}; FSDP float8 all-gather {all_gather}, precomputed scales "
-                f"{result.precompute_scales}")
+                f"precision{': ' + kept if kept else ''}; {len(experts)} routed-experts modules on the float8 rowwise "
+                f"grouped GEMM; FSDP float8 all-gather {all_gather}, precomputed scales {result.precompute_scales}")
     return result
 
 
@@ -176,4 +186,4 @@ def tp_styles(converter: Float8Converter):
 
 
 __all__ = ["RECIPES", "Float8Converter", "build_filter", "build_linear_config", "config_problems", "convert",
-           "fqn_matches", "tied_linears", "tp_styles"]
+           "convert_experts", "fqn_matches", "tied_linears", "tp_styles"]

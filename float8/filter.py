@@ -14,7 +14,8 @@ Rules, in order (the first that applies decides; `explain` names it, for the con
   7. `filter_small` and too small to gain      -> keep (torchao's H100 thresholds per recipe: below them the
                                                   casts cost more than the faster GEMM saves)
   otherwise                                    -> convert
-Routed experts (models/common/moe.py GroupedExperts) hold 3-D weights, not nn.Linear: they stay in bf16.
+Routed experts (models/common/moe.py GroupedExperts) hold 3-D weights, not nn.Linear: this filter never sees them;
+float8.moe_experts puts their grouped GEMMs in float8 (float8/experts.py).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ and the balance losses live in models/common/router.py.
 One forward, for x [B, S, dim] (T = B*S tokens, k = top_k, N = T*k assignments):
   1. the router picks k experts per token (fp32), with weights;
   2. the N assignments are sorted by expert (a stable argsort: no host sync) and the tokens gathered in that order;
-  3. GroupedExperts runs each expert on its contiguous rows: torch._grouped_mm on CUDA capability >= 9.0 in bf16,
-     else a per-expert loop;
+  3. GroupedExperts runs each expert on its contiguous rows: torch._grouped_mm on CUDA capability >= 9.0 in bf16
+     (or a converter's grouped GEMM on groups padded to its alignment: float8.moe_experts), else a per-expert loop;
   4. the rows are put back in token order and summed with the routing weights; shared experts are added;
      with latent_dim > 0 (NemotronH's moe_latent_size) the tokens are projected to latent_dim before step 2 and the
      weighted sum back to dim after step 4 (router and shared experts read the full width);
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.ffn import FeedForward, ReLU2FeedForward
+from models.common.moe_align import pad_groups, unpad_groups
 from models.common.moe_args import EXPERT_ACTS, MoEArgs, moe_problems
 from models.common.router import (AuxLossGrad, Router, expert_counts, load_balance_loss, router_z_loss,
                                   routing_probs, seq_balance_loss)
@@ -88,9 +89,11 @@ def _adapter_input(x: torch.Tensor, w: LowRank) -> torch.Tensor:
     return F.dropout(x, w.dropout) if w.dropout > 0 else x
 
 
-def _grouped(x: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
-    """x [N, in] sorted by expert -> [N, out], each expert's rows through its weight (grouped GEMMs)."""
-    out = torch._grouped_mm(x, _base(w).transpose(-2, -1), offs=offs)
+def _grouped(x: torch.Tensor, w, offs: torch.Tensor, mm=None) -> torch.Tensor:
+    """x [N, in] sorted by expert -> [N, out], each expert's rows through its weight (grouped GEMMs). `mm(x, w_t,
+    offs)` replaces torch._grouped_mm for the base weight (GroupedExperts.grouped_mm); LoRA's adapters keep it."""
+    w_t = _base(w).transpose(-2, -1)  # [E, in, out], column-major per expert (the float8 GEMM requires it)
+    out = torch._grouped_mm(x, w_t, offs=offs) if mm is None else mm(x, w_t, offs)
     if isinstance(w, LowRank):
         low = torch._grouped_mm(_adapter_input(x, w), w.a.transpose(-2, -1), offs=offs)
         out = out + torch._grouped_mm(low, w.b.transpose(-2, -1), offs=offs) * w.scale
@@ -105,14 +108,14 @@ def _linear(x: torch.Tensor, w, i: int) -> torch.Tensor:
     return out
 
 
-def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert):
-    """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm; offsets are the cumulative row counts
-    (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients are unspecified.
-    w3 None: the squared-ReLU experts, w2(relu(w1 x)^2). Weights may be LowRank."""
+def swiglu_grouped_mm(x, w1, w2, w3, num_tokens_per_expert, mm=None):
+    """x [N, dim] sorted by expert -> [N, dim] with torch._grouped_mm (or `mm`, see _grouped); offsets are the
+    cumulative row counts (int32). Rows past sum(num_tokens_per_expert) are padding: their outputs and input gradients
+    are unspecified. w3 None: the squared-ReLU experts, w2(relu(w1 x)^2). Weights may be LowRank."""
     offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    h = _grouped(x, w1, offs)
-    h = F.relu(h).square() if w3 is None else F.silu(h) * _grouped(x, w3, offs)
-    return _grouped(h, w2, offs)
+    h = _grouped(x, w1, offs, mm)
+    h = F.relu(h).square() if w3 is None else F.silu(h) * _grouped(x, w3, offs, mm)
+    return _grouped(h, w2, offs, mm)
 
 
 def _expert_mlp(x, w1, w2, w3, i: int):
@@ -189,6 +192,13 @@ class GroupedExperts(nn.Module):
     # ParameterDicts {weight name: [E, r, in] / [E, out, r]}, and sets lora_scaling and lora_dropout; each adapted
     # weight then enters the expert functions as a LowRank. adapters_enabled is False inside lora.adapters_disabled.
     lora_scaling, lora_dropout, adapters_enabled = 1.0, 0.0, True
+    # Set per instance by a numeric-format converter (float8/experts.py, float8.moe_experts): `grouped_mm(x [M, in],
+    # w_t [E, in, out], offs int32) -> [M, out]` replaces torch._grouped_mm for the three base GEMMs, and every
+    # expert's rows are padded with zero rows to a multiple of `group_align` around them (models/common/moe_align.py:
+    # no host sync, static shapes). Attributes, not imports: models/ stays free of torchao. Only on the grouped-GEMM
+    # path (bf16, CUDA capability >= 9.0); the loop fallback ignores them.
+    grouped_mm: Callable | None = None
+    group_align: int = 1
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # Under autocast nothing casts for torch._grouped_mm, so cast here as autocast would for a Linear. Without
@@ -209,7 +219,10 @@ class GroupedExperts(nn.Module):
                 # Nothing routed here (possible under EP): the weight-gradient grouped GEMM would have a zero-length
                 # contraction, which it rejects; keep the weights in the graph (zero gradients) for the collectives.
                 return x.new_zeros(0, _base(w2).shape[1]) + 0 * sum(t.sum() for t in _tensors(w1, w2, w3))
-            return swiglu_grouped_mm(x.contiguous(), w1, w2, w3, num_tokens_per_expert)
+            if self.group_align > 1:
+                xp, counts, dest = pad_groups(x, num_tokens_per_expert, self.group_align)
+                return unpad_groups(swiglu_grouped_mm(xp, w1, w2, w3, counts, self.grouped_mm), dest)
+            return swiglu_grouped_mm(x.contiguous(), w1, w2, w3, num_tokens_per_expert, self.grouped_mm)
         return swiglu_expert_loop(x, w1, w2, w3, num_tokens_per_expert)
 
     def _weight(self, name: str, dtype: torch.dtype):

@@ -7,7 +7,19 @@ import itertools
 from models import DEFAULT_MODEL
 from titanlike.config.validate import CHOICES
 
-FLOAT8 = ("none", *CHOICES["float8.recipe"])
+# "RECIPE+experts": the recipe for the Linears plus float8 routed experts (float8.moe_experts, MoE models only)
+EXPERTS = "+experts"
+FLOAT8 = ("none", *CHOICES["float8.recipe"], *(r + EXPERTS for r in CHOICES["float8.recipe"]))
+
+
+def float8_recipe(value: str) -> str:
+    """The float8 axis value's recipe for the Linears ("none" stays "none")."""
+    return value.removesuffix(EXPERTS)
+
+
+def float8_experts(value: str) -> bool:
+    """Whether the float8 axis value also puts the routed experts in float8."""
+    return value.endswith(EXPERTS)
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 AC_MODES = CHOICES["activation_checkpoint.mode"]
 

@@ -13,7 +13,8 @@ called as `bash PATH FLAVOR [torchtitan flags]` with NPROC set; without --peer, 
 Every axis option takes a comma-separated list; the matrix is their product. A TOML matrix has an optional
 `[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
 [defaults] < command line < each [[case]].
-Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp),
+Axes: flavor, seq, batch, nproc, compile (on/off), float8 (none | tensorwise | rowwise | rowwise_with_gw_hp, each
+optionally with "+experts": float8.moe_experts, the MoE's routed experts on the float8 grouped GEMM too; no peer run),
 float8_all_gather (on/off: tensorwise under FSDP only, with precomputed scales), ac (none | full | selective |
 memory_budget), ac_option ("op" or N for selective; the budget in [0, 1] for memory_budget), layout (degrees as
 tp=2:pp=2; dp_shard fills the rest), loss_chunk (titanlike only: training.loss_chunk_tokens), config (titanlike
@@ -73,8 +74,8 @@ from bench_proc import environment, run, stop_runs  # the runs themselves: proce
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
 from bench_report import (compare_to_bf16, format_table, pack_fill, parse_ours, parse_peer,
                           summarize)
-from bench_matrix import (AXES, ENCODER_MODELS, encoder_flags, expand_matrix, label, on_off, parse_layout, peer_ac,
-                          vocab_of)
+from bench_matrix import (AXES, ENCODER_MODELS, encoder_flags, expand_matrix, float8_experts, float8_recipe, label,
+                          on_off, parse_layout, peer_ac, vocab_of)
 
 PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
@@ -115,7 +116,7 @@ def _fsdp_applies(case: dict) -> bool:
 
 
 def _fp8_all_gather(case: dict) -> bool:
-    return case["float8"] == "tensorwise" and case["float8_all_gather"] and _fsdp_applies(case)
+    return float8_recipe(case["float8"]) == "tensorwise" and case["float8_all_gather"] and _fsdp_applies(case)
 
 
 def _ac_option_flags(ac: str, option: str, prefix: str, sep: str, selective_key: str = "selective_option") -> list[str]:
@@ -172,7 +173,9 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
            "--job.run_name=" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label(case))]
     cmd += [f"--parallelism.{k}={v}" for k, v in parse_layout(case["layout"]).items()]
     if case["float8"] != "none":
-        cmd += ["--float8.enable=true", f"--float8.recipe={case['float8']}"]
+        cmd += ["--float8.enable=true", f"--float8.recipe={float8_recipe(case['float8'])}"]
+        if float8_experts(case["float8"]):
+            cmd.append("--float8.moe_experts=true")
         if _fp8_all_gather(case):
             cmd += ["--float8.enable_fsdp_float8_all_gather=true",
                     "--float8.precompute_float8_dynamic_scale_for_fsdp=true"]
@@ -188,6 +191,8 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
         return None
     if trl and (case["nproc"] > 1 or case["layout"] or case["float8"] != "none"):
         return None  # the TRL peer is one process in bf16
+    if float8_experts(case["float8"]):
+        return None  # torchtitan's grouped-GEMM float8 converter flags are not wired here: titanlike runs alone
     if not (hf or trl) and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
     ac, ac_option = peer_ac(case)

@@ -73,6 +73,11 @@ def test_command_lines_for_both_frameworks():
     assert "--parallelism.tp=2" in bench.titanlike_cmd(rowwise, OPTS)
     peer = " ".join(bench.peer_cmd(rowwise, OPTS))
     assert "--quantize.linear.float8.recipe_name rowwise" in peer and "--parallelism.tensor_parallel_degree 2" in peer
+    # "+experts": float8.moe_experts on top of the recipe (the MoE's routed experts); no peer flags for it
+    (experts,) = bench.expand_matrix({"model": "qwen3", "flavor": "30B-A3B_4L", "float8": "tensorwise+experts"})
+    assert {"--float8.enable=true", "--float8.recipe=tensorwise",
+            "--float8.moe_experts=true"} <= set(bench.titanlike_cmd(experts, OPTS))
+    assert bench.peer_cmd(experts, OPTS) is None
     (chunked,) = bench.expand_matrix({"loss_chunk": "4096"})  # titanlike's own lever: the peer runs the plain shape
     assert bench.peer_cmd(chunked, OPTS) == bench.peer_cmd(bench.expand_matrix({})[0], OPTS)
     (long,) = bench.expand_matrix({"seq": "32768", "ac": "selective", "ac_option": "op", "peer_ac": "full"})

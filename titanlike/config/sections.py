@@ -191,6 +191,11 @@ class Float8:
     # torchao's three eager ones (same bytes; float8/fsdp_cast.py). It compiles even with compile.enable=false: set
     # it false too for a fully eager run.
     compile_fsdp_cast: bool = True
+    # also the MoE's routed experts: their three grouped GEMMs through torchao's float8 rowwise grouped GEMM (dynamic
+    # per-row scales, forward and backward; token groups padded to 16 rows), whatever the recipe above; the router
+    # stays high precision, shared experts follow the Linear rules. Needs enable, routed experts with widths that are
+    # multiples of 16, and CUDA capability >= 9.0 (float8/experts.py)
+    moe_experts: bool = False
 
 
 @dataclass

@@ -24,6 +24,7 @@ from titanlike.config.validate_cp import check_cp, check_cp_model
 from titanlike.config.validate_data import advise_data, check_data
 from titanlike.config.validate_dpo import check_dpo
 from titanlike.config.validate_eval import check_eval
+from titanlike.config.validate_float8 import check_float8_experts, check_float8_experts_model
 from titanlike.config.validate_lora import check_lora, check_lora_model, lora_advice
 from titanlike.config.validate_pp import PP_SCHEDULES, check_pipeline, check_pipeline_model
 
@@ -188,6 +189,7 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
 def _check_features(cfg: JobConfig, errors: list[str]) -> None:
     f8, par, ft = cfg.float8, cfg.parallelism, cfg.fault_tolerance
     errors.extend(float8_config_problems(f8))
+    check_float8_experts(cfg, errors)  # float8.moe_experts: the device; the model's experts in _check_model
     prof = cfg.profiling
     if prof.enable_profiling and prof.profile_warmup + prof.profile_active > prof.profile_freq:
         errors.append(f"profiling.profile_warmup + profile_active = {prof.profile_warmup} + {prof.profile_active} "
@@ -402,6 +404,7 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     if not errors:  # (the family's TP rule on heads first)
         check_cp_model(spec, args, cfg.parallelism, errors)
     check_lora_model(cfg, spec, args, errors)  # [lora] targets and rank against the flavor's model, on meta
+    check_float8_experts_model(cfg, spec, args, errors)  # float8.moe_experts: routed experts, widths by 16
 
 
 def validate_model(spec, model_args: Any, par: Parallelism, flavor: str) -> None:
