@@ -37,6 +37,9 @@ MTP_INPUT = "mtp_labels"  # the Batch input carrying the loader's labels to the 
 # The Batch input carrying the whole input ids (the embedding input t+k): under context parallel the shift by k
 # reads tokens and labels of the next CP chunk, so both stay whole on every CP rank (not in Batch.sequence).
 MTP_TOKENS = "mtp_tokens"
+# parallelize/pp_split.py's SPLIT_BACKWARD_SCHEDULES (models/ imports nothing of parallelize/): refused with MTP, whose
+# side branch torch's split input/weight backward fails on ("Trying to backward through the graph a second time")
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def shifted_targets(labels: torch.Tensor, k: int, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -179,6 +182,12 @@ def mtp_problems(args: Any, par: Any, seq_len: int | None = None) -> list[str]:
     if d >= seq:
         out.append(f"model.args.mtp_num_layers={d} leaves no target in sequences of {seq} tokens; use a depth "
                    f"below training.seq_len")
+    schedule = getattr(par, "pp_schedule", None)  # (the config's Parallelism; ParallelDims has no schedule)
+    if getattr(par, "pp", 1) > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(f"model.args.mtp_num_layers={d} with parallelism.pp_schedule={schedule!r}: zero-bubble schedules "
+                   f"split the last stage's backward into input and weight passes, which the MTP losses' gradient "
+                   f"(attached to the stage's hidden state) does not survive; use 1F1B, Interleaved1F1B, GPipe or "
+                   f"LoopedBFS, or mtp_num_layers=0")
     if args.mtp_loss_weight < 0:
         out.append(f"model.args.mtp_loss_weight={args.mtp_loss_weight} is negative; use a weight >= 0 (0.1: "
                    f"Megatron's --mtp-loss-scaling-factor default)")

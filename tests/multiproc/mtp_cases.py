@@ -63,10 +63,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def mtp_case(name: str, family: str, dims_kw: dict, world: int, schedule: str | None = None, n_layers: int = 2,
-             sp: bool = True, lp: bool = True) -> str:
+def mtp_case(name: str, family: str, dims_kw: dict, world: int, schedule: str | None = None, sp: bool = True,
+             lp: bool = True) -> str:
     """One case; returns its "CHECK" detail (asserts on failure). schedule: PP 2 with that schedule, else no PP."""
     pp = 2 if schedule else 1
+    n_layers = 4 if schedule and schedule != "1F1B" else 2  # a block per stage: two stages per rank but in 1F1B
     dims = ParallelDims(pp=pp, **dims_kw, world_size=world)
     dims.build_mesh("cpu")
     cfg = JobConfig()
