@@ -25,6 +25,7 @@ from parallelize.compile import apply_compile
 from parallelize.cp import maybe_cp
 from parallelize.ep import maybe_ep
 from parallelize.fsdp import maybe_fsdp
+from parallelize.mtp import vocab_parallel_mtp
 from parallelize.sections import PlanSections
 from parallelize.tp import apply_tp, maybe_enable_async_tp
 
@@ -77,6 +78,7 @@ def _maybe_tp(recipe: Recipe, model: nn.Module, dims, par: Parallelism, compile_
     tp_mesh = dims.get_mesh("tp")
     apply_tp(model, tp_mesh, recipe.tp_plan(model, sequence_parallel=par.enable_sequence_parallel,
                                             loss_parallel=par.enable_loss_parallel, ep_enabled=dims.ep > 1))
+    vocab_parallel_mtp(model)  # multi-token prediction's losses on the vocabulary-parallel head (parallelize/mtp.py)
     if recipe.after_tp is not None:
         recipe.after_tp(model)
     maybe_enable_async_tp(tp_mesh, par.enable_async_tp,

@@ -20,6 +20,8 @@ Tensor parallel, per block (S = sequence, seq = Shard(1) with sequence parallel,
 The latent projections' gradients come out whole on each rank (their outputs' gradients are summed where heads
 split: in wq_b's / wkv_b's input backward and in k_rope_share), so every parameter is a DTensor on the TP mesh and
 none needs a reduction of its own.
+Multi-token prediction's blocks (mtp.<k>.block) take the same entries as the decoder's; its norms and eh_proj
+follow parallelize/mtp.py.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from models.deepseek_v3 import SPEC
 from parallelize.compose import Recipe, compose_plans
+from parallelize.mtp import BLOCKS, has_mtp, mtp_tp_plan
 # The MoE-under-TP styles Qwen3's plan defined first (routed experts and router replicated over TP).
 from parallelize.qwen3 import ReplicateParams, ReplicateRouter
 from parallelize.tp import ReplicateParallel, SyncOutputColwiseParallel, SyncOutputRowwiseParallel
@@ -51,37 +54,49 @@ class SumGradOverTP(ParallelStyle):
         return (x, *rest)
 
 
+def _block_groups(model: nn.Module) -> dict[str, dict[str, nn.Module]]:
+    """This model's (or stage's) blocks by group: "layers.*" -> {"layers.<k>": block}, and with multi-token
+    prediction "mtp.*.block" -> {"mtp.<k>.block": block} (an MTP block is a decoder block: parallelize/mtp.py)."""
+    groups = {"layers.*": {f"layers.{k}": b for k, b in model.layers.items() if b is not None}}
+    if has_mtp(model):
+        groups[BLOCKS] = {f"mtp.{k}.block": m.block for k, m in model.mtp.items()}
+    return groups
+
+
 def _block_keys(model: nn.Module, moe: bool) -> list[str]:
-    """Plan keys for this model's (or stage's) dense or MoE blocks: "layers.*" when all blocks are of that kind,
-    else one key per block (a "*" key warns on every block it does not resolve in)."""
-    blocks = {k: b for k, b in model.layers.items() if b is not None}
-    keys = [k for k, b in blocks.items() if b.moe_enabled == moe]
-    return ["layers.*"] if keys and len(keys) == len(blocks) else [f"layers.{k}" for k in keys]
+    """Plan keys for this model's (or stage's) dense or MoE blocks: a group's "*" key when all its blocks are of that
+    kind, else one key per block (a "*" key warns on every block it does not resolve in)."""
+    keys = []
+    for star, blocks in _block_groups(model).items():
+        kind = [k for k, b in blocks.items() if b.moe_enabled == moe]
+        keys += [star] if kind and len(kind) == len(blocks) else kind
+    return keys
 
 
 def deepseek_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = True,
                      ep_enabled: bool = False) -> dict[str, ParallelStyle]:
     """Module path -> DTensor style (module docstring). ep_enabled: the routed experts are left to parallelize/ep.py."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
-    attn = "layers.*.attention"
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": SyncOutputRowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "layers.*.attention_norm": SequenceParallel(),
-        attn: PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
     }
-    if model.args.q_lora_rank == 0:
-        plan[f"{attn}.wq"] = ColwiseParallel()
-    else:
-        plan.update({f"{attn}.wq_a": ReplicateParallel(), f"{attn}.q_norm": ReplicateParallel(),
-                     f"{attn}.wq_b": ColwiseParallel()})
-    plan.update({
-        f"{attn}.wkv_a": ReplicateParallel(),
-        f"{attn}.kv_norm": ReplicateParallel(),
-        f"{attn}.wkv_b": ColwiseParallel(),
-        f"{attn}.k_rope_share": SumGradOverTP(),
-        f"{attn}.wo": RowwiseParallel(output_layouts=seq),
-        "layers.*.ffn_norm": SequenceParallel(),
-    })
+    for star in _block_groups(model):  # every block's attention alike (the decoder's and the MTP modules')
+        attn = f"{star}.attention"
+        plan[f"{star}.attention_norm"] = SequenceParallel()
+        plan[attn] = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
+        if model.args.q_lora_rank == 0:
+            plan[f"{attn}.wq"] = ColwiseParallel()
+        else:
+            plan.update({f"{attn}.wq_a": ReplicateParallel(), f"{attn}.q_norm": ReplicateParallel(),
+                         f"{attn}.wq_b": ColwiseParallel()})
+        plan.update({
+            f"{attn}.wkv_a": ReplicateParallel(),
+            f"{attn}.kv_norm": ReplicateParallel(),
+            f"{attn}.wkv_b": ColwiseParallel(),
+            f"{attn}.k_rope_share": SumGradOverTP(),
+            f"{attn}.wo": RowwiseParallel(output_layouts=seq),
+            f"{star}.ffn_norm": SequenceParallel(),
+        })
     for key in _block_keys(model, moe=False):
         plan[f"{key}.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         plan[f"{key}.feed_forward.w1"] = ColwiseParallel()
@@ -100,6 +115,7 @@ def deepseek_tp_plan(model: nn.Module, *, sequence_parallel: bool = True, loss_p
             plan[f"{key}.moe.shared_experts.w1"] = ColwiseParallel()
             plan[f"{key}.moe.shared_experts.w3"] = ColwiseParallel()
             plan[f"{key}.moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+    plan |= mtp_tp_plan(model, seq)  # multi-token prediction's norms and eh_proj
     plan["norm"] = SequenceParallel()
     # Loss parallel keeps the logits vocabulary-sharded (a DTensor, so loss_parallel() sees the sharding).
     plan["output"] = SyncOutputColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else

@@ -53,7 +53,7 @@ def stage_module(model: nn.Module, module_names: list[str], top_level: tuple[str
     for key in list(part.layers.keys()):
         if key not in keep:
             del part.layers[key]
-    for name in top_level:
+    for name in (*top_level, *getattr(model, "last_stage_modules", {})):
         if name not in module_names and getattr(part, name, None) is not None:
             setattr(part, name, None)
     return part
@@ -80,15 +80,21 @@ class Pipeline:
 
 def model_layout(model: nn.Module, spec, args, par, seq_len: int) -> list[list[str]]:
     """Module FQNs of every stage of meta `model` (a `spec` family model built from `args`)."""
-    known = {"layers", *spec.input_modules, *spec.output_modules}
+    tail = getattr(model, "last_stage_modules", {})  # e.g. MTP, and the embedding it reads (models/common/decoder.py)
+    known = {"layers", *spec.input_modules, *spec.output_modules, *tail}
     unknown = [name for name, _ in model.named_children() if name not in known]
     if unknown:
         raise ValueError(f"pipeline split: top-level modules {unknown} of {type(model).__name__} have no stage; "
                          f"add them to the ModelSpec's input_modules or output_modules ({spec.name})")
     present = [m for m in (*spec.input_modules, *spec.output_modules) if getattr(model, m, None) is not None]
-    return stage_layout(list(model.layers.keys()), par, spec.pp_costs(args, seq_len),
-                        [m for m in spec.input_modules if m in present],
-                        [m for m in spec.output_modules if m in present])
+    layout = stage_layout(list(model.layers.keys()), par, spec.pp_costs(args, seq_len),
+                          [m for m in spec.input_modules if m in present],
+                          [m for m in spec.output_modules if m in present])
+    # The last stage also runs the model's last_stage_modules and holds copies of what they read from another stage
+    # (the same FQNs: parallelize/tied.py pairs a module listed on two stages and sums its gradients).
+    for name, reads in tail.items():
+        layout[-1] += [m for m in (name, *reads) if m not in layout[-1]]
+    return layout
 
 
 def build_pipeline(model: nn.Module, spec, args, dims, sections: PlanSections, device: torch.device,

@@ -14,6 +14,11 @@ the copy as its own parameter, under its own FQN:
 - checkpoints: the source's stage saves the source's FQN, the copy's stage the copy's, equal values: the keys of
   the one-module model, whose state dict lists both FQNs for the one tensor. Either layout loads the other's.
 Two stages of one rank (V schedules: rank 0 holds the first and last stage) sum their gradients locally.
+
+A top-level module listed on two stages of the layout (a model's `last_stage_modules` reads: multi-token prediction
+embeds the next tokens on the last stage, parallelize/pp.py:model_layout) is the same tie with source FQN = copy FQN:
+each of its parameters is a pair, the first stage's the source. Both stages save it under that one FQN with equal
+values, so checkpoints are those of the one-module model.
 """
 from __future__ import annotations
 
@@ -48,6 +53,11 @@ def tied_pairs(model: nn.Module, layout: list[list[str]]) -> list[TiedPair]:
         a, b = stage_of(source, layout), stage_of(copy, layout)
         if a != b:
             pairs.append(TiedPair(source, copy, a, b))
+    top = [name for names in layout for name in names if not name.startswith("layers.")]
+    for name in dict.fromkeys(top):  # a module held by several stages: each copy tied to the first stage's
+        held = [sid for sid, names in enumerate(layout) if name in names]
+        for other in held[1:]:
+            pairs += [TiedPair(fqn, fqn, held[0], other) for fqn, _ in getattr(model, name).named_parameters(name)]
     return pairs
 
 

@@ -86,6 +86,11 @@ class Decoder(nn.Module):
         # Multi-token prediction (models/common/mtp.py), for families whose args have mtp_num_layers > 0: built from
         # the family's own block. Absent (no attribute value, no FQNs) when off, so such models are unchanged.
         self.mtp = MTP(args, block) if getattr(args, "mtp_num_layers", 0) > 0 else None
+        # Pipeline stages (parallelize/pp.py): top-level modules that run on the output head's stage, beside
+        # ModelSpec.output_modules, with the other top-level modules they read there. MTP embeds the next tokens, so
+        # the last stage holds a copy of tok_embeddings (same FQN), whose gradient parallelize/tied.py sums with the
+        # first stage's, as Megatron does for its MTP layers' embedding.
+        self.last_stage_modules: dict[str, tuple[str, ...]] = {"mtp": ("tok_embeddings",)} if self.mtp else {}
         # Non-persistent: derived from args, so checkpoints do not carry it and any seq_len can load them.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
         # models.common.masks.CPShard (rank, degree, method) when context parallel holds this rank's share of every
@@ -128,14 +133,16 @@ class Decoder(nn.Module):
         attention then stays within documents. positions [B, S_full]: RoPE positions (restarting per document). Under
         context parallel, tokens are this rank's chunks of sequences of S_full = S * cp tokens.
 
-        Pipeline stages: without tok_embeddings the input is hidden states [B, S, dim]; without output the return
-        value is hidden states.
+        Pipeline stages: a floating-point input is hidden states [B, S, dim] (a later stage's; the last stage holds
+        tok_embeddings too when MTP reads it there, so its presence does not say "first stage"), token ids are
+        embedded; without output the return value is hidden states.
 
         mtp_labels, mtp_tokens [B, S_full]: the loader's labels and input ids of the whole sequences (not cut by CP),
         from which the MTP modules (if any) take their targets and embedding inputs (mtp_tokens defaults to
         `tokens`); their losses join the gradient, not the output (models/common/mtp.py)."""
         rope, mask = self._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embed else tokens
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.norm is not None:

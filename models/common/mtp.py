@@ -37,6 +37,9 @@ MTP_INPUT = "mtp_labels"  # the Batch input carrying the loader's labels to the 
 # The Batch input carrying the whole input ids (the embedding input t+k): under context parallel the shift by k
 # reads tokens and labels of the next CP chunk, so both stay whole on every CP rank (not in Batch.sequence).
 MTP_TOKENS = "mtp_tokens"
+# parallelize/pp_split.py's SPLIT_BACKWARD_SCHEDULES (models/ imports nothing of parallelize/): refused with MTP, whose
+# side branch torch's split input/weight backward fails on ("Trying to backward through the graph a second time")
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def shifted_targets(labels: torch.Tensor, k: int, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -113,6 +116,9 @@ class MTP(nn.ModuleDict):
                           for k in range(args.mtp_num_layers)})
         self.weight = args.mtp_loss_weight / args.mtp_num_layers  # lambda / D
         self.grad_scale = 1.0  # set by the trainer: this micro-batch's weight (1 / micro-batches per step)
+        # (head, h, targets) -> summed loss as a plain tensor. Tensor parallel's loss parallel replaces it
+        # (parallelize/mtp.py): there the head's logits are vocabulary-sharded and the loss comes back a DTensor.
+        self.head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = head_loss
         # Detached per-depth means summed over the forwards since the trainer last read them (metrics only).
         self.loss_sums: torch.Tensor | None = None
         self.passes = 0
@@ -144,7 +150,7 @@ class MTP(nn.ModuleDict):
             if index is not None:
                 shifted, targets = shifted[:, index], targets[:, index]
             prev = layer(prev, embed(shifted), rope, mask)
-            losses.append(head_loss(head, prev, targets) * scale / count)
+            losses.append(self.head_loss(head, prev, targets) * scale / count)
         losses = torch.stack(losses)
         done = losses.detach().float()
         self.loss_sums = done if self.loss_sums is None else self.loss_sums + done
@@ -176,17 +182,15 @@ def mtp_problems(args: Any, par: Any, seq_len: int | None = None) -> list[str]:
     if d >= seq:
         out.append(f"model.args.mtp_num_layers={d} leaves no target in sequences of {seq} tokens; use a depth "
                    f"below training.seq_len")
+    schedule = getattr(par, "pp_schedule", None)  # (the config's Parallelism; ParallelDims has no schedule)
+    if getattr(par, "pp", 1) > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(f"model.args.mtp_num_layers={d} with parallelism.pp_schedule={schedule!r}: zero-bubble schedules "
+                   f"split the last stage's backward into input and weight passes, which the MTP losses' gradient "
+                   f"(attached to the stage's hidden state) does not survive; use 1F1B, Interleaved1F1B, GPipe or "
+                   f"LoopedBFS, or mtp_num_layers=0")
     if args.mtp_loss_weight < 0:
         out.append(f"model.args.mtp_loss_weight={args.mtp_loss_weight} is negative; use a weight >= 0 (0.1: "
                    f"Megatron's --mtp-loss-scaling-factor default)")
-    # Not built (docs/mtp.md says why): PP would need the last stage to hold a tied embedding copy and the input ids;
-    # TP would need plans for the MTP modules and a loss-parallel head inside the forward.
-    why = {"pp": "the MTP modules are not placed on the last stage", "tp": "the MTP modules have no TP plan"}
-    for name in ("pp", "tp"):
-        if getattr(par, name, 1) > 1:
-            out.append(f"model.args.mtp_num_layers={d} with parallelism.{name}={getattr(par, name)}: multi-token "
-                       f"prediction is not built for {name.upper()} yet ({why[name]}); set parallelism.{name}=1 "
-                       f"(CP and FSDP work) or mtp_num_layers=0")
     return out
 
 

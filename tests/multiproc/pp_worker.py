@@ -6,7 +6,9 @@ plans and spec.pp_costs split: nemotron_h's debug model (pattern "M*M-": Mamba-2
 (Gated DeltaNet + full attention, MoE with the balance loss off, since under PP it is per micro-batch); and the
 trainer's logged MoE metrics under PP 2 (qwen3_next, balance losses on) against one process running the same
 micro-batches: the aux loss and loads of every stage's layers, on every pp rank.
-4 processes: PP 2 x FSDP 2 (1F1B and Interleaved1F1B) and PP 2 x TP 2. Each case trains 3 AdamW steps through
+4 processes: PP 2 x FSDP 2 (1F1B and Interleaved1F1B) and PP 2 x TP 2. Multi-token prediction (mtp_cases.py: MTP on
+the last stage with a tied embedding copy): Llama and DeepSeek-V3 under 1F1B and Interleaved1F1B (2 processes), Llama
+PP 2 x FSDP 2 and PP 2 x TP 2, DeepSeek-V3 PP 2 x FSDP 2 (4 processes). Each case trains 3 AdamW steps through
 titanlike.train.pipeline.PipelineRunner (the trainer's own PP path: schedule, last-stage loss normalised by the global
 token count, grad-norm clipping over all stages) and compares the loss, the grad norm and, after the steps, every
 parameter and a validation forward (schedule.eval) with the reference. Rank 0 prints "CHECK <name> ok ..." per case
@@ -27,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from models.batch import Batch
+from mtp_cases import mtp_case
 from par_helpers import exit_without_teardown, SEQ, VOCAB, global_batch, tiny_args
 from parallelize import PlanSections, get_plan
 from titanlike.config.sections import JobConfig
@@ -254,9 +257,16 @@ def main() -> None:
         pp_case("nemotron_h_1F1B", family="nemotron_h", schedule="1F1B")
         pp_case("qwen3_next_1F1B", family="qwen3_next", schedule="1F1B")
         moe_metrics_case("qwen3_next_moe_metrics")
+        # multi-token prediction on the last stage with a tied embedding copy (mtp_cases.py)
+        for family, schedule in (("llama3", "1F1B"), ("llama3", "Interleaved1F1B"), ("deepseek_v3", "1F1B"),
+                                 ("deepseek_v3", "Interleaved1F1B")):
+            report(f"{family}_mtp_{schedule}", mtp_case(f"{family}_mtp_{schedule}", family, {}, world, schedule))
     if world == 4:
         pp_case("pp2_fsdp2_1F1B", dims_kw={"dp_shard": 2}, schedule="1F1B")
         pp_case("pp2_fsdp2_Interleaved1F1B", dims_kw={"dp_shard": 2}, schedule="Interleaved1F1B")
+        for family, kw in (("llama3", {"dp_shard": 2}), ("llama3", {"tp": 2}), ("deepseek_v3", {"dp_shard": 2})):
+            case = f"{family}_mtp_pp2_{'fsdp2' if 'dp_shard' in kw else 'tp2'}_1F1B"
+            report(case, mtp_case(case, family, kw, world, "1F1B"))
         if tp_available():
             pp_case("pp2_tp2_1F1B", dims_kw={"tp": 2, "dp_shard": 1}, schedule="1F1B")
         elif rank == 0:

@@ -21,8 +21,10 @@ EXPECTED = {
     2: ["GPipe", "1F1B_sac_accum2", "1F1B_uneven_5_layers", "1F1B_split_points", "Interleaved1F1B",
         "Interleaved1F1B_split_points_uneven", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble_ac_full",
         "DualPipeV", "nemotron_h_1F1B", "qwen3_next_1F1B",
-        "qwen3_next_moe_metrics"],
-    4: ["pp2_fsdp2_1F1B", "pp2_fsdp2_Interleaved1F1B", "pp2_tp2_1F1B"],
+        "qwen3_next_moe_metrics", "llama3_mtp_1F1B", "llama3_mtp_Interleaved1F1B", "deepseek_v3_mtp_1F1B",
+        "deepseek_v3_mtp_Interleaved1F1B"],
+    4: ["pp2_fsdp2_1F1B", "pp2_fsdp2_Interleaved1F1B", "pp2_tp2_1F1B", "llama3_mtp_pp2_fsdp2_1F1B",
+        "llama3_mtp_pp2_tp2_1F1B", "deepseek_v3_mtp_pp2_fsdp2_1F1B"],
     8: ["pp2_fsdp2_tp2_1F1B"],
 }
 

@@ -17,8 +17,9 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 EXPECTED = {
     2: ["tp2", "tp2_sp", "tp2_lp", "tp2_sp_lp_sac", "nemotron_h_tp2", "nemotron_h_tp2_sp_lp_docs", "mamba2_tp2_sp",
-        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs"],
-    4: ["fsdp2_tp2_sp_lp", "mixed_mesh_grad_norm", "nemotron_h_moe_fsdp4_ep2_muon"],
+        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs", "llama3_mtp_tp2", "llama3_mtp_tp2_sp_lp",
+        "deepseek_v3_mtp_tp2_sp_lp"],
+    4: ["fsdp2_tp2_sp_lp", "mixed_mesh_grad_norm", "llama3_mtp_fsdp2_tp2_sp_lp", "nemotron_h_moe_fsdp4_ep2_muon"],
     8: ["hsdp2x2_tp2_sp_lp"],
 }
 # Four processes on two cores are dear: these repeat paths that the cases above cover (TP without SP: tp2; AdamW on

@@ -213,12 +213,13 @@ def _load(*extra: str):
 def test_bad_inputs_are_refused_in_one_line():
     from titanlike.config.load import ConfigError
 
-    ok = _load("--model.args={mtp_num_layers = 1}", "--parallelism.cp=2", "--parallelism.dp_shard=1")  # CP is built
-    assert ok.parallelism.cp == 2
+    for axis in ("cp", "pp", "tp"):  # built for each (tests/multiproc: cp_worker.py, pp_worker.py, tp_worker.py)
+        ok = _load("--model.args={mtp_num_layers = 1}", f"--parallelism.{axis}=2", "--parallelism.dp_shard=1")
+        assert getattr(ok.parallelism, axis) == 2
     cases = [
         (["--model.args={mtp_num_layers = 8}", "--training.seq_len=8"], "leaves no target in sequences of 8"),
-        (["--model.args={mtp_num_layers = 1}", "--parallelism.pp=2"], "not built for PP yet"),
-        (["--model.args={mtp_num_layers = 1}", "--parallelism.tp=2"], "not built for TP yet"),
+        (["--model.args={mtp_num_layers = 1}", "--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble"],
+         "zero-bubble schedules split the last stage's backward"),
         (["--model.name=gpt", "--model.flavor=debugmodel", "--model.args={mtp_num_layers = 1}"],
          "model.args.mtp_num_layers is not a field of gpt's args: multi-token prediction needs a decoder whose "
          "embedding and output head"),
@@ -295,3 +296,11 @@ def test_megatron_mtp_keys_round_trip(tmp_path):
     assert megatron_format._rule("mtp.layers.0.eh_proj.weight", megatron.TP_SPLIT, "x") == "col"
     fc1 = "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"
     assert megatron_format._rule(fc1, megatron.TP_SPLIT, "x") == "glu"
+
+
+def test_split_backward_schedules_refused_with_mtp_are_the_pipelines():
+    # models/ cannot import parallelize/: the two lists are kept equal here
+    from models.common.mtp import SPLIT_BACKWARD_SCHEDULES
+    from parallelize.pp_split import SPLIT_BACKWARD_SCHEDULES as PIPELINE_SPLIT
+
+    assert SPLIT_BACKWARD_SCHEDULES == PIPELINE_SPLIT

@@ -198,7 +198,10 @@ def trace_step(built, cfg, dims, device: torch.device, gpu: bool, pp_rank: int |
 
     def stage(part):
         """(input in place of the batch's primary one or None, whether the part computes the loss)"""
-        first = getattr(part, built.spec.input_modules[0], None) is not None
+        # The first stage holds the input modules, and is not a last stage holding a copy of one for the modules
+        # that read it there (MTP's embedding: the model's last_stage_modules, parallelize/pp.py)
+        first = getattr(part, built.spec.input_modules[0], None) is not None and not (
+            dims.pp > 1 and any(getattr(part, m, None) is not None for m in getattr(part, "last_stage_modules", {})))
         last = getattr(part, built.spec.output_modules[-1], None) is not None
         return (None if first else _hidden(built, traced.args()[0], cfg, dims, gpu)), last
 

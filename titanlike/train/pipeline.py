@@ -12,7 +12,9 @@ stage to every rank, on log steps only.
 
 Tied parameters (the model's `tied_parameters`, e.g. an output projection tied to the embedding) split over two
 stages: each stage holds its copy; after the schedule's backward the two gradients are summed over the ranks holding
-them, and the grad norm counts the copy's stage out (parallelize/tied.py, Megatron's embedding group).
+them, and the grad norm counts the copy's stage out (parallelize/tied.py, Megatron's embedding group). Multi-token
+prediction is such a tie: its modules run on the last stage, which holds a copy of the token embedding
+(parallelize/pp.py:model_layout), and read the input ids and labels as keyword inputs, which reach every stage.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from models.batch import Batch
 from models.common.moe import MoE
+from models.common.mtp import MTP
 from parallelize.pp import Pipeline, build_pipeline
 from parallelize.sections import PlanSections
 from parallelize.tied import TiedParameters, tied_pairs
@@ -204,15 +207,19 @@ def _forget_metadata_pass(part: nn.Module) -> None:
     """Torch's pipeline stages (those with _forward_metadata_inference) run one extra forward of each stage module
     at the first schedule step, to learn the shapes they send, on the real first batch or on empty tensors. MoE
     layers count their routed tokens in every training forward (the expert-bias balancing reads the counts), so
-    that pass would add tokens that were never trained on: zero the counters right after it."""
+    that pass would add tokens that were never trained on: zero the counters right after it. The MTP modules' logged
+    losses (models/common/mtp.py) likewise: that pass's are dropped."""
     layers = [m for m in part.modules() if isinstance(m, MoE)]
-    if not layers:
+    mtps = [m for m in part.modules() if isinstance(m, MTP)]
+    if not layers and not mtps:
         return
 
     def after_first_forward(module, inputs, output):
         for m in layers:
             m.tokens_per_expert.zero_()
             m.dropped_assignments.zero_()
+        for m in mtps:
+            m.take_losses()
         handle.remove()
 
     handle = part.register_forward_hook(after_first_forward)
