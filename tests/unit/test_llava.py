@@ -119,11 +119,26 @@ def test_objective_splits_images_and_ignores_placeholders():
     bytes_ = torch.randint(0, 256, (3, 2 * args.pixels))
     rows = torch.cat([bytes_, tokens], 1)
     b = build_objective(SPEC.objective, args)(rows[:, :-1], rows[:, 1:], StepContext(0, 0))
-    assert b.inputs["tokens"].shape == (3, 59) and b.inputs["pixels"].shape[0] == 3
     v = args.vision
+    assert b.inputs["tokens"].shape == b.inputs["image_pos"].shape == (3, 59)
+    assert b.inputs["pixels"].shape == (3, 2, v.channels, v.image_size, v.image_size)  # every slot, per row
+    assert b.sequence == ("tokens", "labels", "image_pos")  # context parallel cuts image_pos with the tokens
     first = bytes_[1, :args.pixels].reshape(v.channels, v.image_size, v.image_size).float() / 127.5 - 1
-    assert torch.equal(b.inputs["pixels"][0], first)
+    assert torch.equal(b.inputs["pixels"][1, 0], first)
     assert not (b.labels == args.image_token).any() and (b.labels == IGNORE_INDEX).sum() == 3 * 16
+    pos = b.inputs["image_pos"]
+    assert (pos >= 0).sum(1).tolist() == [0, 32, 16] and pos[1][pos[1] >= 0].tolist() == list(range(32))
+    # The slots' splice (by index, every slot through the tower) equals HF's in-order one on the used images.
+    model = build(args)
+    used = b.inputs["pixels"][torch.tensor([[False, False], [True, True], [True, False]])]
+    with torch.no_grad():
+        want = model(b.inputs["tokens"], pixels=used)
+        assert torch.allclose(model(**b.inputs), want, atol=1e-6, rtol=0)
+    bad = rows.clone()
+    bad[0, 2 * args.pixels + 3] = args.image_token  # one stray placeholder
+    with pytest.raises(ValueError, match=r"a row holds 1 image placeholders; each image needs exactly 16") as e:
+        build_objective(SPEC.objective, args)(bad[:, :-1], bad[:, 1:], StepContext(0, 0))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("freeze", [["vision", "language"], ["vision"]])
