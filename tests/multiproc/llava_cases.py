@@ -1,6 +1,6 @@
 """LLaVA under TP (+ SP, loss parallel), CP, PP and FSDP x TP against one process (gloo, fp32): the loss and the
 grad norm of every step, every parameter's gradient after the first step and every parameter after STEPS AdamW steps,
-all within TOL. Called from tp_worker.py's launches (2 ranks: TP 2, CP 2, PP 2; 4 ranks: FSDP 2 x TP 2), so no launch
+all within TOL (the grad norm relative to its size). Called from tp_worker.py's launches (2 ranks: TP 2, CP 2, PP 2; 4 ranks: FSDP 2 x TP 2), so no launch
 of its own.
 
 The model: the debug ViT tower (3 blocks, 2 used: 16 patches + the class token = 17 tokens, odd, which the tower's
@@ -148,7 +148,9 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
             dist.all_reduce(loss, group=loss_mesh.get_group())
         diff = abs(loss.item() - ref_loss.item())
         assert diff <= TOL, f"{name} step {step}: loss {loss.item()} vs the reference's {ref_loss.item()}"
-        assert abs(norm.item() - ref_norm.item()) <= TOL, f"{name} step {step}: grad norm {norm} vs {ref_norm}"
+        # the norm relative to its size (~6 here: fp32 sums over every gradient, in another order per layout)
+        assert abs(norm.item() - ref_norm.item()) <= TOL * max(1.0, ref_norm.item()), \
+            f"{name} step {step}: grad norm {norm} vs {ref_norm}"
         worst_loss = max(worst_loss, diff)
     worst_param = 0.0
     for part in parts:
