@@ -1,7 +1,7 @@
 """LLaVA under TP (+ SP, loss parallel), CP, PP and FSDP x TP against one process (gloo, fp32): the loss and the
 grad norm of every step, every parameter's gradient after the first step and every parameter after STEPS AdamW steps,
-all within TOL (the grad norm relative to its size). Called from tp_worker.py's launches (2 ranks: TP 2, CP 2, PP 2; 4 ranks: FSDP 2 x TP 2), so no launch
-of its own.
+all within TOL (the grad norm relative to its size). Called from tp_worker.py's launches (2 ranks: TP 2, CP 2,
+PP 2; 4 ranks: FSDP 2 x TP 2), so no launch of its own.
 
 The model: the debug ViT tower (3 blocks, 2 used: 16 patches + the class token = 17 tokens, odd, which the tower's
 TP without sequence parallel takes whole) and a tiny Llama or Qwen3; rows of 0, 1 and 2 images (two image slots a

@@ -3,8 +3,9 @@
 The estimate runs the trainer's own objective and BatchLayout on them, so a family whose data is not plain token
 rows must get its loader's layout here (docs/contracts.md "Data"), or the traced step would take another objective
 path (BERT's plain masked-LM instead of MLM + sentence order; T5's drawn spans, whose decoder length is not
-data.decoder_seq_length; LLaVA's image slots and placeholder runs). The values only have to be valid ids: memory depends on the shapes, and on how many
-targets there are where the loss is per target (the masked share is the data's).
+data.decoder_seq_length; LLaVA's image slots and placeholder runs). The values only have to be valid ids: memory
+depends on the shapes, and on how many targets there are where the loss is per target (the masked share is the
+data's).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from titanlike.train.loss import IGNORE_INDEX
 def loader_batch(data, batch: int, seq: int, vocab: int, g: torch.Generator,
                  model_args=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) as the data.dataset's loader yields them for `batch` rows of `seq` tokens. `model_args`:
-    the run's; an image-text family's (images_per_row, pixels, image_tokens, image_token: models/llava) gets its rows."""
+    the run's; an image-text family's (images_per_row, pixels, image_tokens, image_token: models/llava) gets its
+    own rows."""
     dataset = getattr(data, "dataset", "")
     if all(hasattr(model_args, k) for k in ("images_per_row", "pixels", "image_tokens", "image_token")):
         return _image_text_rows(model_args, batch, seq, g)
