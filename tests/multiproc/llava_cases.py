@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -91,6 +92,9 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
         parts = runner.model_parts
     else:
         parts = [plan(meta, dims, PlanSections.of(cfg))]
+    for part in parts:  # FSDP: each tower block its own group (the dotted fsdp_groups names of parallelize/llava.py)
+        if dims.fsdp_enabled and part.vision is not None:
+            assert all(isinstance(b, FSDPModule) for b in part.vision.layers.values()), f"{name}: tower blocks"
     ref_sd = ref.state_dict()
     for part in parts:
         part.to_empty(device="cpu")
