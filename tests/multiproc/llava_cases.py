@@ -111,7 +111,7 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
     loss_mesh = dims.get_mesh("dp_cp")
     cp = dims.get_mesh("cp")
     loss_ctx = loss_parallel if dims.tp_enabled and lp else contextlib.nullcontext
-    worst_loss = worst_grad = 0.0
+    worst_loss = worst_grad = grad_scale = 0.0
     for step in range(STEPS):
         batch = objective(*loader_rows(args, step), StepContext(step, 0))
         count = batch.target_count()
@@ -140,7 +140,7 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
                 for n, p in part.named_parameters():
                     d = (_full(p.grad) - ref_grads[n]).abs().max().item()
                     assert d <= TOL, f"{name}: the gradient of {n} differs from the reference by {d}"
-                    worst_grad = max(worst_grad, d)
+                    worst_grad, grad_scale = max(worst_grad, d), max(grad_scale, ref_grads[n].abs().max().item())
         norm = runner.clip_grad_norm_(MAX_NORM) if runner is not None else clip_grad_norm_(params, MAX_NORM)
         for o in opts:
             o.step()
@@ -164,7 +164,8 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
             worst_param = max(worst_param, d)
     dist.barrier()
     stages = f" stages={runner.pipeline.layout}" if runner is not None else ""
-    report(name, f"loss_diff={worst_loss:.1e} grad_diff={worst_grad:.1e} param_diff={worst_param:.1e}{stages}")
+    report(name, f"loss_diff={worst_loss:.1e} grad_diff={worst_grad:.1e} (largest gradient "
+                 f"{grad_scale:.1e}) param_diff={worst_param:.1e}{stages}")
 
 
 def run(world: int, report, full: bool = False) -> None:
