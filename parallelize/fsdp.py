@@ -62,9 +62,10 @@ def apply_fsdp(
 
     # Embeddings in their own group: with a large vocabulary they are big, and in the root group they
     # would stay unsharded for the whole step.
-    for name in input_modules:
-        if getattr(model, name, None) is not None:  # None: a pipeline stage without it
-            fully_shard(getattr(model, name), **config, reshard_after_forward=reshard)
+    for name in input_modules:  # a dotted name is a submodule's own group ("vision.layers.0" before "vision")
+        module = _submodule(model, name)
+        if module is not None:  # None: a pipeline stage without it
+            fully_shard(module, **config, reshard_after_forward=reshard)
 
     blocks = [b for b in model.layers.values() if b is not None]
     for i, block in enumerate(blocks):
@@ -81,6 +82,14 @@ def apply_fsdp(
 
     # Root: anything not covered above. FSDP2 never reshards the root after forward.
     fully_shard(model, **config, reshard_after_forward=reshard)
+    return model
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        model = getattr(model, name, None)
+        if model is None:
+            return None
     return model
 
 

@@ -14,20 +14,32 @@ from models.spec import ModelSpec
 INPUT_MODULES = ("tok_embeddings", "vision", "projector")
 
 
+class _TowerView:
+    """The parallelism the vision tower sees: TP without sequence parallel (parallelize/llava.py says why), no PP or
+    CP (it runs whole, on the first pipeline stage and on every CP rank)."""
+
+    OWN = {"pp": 1, "cp": 1, "enable_sequence_parallel": False}
+
+    def __init__(self, par):
+        self.par = par
+
+    def __getattr__(self, name: str):
+        return self.OWN[name] if name in self.OWN else getattr(self.par, name)
+
+
 def check(args: ModelArgs, par, flavor: str) -> list[str]:
     problems = []
     v = args.vision
     if v.image_size % v.patch_size and v.class_token:  # SigLIP so400m: 384 / 14, HF's valid conv drops the rest
         problems.append(f"model.args.vision.image_size={v.image_size} is not a multiple of patch_size="
                         f"{v.patch_size} (flavor {flavor!r}): set it to a multiple of {v.patch_size}")
-    for name, why in (("tp", "no llava TP plan yet (the tower's and the decoder's plans are not joined)"),
-                      ("pp", "the pipeline split is not done for llava (the tower feeds the first stage)"),
-                      ("cp", "the image splice needs the whole sequence"), ("ep", "llava has no routed experts")):
-        if getattr(par, name, 1) > 1:
-            problems.append(f"parallelism.{name}={getattr(par, name)}: {why}; set parallelism.{name}=1")
+    if getattr(par, "ep", 1) > 1:
+        problems.append(f"parallelism.ep={par.ep}: llava has no routed experts; set parallelism.ep=1")
+    # the tower's TP limits (heads, MLP width, each naming parallelism.tp); its image-size line is the one above
+    tower = [f"vision tower: {p}" for p in families.vision(args.vision_family).check(v, _TowerView(par), flavor)
+             if p.startswith("parallelism.")]
     lang = families.language(args.language_family)
-    return problems + [p for p in lang.check(args.text_args, par, flavor) if p not in problems
-                       and not any(p.startswith(f"parallelism.{n}=") for n in ("tp", "pp", "cp", "ep"))]
+    return problems + [p for p in tower + lang.check(args.text_args, par, flavor) if p not in problems]
 
 
 SPEC = ModelSpec(

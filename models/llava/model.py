@@ -73,11 +73,9 @@ class Llava(nn.Module):
                 p.requires_grad_(False)
 
     def part_parameters(self, part: str) -> list[nn.Parameter]:
-        if part == "vision":
-            return list(self.vision.parameters())
-        if part == "projector":
-            return list(self.projector.parameters())
-        return [p for m in (self.tok_embeddings, self.layers, self.norm, self.output) for p in m.parameters()]
+        mods = {"vision": (self.vision,), "projector": (self.projector,)}.get(
+            part, (self.tok_embeddings, self.layers, self.norm, self.output))
+        return [p for m in mods if m is not None for p in m.parameters()]
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -85,10 +83,14 @@ class Llava(nn.Module):
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         # the decoder's init, on our modules (they are the same objects); its RoPE table built on `device`
         lm.rope_cache = self.rope_cache
+        # a pipeline stage sets the modules it does not hold to None on us only: the decoder must skip them too
+        lm.tok_embeddings, lm.norm, lm.output = self.tok_embeddings, self.norm, self.output
         lm.init_weights(device)
         self.rope_cache = lm.rope_cache
-        self.vision.init_weights()
-        self.projector.init_weights(getattr(self.args.vision, "init_std", 0.02))
+        if self.vision is not None:  # (the first pipeline stage's, with the projector)
+            self.vision.init_weights()
+        if self.projector is not None:
+            self.projector.init_weights(getattr(self.args.vision, "init_std", 0.02))
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, H, W] -> [N, image_tokens, dim]: HF LlavaModel.get_image_features (one feature layer)."""
@@ -98,23 +100,58 @@ class Llava(nn.Module):
             h = h[:, 1:]
         return self.projector(h)
 
-    def forward(self, tokens: torch.Tensor, pixels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, pixels: torch.Tensor | None = None,
+                image_pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] with image_token runs; pixels [N, C, H, W]: the batch's images in order (row by row, left to
-        right), normalised as the tower's processor does -> logits [B, S, V]."""
-        h = self.tok_embeddings(tokens)
-        if pixels is not None:
-            is_image = tokens == self.args.image_token
-            per = self.args.image_tokens
-            n = int(is_image.sum())  # one host sync per step: the counts must agree before any work is wasted
-            if n != pixels.shape[0] * per:
-                raise ValueError(image_mismatch(n, pixels.shape[0], per))
-            # The tower runs even on no images: every rank then takes part in its FSDP collectives each step.
-            feats = self.image_features(pixels).to(h.dtype)
-            h = h.masked_scatter(is_image.unsqueeze(-1), feats) if n else h + 0 * feats.sum()
+        """tokens [B, S] with image_token runs -> logits [B, S, V]. pixels, normalised as the tower's processor does:
+        [N, C, H, W], the batch's images in order (row by row, left to right: HF's layout), or [B, K, C, H, W], K image
+        slots per row (the objective's: row b's k-th placeholder run is slot [b, k], unused slots ignored), with
+        image_pos [B, S] (image_positions below; computed from the tokens when not given). Slots keep every input
+        per row, so a pipeline's micro-batches and context parallel's sequence cut (image_pos is cut with the
+        tokens) need no image bookkeeping: models/llava/objective.py gives them.
+
+        Pipeline stages: without tok_embeddings the input is hidden states (the first stage did the splice);
+        without output the return value is hidden states."""
+        if self.tok_embeddings is None:
+            h = tokens
+        else:
+            h = self.tok_embeddings(tokens)
+            if pixels is not None and pixels.dim() == 5:
+                h = self._splice_slots(tokens, h, pixels, image_pos)
+            elif pixels is not None:
+                h = self._splice_in_order(tokens, h, pixels)
         lm = self._lm[0]
         lm.cp_shard, lm.mask_kernel, lm.rope_cache = self.cp_shard, self.mask_kernel, self.rope_cache
-        rope, mask = lm._attention_inputs(tokens.shape[1], doc_ids, positions, tokens.device)
+        rope, mask = lm._attention_inputs(h.shape[1], doc_ids, positions, h.device)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def _splice_in_order(self, tokens: torch.Tensor, h: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        is_image = tokens == self.args.image_token
+        per = self.args.image_tokens
+        n = int(is_image.sum())  # one host sync per step: the counts must agree before any work is wasted
+        if n != pixels.shape[0] * per:
+            raise ValueError(image_mismatch(n, pixels.shape[0], per))
+        # The tower runs even on no images: every rank then takes part in its FSDP collectives each step.
+        feats = self.image_features(pixels).to(h.dtype)
+        return h.masked_scatter(is_image.unsqueeze(-1), feats) if n else h + 0 * feats.sum()
+
+    def _splice_slots(self, tokens: torch.Tensor, h: torch.Tensor, pixels: torch.Tensor,
+                      image_pos: torch.Tensor | None) -> torch.Tensor:
+        # Every slot goes through the tower (unused ones too: no host sync to select them; their features reach no
+        # output, so they add nothing to any gradient), then each placeholder takes its row's feature by index.
+        b, k = pixels.shape[:2]
+        feats = self.image_features(pixels.flatten(0, 1)).to(h.dtype).reshape(b, k * self.args.image_tokens, -1)
+        pos = image_positions(tokens, self.args.image_token) if image_pos is None else image_pos
+        picked = feats.gather(1, pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+        return torch.where((pos >= 0).unsqueeze(-1), picked, h)
+
+
+def image_positions(tokens: torch.Tensor, image_token: int) -> torch.Tensor:
+    """[B, S]: a placeholder's index among its row's placeholders (= slot k * image_tokens + patch j, the slots'
+    features flattened), -1 for text."""
+    is_image = tokens == image_token
+    return torch.where(is_image, is_image.long().cumsum(1) - 1, -1)

@@ -1,7 +1,9 @@
 """The LLaVA objective: a loader row = images_per_row image slots of pixel bytes (C*H*W values each, channel-major,
 0..255, as the ViT rows of titanlike/data/images.py), then the token sequence with one run of image_tokens
 placeholders per image. The k-th run of a row is its k-th slot's image; unused slots are ignored (a row may hold 0
-to images_per_row images). The pixels are normalised as HF's ViTImageProcessor does ((x/255 - 0.5) / 0.5).
+to images_per_row images). The Batch keeps every slot ([B, K, C, H, W]: rows stay rows for a pipeline's
+micro-batches) and each placeholder's feature index (image_pos, cut with the tokens by context parallel). The
+pixels are normalised as HF's ViTImageProcessor does ((x/255 - 0.5) / 0.5).
 
 Targets: the loader's next-token labels of the token part (already IGNORE_INDEX where an SFT loader masks prompts:
 loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets.
@@ -23,6 +25,7 @@ import torch
 
 from models.batch import IGNORE_INDEX, Batch, StepContext
 from models.llava.args import ModelArgs
+from models.llava.model import image_positions
 
 LLAVA_DATASETS = ("shapes_captions", "webdataset")
 
@@ -42,12 +45,19 @@ class ImageText:
         v = a.vision
         slots = input_ids[:, :head].reshape(input_ids.shape[0], a.images_per_row, v.channels, v.image_size,
                                             v.image_size)
-        # images per row from its placeholders (a wrong count is the model's one-line error, naming both counts)
-        used = ((tokens == a.image_token).sum(1) + a.image_tokens - 1) // a.image_tokens
-        take = torch.arange(a.images_per_row, device=tokens.device)[None, :] < used.clamp(max=a.images_per_row)[:, None]
-        pixels = slots[take].to(torch.float32) / 127.5 - 1.0
+        counts = (tokens == a.image_token).sum(1)
+        bad = (counts % a.image_tokens != 0) | (counts > a.images_per_row * a.image_tokens)
+        if bool(bad.any()):  # one host sync per batch: a wrong row is refused before any work is wasted
+            n = int(counts[bad][0])
+            raise ValueError(f"llava: a row holds {n} image placeholders; each image needs exactly {a.image_tokens} "
+                             f"and a row has at most model.args.images_per_row={a.images_per_row} images: fix the "
+                             f"data or raise model.args.images_per_row")
         labels = labels.masked_fill(labels == a.image_token, IGNORE_INDEX)
-        return Batch(inputs={"tokens": tokens, "pixels": pixels}, labels=labels)
+        # Every slot, per row (the model ignores unused ones), and each placeholder's feature index: both follow the
+        # rows through a pipeline's micro-batches, and image_pos is cut with the tokens under context parallel.
+        inputs = {"tokens": tokens, "pixels": slots.to(torch.float32) / 127.5 - 1.0,
+                  "image_pos": image_positions(tokens, a.image_token)}
+        return Batch(inputs=inputs, labels=labels, sequence=("tokens", "labels", "image_pos"))
 
     @staticmethod
     def eval_metrics(output: torch.Tensor, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -119,11 +119,26 @@ def test_objective_splits_images_and_ignores_placeholders():
     bytes_ = torch.randint(0, 256, (3, 2 * args.pixels))
     rows = torch.cat([bytes_, tokens], 1)
     b = build_objective(SPEC.objective, args)(rows[:, :-1], rows[:, 1:], StepContext(0, 0))
-    assert b.inputs["tokens"].shape == (3, 59) and b.inputs["pixels"].shape[0] == 3
     v = args.vision
+    assert b.inputs["tokens"].shape == b.inputs["image_pos"].shape == (3, 59)
+    assert b.inputs["pixels"].shape == (3, 2, v.channels, v.image_size, v.image_size)  # every slot, per row
+    assert b.sequence == ("tokens", "labels", "image_pos")  # context parallel cuts image_pos with the tokens
     first = bytes_[1, :args.pixels].reshape(v.channels, v.image_size, v.image_size).float() / 127.5 - 1
-    assert torch.equal(b.inputs["pixels"][0], first)
+    assert torch.equal(b.inputs["pixels"][1, 0], first)
     assert not (b.labels == args.image_token).any() and (b.labels == IGNORE_INDEX).sum() == 3 * 16
+    pos = b.inputs["image_pos"]
+    assert (pos >= 0).sum(1).tolist() == [0, 32, 16] and pos[1][pos[1] >= 0].tolist() == list(range(32))
+    # The slots' splice (by index, every slot through the tower) equals HF's in-order one on the used images.
+    model = build(args)
+    used = b.inputs["pixels"][torch.tensor([[False, False], [True, True], [True, False]])]
+    with torch.no_grad():
+        want = model(b.inputs["tokens"], pixels=used)
+        assert torch.allclose(model(**b.inputs), want, atol=1e-6, rtol=0)
+    bad = rows.clone()
+    bad[0, 2 * args.pixels + 3] = args.image_token  # one stray placeholder
+    with pytest.raises(ValueError, match=r"a row holds 1 image placeholders; each image needs exactly 16") as e:
+        build_objective(SPEC.objective, args)(bad[:, :-1], bad[:, 1:], StepContext(0, 0))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("freeze", [["vision", "language"], ["vision"]])
@@ -229,3 +244,28 @@ def test_caption_accuracy_is_greedy_exact_match():
     assert len({tuple(c) for c in captions}) > 1  # the images matter
     assert [int(x) for x in got["caption_accuracy"]] == [2, 3]
     assert [int(x) for x in got["caption_token_accuracy"]] == [20, 21]
+
+
+def test_parallel_checks_name_the_key():
+    """TP, PP and CP pass the check (parallelize/llava.py runs them); the tower's and the decoder's TP limits and EP
+    are one line each naming the key."""
+    args = SPEC.flavors["debugmodel"]
+    for kw in ({"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_shard": 2, "tp": 2}):
+        dims = ParallelDims(**kw, world_size=int(torch.tensor(list(kw.values())).prod()))
+        assert SPEC.check(args, dims, "debugmodel") == [], kw
+    bad = SPEC.check(args, ParallelDims(tp=3, world_size=3), "debugmodel")
+    assert bad and all(p.count("parallelism.tp") and "\n" not in p for p in bad), bad
+    assert any(p.startswith("vision tower: parallelism.tp=3") for p in bad), bad
+    ep = SPEC.check(args, type("Par", (), {"tp": 1, "pp": 1, "cp": 1, "ep": 2})(), "debugmodel")
+    assert ep[0] == "parallelism.ep=2: llava has no routed experts; set parallelism.ep=1", ep
+
+
+def test_memory_estimate_rows_fill_every_slot():
+    """The planner traces the objective on llava's loader layout: every slot used, no stray placeholder."""
+    from titanlike.planner.loader_batch import loader_batch
+
+    args = tiny(images_per_row=2)
+    seq = 2 * args.pixels + 48
+    inputs, labels = loader_batch(None, 3, seq, args.vocab_size, torch.Generator().manual_seed(0), args)
+    b = build_objective(SPEC.objective, args)(inputs, labels, StepContext(0, 0))
+    assert (b.inputs["image_pos"] >= 0).sum(1).tolist() == [32] * 3 and b.inputs["pixels"].shape[:2] == (3, 2)

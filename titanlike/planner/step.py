@@ -142,7 +142,7 @@ def _inputs(built, cfg, dims, batch: int, seq: int) -> Batch:
 
     with unset_fake_temporarily():
         g = torch.Generator().manual_seed(0)
-        inputs, labels = loader_batch(cfg.data, batch, seq, built.model_args.vocab_size, g)
+        inputs, labels = loader_batch(cfg.data, batch, seq, built.model_args.vocab_size, g, built.model_args)
         made = built.objective(inputs, labels, StepContext(step=1, seed=cfg.training.seed))
         return built.batch_layout(made, inputs)
 
