@@ -2,6 +2,7 @@
 
     python scripts/make_shape_shards.py /tmp/titanlike_shapes_wds              # 256 train + 64 valid samples
     python scripts/train.py --config configs/llava_wds_debug.toml
+    python scripts/make_shape_shards.py /tmp/jpeg224 --jpeg-side 224 --samples 2048   # JPEG, for speed runs
 
 Shards are shapes-train-000000.tar ... and shapes-valid-000000.tar ...; titanlike/data/webdataset_write.py says what
 each sample holds.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from titanlike.data.webdataset_write import write_shapes_shards
+from titanlike.data.webdataset_write import write_jpeg_shards, write_shapes_shards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,9 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=256, help="training samples (validation: a quarter)")
     p.add_argument("--per-shard", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jpeg-side", type=int, default=0, help="N > 0: the classification shapes at NxN as JPEG "
+                   "(shapesN-*.tar: .jpg, .cls, .txt), whose decode costs what a real corpus's does")
     a = p.parse_args(argv)
     for split, n in (("train", a.samples), ("valid", max(1, a.samples // 4))):
-        paths = write_shapes_shards(a.folder, n, a.per_shard, a.seed, split)
+        paths = (write_jpeg_shards(a.folder, a.jpeg_side, n, a.per_shard, a.seed, split) if a.jpeg_side > 0 else
+                 write_shapes_shards(a.folder, n, a.per_shard, a.seed, split))
         print(f"{split}: {n} samples in {len(paths)} shard(s): {paths[0]} ...")
     return 0
 

@@ -1,7 +1,9 @@
 """LLaVA parameter counts, FLOPs and pipeline costs: the language model's (per token, its family's formulas) plus the
 images' (tower + projector, matmuls only, as models/vit/counts.py) spread over the loader row: a row of seq_len
-values carries images_per_row images (objective.py), so FLOPs per loader value = text per token + images / seq_len.
-The image share is what full slots cost; rows with fewer images cost less."""
+values carries images_per_row image slots (objective.py) and T = seq_len - slots' pixels tokens, so FLOPs per loader
+value = (T x the decoder's per token at length T + images) / seq_len. The image share is what full slots cost; rows
+with fewer images cost less. (Before 2026-11-26 the decoder's attention term was taken at seq_len, pixels included:
+an overcount that grows with the image size.)"""
 from __future__ import annotations
 
 import torch
@@ -41,14 +43,28 @@ def flops_per_image(args: ModelArgs) -> int:
     return args.vision_layers_used * block + conv + proj
 
 
+def text_len(args: ModelArgs, seq_len: int) -> int:
+    """The decoder's tokens in a loader row of seq_len values: what follows the image slots. A row too short to hold
+    the slots (the model contract's short token rows) counts as all text."""
+    head = args.images_per_row * args.pixels
+    return seq_len - head if seq_len > head else seq_len
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    return _spec(args).flops_per_token(args.text_args, seq_len) + args.images_per_row * flops_per_image(args) / seq_len
+    """Per loader value. The decoder's attention grows with its own length (the text), not with the row's pixel
+    slots: its per-token figure is taken at text_len and spread over the row, as the images' are."""
+    t = text_len(args, seq_len)
+    text = _spec(args).flops_per_token(args.text_args, t)
+    return (text * t / seq_len if t != seq_len else text) + args.images_per_row * flops_per_image(args) / seq_len
 
 
 def pp_costs(args: ModelArgs, seq_len: int) -> PipelineCosts:
-    c = _spec(args).pp_costs(args.text_args, seq_len)
-    return PipelineCosts(layers=c.layers, embedding=c.embedding + args.images_per_row * flops_per_image(args) / seq_len,
-                         output=c.output)
+    t = text_len(args, seq_len)
+    c = _spec(args).pp_costs(args.text_args, t)
+    share = t / seq_len if t != seq_len else 1  # (1: integers stay integers where nothing is spread)
+    return PipelineCosts(layers={k: v * share for k, v in c.layers.items()},
+                         embedding=c.embedding * share + args.images_per_row * flops_per_image(args) / seq_len,
+                         output=c.output * share)
 
 
 def shape(args: ModelArgs) -> ModelShape:

@@ -27,7 +27,7 @@ from models.batch import IGNORE_INDEX, Batch, StepContext
 from models.llava.args import ModelArgs
 from models.llava.model import image_positions
 
-LLAVA_DATASETS = ("shapes_captions", "webdataset")
+LLAVA_DATASETS = ("shapes_captions", "webdataset", "mock_image_text")  # mock_image_text: throughput rows
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,18 @@ class ImageText:
                     f"of {list(LLAVA_DATASETS)}")
         if data.dataset == "webdataset":  # tar shards (titanlike/data/webdataset.py): their rows need the geometry
             return self._shards_problem(data)
+        if data.dataset == "mock_image_text":
+            return self._mock_problem(data)
+        return None
+
+    def _mock_problem(self, data: Any) -> str | None:
+        a = self.args
+        want = (a.vision.image_size, a.image_tokens, a.images_per_row)
+        if (data.image_size, data.image_tokens, data.images_per_row) != want:
+            return (f"data.image_size={data.image_size}, data.image_tokens={data.image_tokens}, data.images_per_row="
+                    f"{data.images_per_row}: the model takes {a.images_per_row} slot(s) of {want[0]}x{want[0]} images "
+                    f"as {want[1]} tokens; set data.image_size={want[0]}, data.image_tokens={want[1]} and "
+                    f"data.images_per_row={want[2]}")
         return None
 
     def _shards_problem(self, data: Any) -> str | None:

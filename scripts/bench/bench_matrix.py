@@ -38,7 +38,8 @@ def on_off(v) -> bool:
 AXES = {"model": (str, DEFAULT_MODEL), "flavor": (str, "1B"), "seq": (int, 4096), "batch": (int, 2), "nproc": (int, 1),
         "compile": (on_off, False), "float8": (str, "none"), "float8_all_gather": (on_off, True), "ac": (str, "none"),
         "ac_option": (str, "2"), "layout": (str, ""), "loss_chunk": (int, 0), "config": (str, ""),
-        "peer_ac": (str, ""), "post": (str, ""), "dec_seq": (int, 0)}
+        "peer_ac": (str, ""), "post": (str, ""), "dec_seq": (int, 0), "images": (int, 1)}
+# images: llava's images per row (model.args.images_per_row; scripts/bench/bench_vision.py)
 # dec_seq: t5's decoder tokens per row (0: what its span objective makes from seq, padded to a multiple of 8)
 ENCODER_MODELS = ("bert", "t5")  # their peer is peer_hf.py: BertForPreTraining / T5ForConditionalGeneration
 POST = ("", "sft", "lora", "dpo")  # post: "" pretraining; else the post-training case (scripts/bench/peer_trl.py)
@@ -79,6 +80,9 @@ def _check_case(case: dict) -> dict:
         raise ValueError(f"post={case['post']!r}: choose one of {POST[1:]} (or \"\" for pretraining)")
     if case["dec_seq"] and case["model"] != "t5":
         raise ValueError(f"dec_seq={case['dec_seq']} is t5's decoder length; model={case['model']!r} has no decoder")
+    from bench_vision import check_case as check_vision
+
+    check_vision(case)
     if case["peer_ac"] and case["peer_ac"].partition(":")[0] not in AC_MODES:
         raise ValueError(f"peer_ac={case['peer_ac']!r}: MODE or MODE:OPTION with MODE in {AC_MODES} "
                          f"(\"\": the same as ac)")
@@ -124,7 +128,9 @@ def expand_matrix(cli_axes: dict[str, str | None], toml_text: str | None = None)
 
 def label(case: dict) -> str:
     parts = [*([case["post"]] if case["post"] else []), *([case["model"]] if case["model"] != DEFAULT_MODEL else []),
-             case["flavor"], f"s{case['seq']}", *([f"d{case['dec_seq']}"] if case["dec_seq"] else []),
+             case["flavor"], *([f"s{case['seq']}"] if case["model"] != "vit" else []),  # (vit: one image a row)
+             *([f"d{case['dec_seq']}"] if case["dec_seq"] else []),
+             *([f"i{case['images']}"] if case["model"] == "llava" else []),
              f"b{case['batch']}", f"n{case['nproc']}",
              "compile" if case["compile"] else "eager", "bf16" if case["float8"] == "none" else f"fp8-{case['float8']}"]
     if case["ac"] != "none":
@@ -153,7 +159,10 @@ def encoder_flags(case: dict, data: str) -> list[str]:
 
 
 def vocab_of(case: dict, opts) -> int:
-    """--vocab, or without it the flavor's own vocabulary for BERT and T5 (30522, 32128) and 128256 for the rest."""
+    """--vocab, or without it the flavor's own vocabulary for BERT and T5 (30522, 32128), 256 for vit (pixel byte
+    values: mock draws its images below it) and 128256 for the rest."""
+    if case["model"] == "vit":
+        return 256
     if opts.vocab:
         return opts.vocab
     if case["model"] in ENCODER_MODELS:

@@ -7,7 +7,7 @@ import statistics
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 OURS = re.compile(r"step\s+(\d+)\s+loss\s+([-\d.naif]+).*?tok/s\s+([\d,]+)(?:.*?mfu\s+([\d.]+)%)?"
-                  r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?")
+                  r"(?:.*?(?:mem|rss) ([\d.]+)GiB)?(?:.*?data ([\d.]+)%)?")
 PEER = re.compile(r"step:\s*(\d+).*?loss:\s*([-\d.naif]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                   r"(?:.*?tflops:\s*([\d.,]+))?.*?mfu:\s*([\d.]+)%")
 PAIRS = re.compile(r"pairs/s\s+([\d,.]+)")  # titanlike's DPO step lines: preference pairs per second
@@ -18,7 +18,8 @@ def parse_ours(text: str) -> list[dict]:
     rows = []
     for m in OURS.finditer(ANSI.sub("", text)):
         rows.append({"step": int(m[1]), "loss": float(m[2]), "tps": float(m[3].replace(",", "")),
-                     "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None})
+                     "mfu": float(m[4]) if m[4] else None, "mem": float(m[5]) if m[5] else None,
+                     "data_pct": float(m[6]) if m[6] else None})  # the loop's wait for the loader, % of wall
         if (pairs := PAIRS.search(m[0])) is not None:  # (DPO: between the loss and tok/s)
             rows[-1]["pairs_s"] = float(pairs[1].replace(",", ""))
     return rows
@@ -50,7 +51,7 @@ def summarize(rows: list[dict], warmup: int, tokens_per_step: int, flops_per_tok
     if pairs_per_step:
         kept = [{**r, "pairs_s": pairs_per_step * r["tps"] / tokens_per_step} for r in kept]
     out = {}
-    for k in ("tps", "mfu", "mem", "tflops", "pairs_s"):
+    for k in ("tps", "mfu", "mem", "tflops", "pairs_s", "data_pct"):
         vals = [r[k] for r in kept if r.get(k) is not None]
         if vals:
             out[k] = statistics.median(vals)
@@ -100,7 +101,8 @@ def _fmt(v, spec: str) -> str:
 
 def format_table(results: list[dict]) -> str:
     head = (f"{'case':<44} {'who':<9} {'tok/s/dev':>10} {'pairs/s':>8} {'MFU%':>6} {'TFLOP/s':>8} {'mem GiB':>8} "
-            f"{'1st s':>7} {'warm s':>7} {'step ms':>8} {'spread%':>8} {'loss first→last':>16} {'ratio':>6}")
+            f"{'1st s':>7} {'warm s':>7} {'step ms':>8} {'spread%':>8} {'data%':>6} {'loss first→last':>16} "
+            f"{'ratio':>6}")
     lines = [head, "-" * len(head)]
     for res in results:
         for who in ("titanlike", "peer"):
@@ -115,6 +117,7 @@ def format_table(results: list[dict]) -> str:
                          f"{_fmt(r.get('tflops'), '.4g'):>8} "
                          f"{_fmt(r.get('mem'), '.1f'):>8} {_fmt(r.get('first_step_s'), '.1f'):>7} "
                          f"{_fmt(r.get('first_step_warm_s'), '.1f'):>7} "
-                         f"{_fmt(r.get('step_ms'), '.1f'):>8} {_fmt(r.get('spread_pct'), '.1f'):>8} {loss:>16} "
+                         f"{_fmt(r.get('step_ms'), '.1f'):>8} {_fmt(r.get('spread_pct'), '.1f'):>8} "
+                         f"{_fmt(r.get('data_pct'), '.1f'):>6} {loss:>16} "
                          f"{_fmt(ratio, '.3f'):>6}")
     return "\n".join(lines)

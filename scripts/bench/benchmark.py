@@ -45,6 +45,13 @@ titanlike's count (models/<family>/counts.py) at the same args, for both (T5: pe
 share at its length). On plain rows titanlike's BERT has no binary head (refused without sentence-pair labels), so
 the peer also runs a pooler and a 2-way classifier per row, uncounted (under 0.1% of the FLOPs).
 
+ViT and LLaVA (`--model vit --peer timm`, `--model llava --peer hf`): timm's vit_large_patch16_224 and transformers'
+LlavaForConditionalGeneration on random inputs of the same shape; titanlike on configs/vit_l16.toml /
+configs/llava_1b.toml (debug flavors: their debug configs) with mock images, JPEG shards (--data jpeg) or, for vit,
+procedural shapes. Units: images/s for vit, decoder tokens/s (--seq per row: text + placeholders) for llava, with
+`--images K` images per row; titanlike's log line also gives the loader's share of the step (data%). See
+scripts/bench/bench_vision.py.
+
 Each run logs every step (--log-freq N: every N-th, as a default training config does; a log line's tok/s then
 covers its N steps, for both); the first --warmup steps (compilation, allocator warm-up) are dropped and medians of the
 rest are reported: tokens/s per device, MFU (over the dense bf16 peak), TFLOP/s per device (model FLOPs: 6·N +
@@ -74,6 +81,7 @@ from bench_proc import environment, run, stop_runs  # the runs themselves: proce
 from peer_torchtitan import PEER_FLAVORS  # what the peer launcher can run, per model
 from bench_report import (compare_to_bf16, format_table, pack_fill, parse_ours, parse_peer,
                           summarize)
+import bench_vision as vision  # vit against timm, llava against transformers: units, data, peers
 from bench_matrix import (AXES, ENCODER_MODELS, encoder_flags, expand_matrix, float8_experts, float8_recipe, label,
                           on_off, parse_layout, peer_ac, vocab_of)
 
@@ -81,6 +89,7 @@ PEER_LAUNCHER = os.path.join(ROOT, "scripts", "bench", "peer_torchtitan.sh")
 PEER_HF = os.path.join(ROOT, "scripts", "bench", "peer_hf.py")  # the hybrids' peer: transformers + fla (--peer hf)
 # titanlike's start-up line of packed chat data (titanlike/data/sft.py): its tok/s counts whole rows, padding included
 PEER_TRL = os.path.join(ROOT, "scripts", "bench", "peer_trl.py")  # post-training's peer: TRL (--peer trl)
+PEER_TIMM = os.path.join(ROOT, "scripts", "bench", "peer_timm.py")  # vit's peer: timm (--peer timm)
 # titanlike's data flags for each post-training case ({d}: the folder of post_training_data.py): SFT packs whole
 # conversations with document masking, as TRL's padding-free "bfd" packing does; LoRA is SFT with [lora] on.
 SFT_FLAGS = ["--data.dataset=chat", "--data.paths={d}/chat.jsonl", "--data.sft_layout=pack",
@@ -94,6 +103,8 @@ def default_config(model: str, flavor: str) -> str:
     """The shipped config for a flavor: configs/<model>_<flavor>.toml when it exists (e.g. the 1B's), the debug
     config for the debug flavor, else configs/base_gpu.toml with --model.flavor. BERT and T5: configs/<model>_debug.toml
     for their debug flavors, else configs/base_gpu.toml (one GPU)."""
+    if model in vision.VISION_MODELS:
+        return vision.default_config(model, flavor)
     if model in ENCODER_MODELS and flavor.startswith("debugmodel"):
         return f"configs/{model}_debug.toml"
     if flavor == "debugmodel":
@@ -129,7 +140,7 @@ def resolve_peer(peer: str) -> str:
     """--peer's value as a launcher path: "auto" is this checkout's peer_torchtitan.sh, "hf" its peer_hf.py (the
     hybrids' peer: transformers with flash-linear-attention's kernels), "trl" its peer_trl.py (post-training cases);
     "" stays "" (no peer)."""
-    return {"auto": PEER_LAUNCHER, "hf": PEER_HF, "trl": PEER_TRL}.get(peer, peer)
+    return {"auto": PEER_LAUNCHER, "hf": PEER_HF, "trl": PEER_TRL, "timm": PEER_TIMM}.get(peer, peer)
 
 
 def tokens_per_step(case: dict, peer: bool = False) -> int:
@@ -138,6 +149,8 @@ def tokens_per_step(case: dict, peer: bool = False) -> int:
     (peer) is pairs, two sequences of seq each as peer_trl.py counts them."""
     degrees = parse_layout(case["layout"])
     sharing = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)  # ranks sharing one batch
+    if case["model"] in vision.VISION_MODELS:  # images (vit) or decoder tokens (llava): bench_vision.py
+        return case["batch"] * vision.units_per_row(case) // max(1, sharing)
     return case["batch"] * case["seq"] * (2 if peer and case["post"] == "dpo" else 1) // max(1, sharing)
 
 
@@ -156,13 +169,16 @@ def titanlike_cmd(case: dict, opts) -> list[str]:
         train = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}", *train]
     config = case["config"] or default_config(case["model"], case["flavor"])
     data = [f"--data.dataset={opts.data}"]
+    seq = case["seq"]
+    if case["model"] in vision.VISION_MODELS:  # their rows hold pixel bytes: length, data and shape flags
+        data, seq = vision.data_flags(case, opts), vision.row_len(case)
     if case["post"]:  # the inputs the peer reads too: one tokenizer (its template in its folder), the same records
         data = [f.format(d=opts.post_data) for f in POST_FLAGS[case["post"]]] + [
             f"--data.tokenizer={opts.post_data}/tokenizer"]
     cmd = [sys.executable, *train, "--config", config, f"--model.name={case['model']}",
            f"--model.flavor={case['flavor']}", f"--model.vocab_size={vocab_of(case, opts)}", *data,
            *encoder_flags(case, opts.data),
-           f"--training.seq_len={case['seq']}",
+           f"--training.seq_len={seq}",
            f"--training.local_batch_size={case['batch']}", "--training.global_batch_size=-1",
            f"--training.steps={opts.steps}", "--lr_scheduler.warmup_steps=2", f"--metrics.log_freq={opts.log_freq}",
            f"--activation_checkpoint.mode={case['ac']}",
@@ -187,19 +203,25 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
     memory lever: the peer runs the shape with its full logits. peer_ac gives the peer its own AC where the two fit
     best with different settings, e.g. at long context.)"""
     hf, trl = opts.peer == PEER_HF, opts.peer == PEER_TRL
+    if (case["model"] in vision.VISION_MODELS) != (opts.peer == PEER_TIMM or hf and case["model"] == "llava"):
+        return None  # vit runs against timm only, llava against transformers (--peer hf), the rest never on timm
     if trl != bool(case["post"]):  # post-training cases run against TRL only, and TRL runs only those
         return None
     if trl and (case["nproc"] > 1 or case["layout"] or case["float8"] != "none"):
         return None  # the TRL peer is one process in bf16
     if float8_experts(case["float8"]):
         return None  # torchtitan's grouped-GEMM float8 converter flags are not wired here: titanlike runs alone
-    if not (hf or trl) and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
+    if not (hf or trl or opts.peer == PEER_TIMM) and case["flavor"] not in PEER_FLAVORS.get(case["model"], ()):
         return None
     ac, ac_option = peer_ac(case)
     if not hf and case["model"] in ENCODER_MODELS:
         return None  # torchtitan does not train BERT or T5: their peer is transformers' (--peer hf)
     args = [sys.executable, opts.peer, "--vocab", str(vocab_of(case, opts)), "--model", case["model"]] if hf else \
         ["bash", opts.peer]
+    if case["model"] in vision.VISION_MODELS:
+        args = vision.peer_args(case, opts, vocab_of(case, opts))
+        if args is None:  # (llava on timm's launcher)
+            return None
     if hf and case["dec_seq"]:
         args += ["--decoder-len", str(case["dec_seq"])]
     if trl:
@@ -222,6 +244,13 @@ def peer_cmd(case: dict, opts) -> list[str] | None:
             args += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
     return args + list(opts.peer_extra)
+
+
+def flops_per_unit(case: dict, vocab: int) -> float | None:
+    """FLOPs per unit of tokens_per_step: per image (vit), per decoder token (llava), else per token."""
+    if case["model"] in vision.VISION_MODELS:
+        return vision.flops_per_unit(case, vocab)
+    return flops_per_token(case["model"], case["flavor"], case["seq"], vocab, dec_seq=case["dec_seq"])
 
 
 def flops_per_token(model: str, flavor: str, seq: int, vocab: int, dec_seq: int = 0) -> float | None:
@@ -273,7 +302,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="both log (and read the loss back, a host sync) every N steps; each line's tok/s covers its N")
     p.add_argument("--vocab", type=int, default=0, help="vocabulary of both sides (0: 30522 bert, 32128 t5 (their "
                    "flavors'), else 128256)")
-    p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens)")
+    p.add_argument("--data", default="stdlib", help="titanlike dataset: stdlib (real text) or mock (random tokens); "
+                   "vit / llava: mock (the default), jpeg (WebDataset JPEG shards, decoded in the loader) or shapes "
+                   "(vit)")
+    p.add_argument("--image-data", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_images"),
+                   help="--data jpeg: the folder its shards are written to once (jpeg<side>/)")
     p.add_argument("--peer", default="", help="the peer's launcher: 'auto' = this checkout's "
                    "scripts/bench/peer_torchtitan.sh, 'hf' = scripts/bench/peer_hf.py (transformers + fla), 'trl' = "
                    "scripts/bench/peer_trl.py for the post-training cases (--post; 'trl-sft', 'trl-lora', 'trl-dpo' "
@@ -311,15 +344,19 @@ def main(argv: list[str] | None = None) -> dict:
     results, peer_runs = [], {}
     for i, case in enumerate(cases):
         tokens = tokens_per_step(case)  # so step times come out right for every layout
-        fpt = flops_per_token(case["model"], case["flavor"], case["seq"], vocab_of(case, a), dec_seq=case["dec_seq"])
+        fpt = flops_per_unit(case, vocab_of(case, a))
+        ours = parse_ours  # titanlike's lines, in the case's unit (images/s, llava's decoder tokens/s)
+        if case["model"] in vision.VISION_MODELS:
+            def ours(text, case=case):
+                return vision.scale_ours(parse_ours(text), case)
         res = {"label": label(case), "case": case, "flops_per_token": fpt, "vocab": vocab_of(case, a)}
         log = a.log and f"{a.log}.{i}"
         text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},
                              log and log + ".titanlike.log", a.timeout)
-        res["titanlike"] = {**summarize(parse_ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall,
+        res["titanlike"] = {**summarize(ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall,
                             "compile_cache": a.compile_cache}
         if a.warm and a.compile_cache == "fresh" and rc == 0:
-            res["titanlike"]["first_step_warm_s"] = warm_first_step(titanlike_cmd, parse_ours, case, a, env,
+            res["titanlike"]["first_step_warm_s"] = warm_first_step(titanlike_cmd, ours, case, a, env,
                                                                     "titanlike", tokens, fpt)
         fill = pack_fill(text) if case["post"] in ("sft", "lora") else None
         if fill is not None:  # the peer counts only real tokens (padding-free): compare on those

@@ -39,6 +39,9 @@ fla-core 0.6 refuses its gated backward kernel on Hopper with the Triton that to
 miscompiles it at key sizes 33 to 64); at the key sizes of these shapes (128) it is correct, and the peer lifts the
 refusal as titanlike does (models/common/fla_kernels.py, checked against PyTorch in tests/gpu/test_gpu_mixers.py).
 
+LLaVA (`--model llava --images K`): transformers' LlavaForConditionalGeneration with K images per row, in
+scripts/bench/peer_hf_vlm.py (its docstring has the details).
+
 Prints torchtitan-style lines ("step: N loss: X memory: Y GiB tps: Z tflops: T mfu: M%") that
 scripts/bench/benchmark.py parses (--peer hf).
 """
@@ -230,10 +233,19 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=int(os.environ.get("VOCAB", "0")))
     p.add_argument("--decoder-len", type=int, default=0,
                    help="t5: decoder tokens per row (0: titanlike's span-objective length for seq)")
+    p.add_argument("--images", type=int, default=1, help="llava: images per row (each its tower's placeholders)")
     a, unknown = p.parse_known_args()
     if unknown:
         print(f"peer_hf: ignoring {unknown}", flush=True)
     spec = models.get_spec(a.model)
+    if a.model == "llava":  # LlavaForConditionalGeneration: its own module (peer_hf_vlm.py)
+        from peer_hf_vlm import vlm_step
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, step_fn, tokens, fpt = vlm_step(a, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        timed_loop(step_fn, model, opt, a, tokens, fpt, device)
+        return
     if a.model in ("bert", "t5"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         args = encoder_args(a.model, a.flavor, a.vocab, a.seq, a.decoder_len)

@@ -375,3 +375,74 @@ def test_fetch_wheels_script_documents_itself_and_refuses_unknown_arguments():
     bad = subprocess.run(["bash", str(script), "--pear"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "fetch_wheels.sh: unknown argument '--pear' (use --peer and/or --extra NAME==VERSION ...)"]
+
+
+def test_vit_and_llava_cases_count_images_and_decoder_tokens():
+    """--model vit / llava: titanlike's row length, config, data flags; the unit per step (images, decoder tokens),
+    the FLOPs per unit, its tok/s scaled to that unit; the peers' commands (timm, transformers)."""
+    import dataclasses
+
+    import models
+    from models.vit import flops_per_image
+
+    opts = Namespace(**{**vars(OPTS), "data": "stdlib", "vocab": 0, "peer": bench.PEER_TIMM})
+    (vit,) = bench.expand_matrix({"model": "vit", "flavor": "L/16", "batch": "256", "compile": "on"})
+    ours = bench.titanlike_cmd(vit, opts)
+    assert {"configs/vit_l16.toml", "--training.seq_len=150528", "--data.dataset=mock",
+            "--model.vocab_size=256"} <= set(ours)
+    assert bench.tokens_per_step(vit) == 256 and bench.label(vit) == "vit L/16 b256 n1 compile bf16"
+    assert bench.flops_per_unit(vit, 256) == flops_per_image(models.get_spec("vit").flavors["L/16"])
+    assert bench.peer_cmd(vit, opts)[1:3] == [bench.PEER_TIMM, "L/16"]
+    m = {"loss": 6.9, "throughput/tokens_per_sec_per_device": 301056, "throughput/mfu_pct": 40.0,
+         "memory/peak_reserved_gib": 60.0, "memory/peak_reserved_pct": 75, "data/wait_pct": 2.5}
+    rows = bench.parse_ours(MetricsLogger.format_line(3, m))  # the loader's share of the wall time: last
+    assert rows[0]["data_pct"] == 2.5 and bench.vision.scale_ours(rows, vit)[0]["tps"] == 2.0  # images/s
+
+    hf = Namespace(**{**vars(opts), "peer": bench.PEER_HF})
+    (llava,) = bench.expand_matrix({"model": "llava", "flavor": "1B-siglip", "seq": "4096", "images": "4"})
+    ours = bench.titanlike_cmd(llava, hf)
+    assert {"configs/llava_1b.toml", "--training.seq_len=1773568", "--data.dataset=mock_image_text",
+            "--data.images_per_row=4", "--data.image_size=384", "--data.image_tokens=729",
+            "--model.args={images_per_row = 4}", "--model.vocab_size=128256"} <= set(ours)
+    assert bench.tokens_per_step(llava) == 2 * 4096 and "i4" in bench.label(llava)
+    spec = models.get_spec("llava")
+    args = dataclasses.replace(spec.flavors["1B-siglip"], images_per_row=4, vocab_size=128256)
+    text = models.get_spec("llama3").flops_per_token(args.text_args, 4096)
+    from models.llava import flops_per_image as llava_image
+
+    assert bench.flops_per_unit(llava, 128256) == pytest.approx(text + 4 * llava_image(args) / 4096)
+    assert bench.peer_cmd(llava, hf)[2:9] == ["--vocab", "128256", "--model", "llava", "--images", "4", "1B-siglip"]
+    assert bench.peer_cmd(llava, opts) is None and bench.peer_cmd(vit, hf) is None  # each family its own peer
+    with pytest.raises(ValueError, match="--images 1"):
+        bench.titanlike_cmd(llava, Namespace(**{**vars(hf), "data": "jpeg", "image_data": "/nonexistent"}))
+    with pytest.raises(ValueError, match="llava's images per row"):
+        bench.expand_matrix({"model": "vit", "images": "2"})
+
+
+def _vision_run(tmp_path, model: str, flavor: str, peer: str, *extra: str) -> dict:
+    res = bench.main(["--model", model, "--flavor", flavor, "--batch", "2", "--steps", "3", "--warmup", "1",
+                      "--peer", peer, "--dump-folder", str(tmp_path / "runs"), "--image-data", str(tmp_path / "img"),
+                      *extra, "--", "--training.device=cpu"])
+    (r,) = res["results"]
+    for who in ("titanlike", "peer"):
+        assert r[who]["rc"] == 0 and r[who]["tps"] > 0 and r[who]["steps_measured"] == 2, (who, r[who])
+    assert r["titanlike"]["data_pct"] >= 0 and r["ratio"] > 0
+    return r
+
+
+@pytest.mark.slow
+def test_vit_against_timm_end_to_end_on_cpu(tmp_path):
+    """benchmark.py --model vit --peer timm at the debug shape: both sides' lines parse, images/s on both; titanlike
+    decodes JPEG shards (--data jpeg, written on the fly)."""
+    pytest.importorskip("timm", reason="timm is not installed here (the GPU machine has it)")
+    r = _vision_run(tmp_path, "vit", "debugmodel", "timm", "--data", "jpeg")
+    assert r["titanlike"]["tps"] < 1e4  # images, not pixel values
+
+
+@pytest.mark.slow
+def test_llava_against_transformers_end_to_end_on_cpu(tmp_path):
+    """benchmark.py --model llava --peer hf at the debug SigLIP shape with 2 images per row (mock rows): both sides'
+    lines parse, decoder tokens/s on both."""
+    pytest.importorskip("transformers")
+    r = _vision_run(tmp_path, "llava", "debug-siglip", "hf", "--seq", "48", "--images", "2", "--vocab", "64")
+    assert r["flops_per_token"] > 0 and r["titanlike"]["tflops"] > 0

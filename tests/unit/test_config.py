@@ -44,6 +44,8 @@ WORLD_SIZES = {
     "vit_debug.toml": [1, 2],
     "llava_debug.toml": [1, 2],
     "llava_wds_debug.toml": [1, 2],
+    "vit_l16.toml": [1],
+    "llava_1b.toml": [1],
     "bert_megatron_debug.toml": [1, 2],
     "t5_megatron_debug.toml": [1, 2],
     "bert_base.toml": [8],

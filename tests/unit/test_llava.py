@@ -269,3 +269,34 @@ def test_memory_estimate_rows_fill_every_slot():
     inputs, labels = loader_batch(None, 3, seq, args.vocab_size, torch.Generator().manual_seed(0), args)
     b = build_objective(SPEC.objective, args)(inputs, labels, StepContext(0, 0))
     assert (b.inputs["image_pos"] >= 0).sum(1).tolist() == [32] * 3 and b.inputs["pixels"].shape[:2] == (3, 2)
+
+
+def test_mock_image_text_rows_train_and_flops_take_the_text_length():
+    """data.dataset = "mock_image_text" (throughput rows at any tower size, K images a row): K slots of pixel bytes,
+    then random text with K placeholder runs that the objective accepts; a mismatch with the model is one line
+    naming the keys. FLOPs per loader value: the decoder's attention at the text's length, not the row's."""
+    from types import SimpleNamespace
+
+    from titanlike.data.image_text import MockImageText
+
+    args = tiny("debug-siglip", images_per_row=2)
+    seq = 2 * args.pixels + 48
+    ds = MockImageText(seq, VOCAB, args.vision.image_size, args.image_tokens, 2, seed=1)
+    ids, labels = ds[5]
+    assert torch.equal(ids, ds[5][0]) and not torch.equal(ids, ds[6][0])  # a function of (seed, split, i)
+    assert ids[:2 * args.pixels].max() < 256 and (ids[2 * args.pixels:] == args.image_token).sum() == 32
+    rows = torch.stack([ids, ds[6][0]])
+    b = build_objective(SPEC.objective, args)(rows, torch.stack([labels, ds[6][1]]), StepContext(0, 0))
+    assert b.inputs["pixels"].shape == (2, 2, 3, 32, 32) and (b.inputs["image_pos"] >= 0).sum() == 64
+    data = SimpleNamespace(dataset="mock_image_text", image_size=32, image_tokens=16, images_per_row=1)
+    assert "data.images_per_row=2" in SPEC.objective(args).data_problem(data)
+    with pytest.raises(ValueError, match="training.seq_len >= "):
+        MockImageText(2 * args.pixels + 20, VOCAB, 32, 16, 2)
+
+    llama = models.get_spec("llama3")
+    image = models.llava.flops_per_image(args)
+    assert SPEC.flops_per_token(args, seq) == pytest.approx(
+        (48 * llama.flops_per_token(args.text_args, 48) + 2 * image) / seq)
+    costs = SPEC.pp_costs(args, seq)
+    assert sum(costs.layers.values()) + costs.embedding + costs.output == pytest.approx(  # (but the final norm's
+        SPEC.flops_per_token(args, seq), rel=1e-3)  # 1-D parameters, as every family's)

@@ -9,7 +9,7 @@ from typing import Any
 
 # titanlike.data.dataset.DATASETS
 DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder",
-                 "shapes_captions", "webdataset")
+                 "shapes_captions", "webdataset", "mock_image_text")
 WDS_TARGETS = ("txt", "json", "cls")  # data.wds_target: titanlike/data/webdataset.py
 BAD_SAMPLES = ("error", "skip")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
@@ -87,7 +87,7 @@ def _check_paths(dataset: str, paths: list[str], split: str, key: str, errors: l
                 "webdataset": ".tar shards: files, a brace pattern (\"/data/shards-{000000..000099}.tar\"), a glob "
                               "or a folder"}[dataset]
         errors.append(f"{key} is empty but the dataset is {dataset!r}: give {what}")
-    elif dataset in ("stdlib", "mock", "shapes", "shapes_captions") and paths:
+    elif dataset in ("stdlib", "mock", "shapes", "shapes_captions", "mock_image_text") and paths:
         errors.append(f"{key}={paths} is set but the dataset is {dataset!r}, which reads no files; set "
                       "data.dataset=indexed (Megatron .bin/.idx prefixes) or data.dataset=text (JSONL/Parquet/text)")
     elif dataset == "chat":
@@ -148,6 +148,8 @@ def _check_images(d: Any, errors: list[str]) -> None:
     for key in ("image_size", "image_tokens"):
         if getattr(d, key) < 0:
             errors.append(f"data.{key}={getattr(d, key)} must be >= 0")
+    if d.images_per_row < 1:
+        errors.append(f"data.images_per_row={d.images_per_row} must be >= 1 (mock_image_text's image slots per row)")
 
 
 def _check_chat(d: Any, errors: list[str]) -> None:

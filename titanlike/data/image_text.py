@@ -77,6 +77,53 @@ class ShapesCaptions(Dataset):
         return ids, labels
 
 
+class MockImageText(Dataset):
+    """Throughput rows for llava at any tower size (data.dataset = "mock_image_text"): images_per_row slots of random
+    pixel bytes (side x side), then seq_len - slots tokens of random text below the image token with one run of
+    image_tokens placeholders per slot, the runs spread evenly over the text (run k starts at k x text / K), as an
+    interleaved document with K images. Labels: the next token of the text (placeholders then ignored by the
+    objective). Sample i from (seed, split, i) alone. Nothing to learn: for speed, like "mock" for text."""
+
+    def __init__(self, seq_len: int, vocab_size: int, side: int, image_tokens: int, images_per_row: int,
+                 seed: int = 0, split: str = "train", num_samples: int = 1 << 30):
+        self.head = images_per_row * CHANNELS * side * side
+        self.text = seq_len - self.head
+        if side < 1 or image_tokens < 1 or images_per_row < 1:
+            raise ValueError(f"data.image_size={side}, data.image_tokens={image_tokens}, data.images_per_row="
+                             f"{images_per_row}: mock_image_text needs all three >= 1 (the tower's side, its tokens "
+                             "per image, the slots per row: model.args.images_per_row)")
+        if self.text < images_per_row * image_tokens + 1:
+            raise ValueError(f"training.seq_len={seq_len}: {images_per_row} slots of {side}x{side} pixels and "
+                             f"{images_per_row} x {image_tokens} image tokens need training.seq_len >= "
+                             f"{self.head + images_per_row * image_tokens + 1}")
+        self.seq_len, self.side, self.image_tokens, self.k = seq_len, side, image_tokens, images_per_row
+        self.vocab_size, self.image_token = vocab_size, vocab_size - 1
+        self.seed, self.split_id = int(seed), ("train", "valid", "test").index(split)
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.split_id, int(i), 0x3A6E])
+        ids = torch.empty(self.seq_len, dtype=torch.int64)
+        ids[:self.head] = torch.from_numpy(rng.integers(0, 256, self.head, dtype=np.int64))
+        text = rng.integers(0, max(self.image_token, 1), self.text, dtype=np.int64)
+        for k in range(self.k):
+            start = k * self.text // self.k
+            text[start:start + self.image_tokens] = self.image_token
+        ids[self.head:] = torch.from_numpy(text)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[self.head:-1] = ids[self.head + 1:]
+        return ids, labels
+
+
+def build_mock_image_text(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size=None, **_):
+    vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
+    return MockImageText(seq_len, vocab, data_cfg.image_size, data_cfg.image_tokens, data_cfg.images_per_row,
+                         seed=seed, split=split)
+
+
 def build_shapes_captions(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size=None, **_):
     vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
     return ShapesCaptions(seq_len, vocab, seed=seed, split=split)

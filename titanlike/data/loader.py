@@ -150,7 +150,8 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
                 len(dataset), dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size, seed=seed,
                 # mock and shapes samples are already random (and nominally 2^30 long: a permutation of that would
                 # take minutes and gigabytes); endless indexed datasets shuffle themselves (Megatron-style)
-                shuffle=(split == "train" and data_cfg.dataset not in ("mock", "shapes", "shapes_captions")
+                shuffle=(split == "train" and data_cfg.dataset not in ("mock", "shapes", "shapes_captions",
+                                                                          "mock_image_text")
                          and not endless),
                 fingerprint=dataset_fingerprint(dataset),
             )

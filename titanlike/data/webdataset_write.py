@@ -9,6 +9,10 @@ places) and writes each sample with every target a family reads: `.png` (lossles
 ones), `.txt` (the caption), `.json` (a two-turn LLaVA conversation: "what is it" / the shape, "where is it" / the
 place) and `.cls` (the colour, 0..3). scripts/make_shape_shards.py runs it; tests and configs/llava_wds_debug.toml
 use it.
+
+`write_jpeg_shards` writes the image-classification shapes (titanlike/data/images.py) at any side as JPEG, with a
+`.cls` (the class, 0..9) and a `.txt` (the shape's name in image_text.py's words, for llava rows): input whose decode
+costs what a real corpus's does, for the benchmarks' data share (scripts/bench/benchmark.py --data jpeg).
 """
 from __future__ import annotations
 
@@ -69,3 +73,24 @@ def shapes_samples(n: int, seed: int = 0, split: str = "train"):
 def write_shapes_shards(folder: str | Path, samples: int = 64, per_shard: int = 16, seed: int = 0,
                         split: str = "train") -> list[str]:
     return write_shards(folder, shapes_samples(samples, seed, split), per_shard, prefix=f"shapes-{split}")
+
+
+def jpeg_samples(n: int, side: int, seed: int = 0, split: str = "train", quality: int = 90):
+    """(key, {jpg, cls, txt}) for the shapes set's samples 0..n-1 drawn at side x side."""
+    from PIL import Image
+
+    from titanlike.data.image_text import SHAPES
+    from titanlike.data.images import CHANNELS, ShapesDataset
+
+    source = ShapesDataset(CHANNELS * side * side, seed=seed, split=split)
+    for i in range(n):
+        image, label = source.draw(i)
+        jpg = io.BytesIO()
+        Image.fromarray(image.transpose(1, 2, 0)).save(jpg, format="JPEG", quality=quality)
+        yield f"{i:06d}", {"jpg": jpg.getvalue(), "cls": str(label).encode(),
+                           "txt": f"a {SHAPES[label % len(SHAPES)]}".encode()}
+
+
+def write_jpeg_shards(folder: str | Path, side: int, samples: int = 1024, per_shard: int = 256, seed: int = 0,
+                      split: str = "train") -> list[str]:
+    return write_shards(folder, jpeg_samples(samples, side, seed, split), per_shard, prefix=f"shapes{side}-{split}")

@@ -114,12 +114,17 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         self._tokens = 0  # tokens processed by this rank since the last log line
         self._steps = 0  # steps since the last log line
+        self._data_wait = 0.0  # seconds the training loop waited for the loader since the last log line
         self.megatron_line = megatron_line
 
     def add_tokens(self, n: int) -> None:
         """Once per step: this rank's tokens of the step."""
         self._tokens += n
         self._steps += 1
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Seconds the loop waited in the loader's next() (Trainer.next_batches): the log line's data share."""
+        self._data_wait += seconds
 
     def log(self, step: int, scalars: dict[str, float]) -> dict[str, float]:
         """`scalars` hold already-synced Python numbers (loss, grad_norm, lr); adds throughput and memory."""
@@ -134,9 +139,11 @@ class MetricsLogger:
         out["throughput/tflops_per_device"] = tps * self.flops_per_token / 1e12
         if self.peak:
             out["throughput/mfu_pct"] = 100 * tps * self.flops_per_token / self.peak
+        # the loader's share of the wall time since the last line (0 when its workers keep ahead of the steps)
+        out["data/wait_pct"] = 100 * self._data_wait / max(elapsed, 1e-9)
         out.update(memory_stats(self.device))
         ms_per_step = 1000 * elapsed / max(self._steps, 1)
-        self._t0, self._tokens, self._steps = time.perf_counter(), 0, 0
+        self._t0, self._tokens, self._steps, self._data_wait = time.perf_counter(), 0, 0, 0.0
         if self.is_rank0:
             if self.megatron_line is not None:
                 logger.info(megatron_format(step, out, ms_per_step, *self.megatron_line))
@@ -182,6 +189,8 @@ class MetricsLogger:
             parts.append(f"mem {m['memory/peak_reserved_gib']:.1f}GiB ({m['memory/peak_reserved_pct']:.0f}%)")
         elif "memory/max_rss_gib" in m:
             parts.append(f"rss {m['memory/max_rss_gib']:.2f}GiB")
+        if "data/wait_pct" in m:  # last, so parsers of the fields before it keep working
+            parts.append(f"data {m['data/wait_pct']:.1f}%")
         return "  ".join(parts)
 
     def log_validation(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 
 import torch
 
@@ -227,8 +228,16 @@ class Trainer:
         return self.batch_layout(self.objective(inputs, labels, StepContext(step, self.cfg.training.seed)), inputs)
 
     def next_batches(self, data_iter) -> list[Batch]:
-        """The step's micro-batches, this rank's share of each."""
-        return [self.make_batch(*next(data_iter), self.step) for _ in range(self.grad_accum_steps)]
+        """The step's micro-batches, this rank's share of each. The time spent waiting for the loader alone (not the
+        copy to the device or the objective, which for llava waits for the GPU once) goes to the log line's "data"
+        share: images decode on the CPU, and this is where a loader that falls behind shows."""
+        out = []
+        for _ in range(self.grad_accum_steps):
+            t0 = time.perf_counter()
+            inputs, labels = next(data_iter)
+            self.metrics.add_data_wait(time.perf_counter() - t0)
+            out.append(self.make_batch(inputs, labels, self.step))
+        return out
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed loss of one micro-batch; with the chunked loss the model's LM head returns it directly."""
