@@ -92,6 +92,9 @@ def data_flags(case: dict, opts) -> list[str]:
     flags = ["--validation.enable=false"]  # (training.seq_len: row_len, set by titanlike_cmd)
     if data not in ("mock", "shapes", "jpeg") or (data == "shapes" and case["model"] == "llava"):
         raise ValueError(f"--data {opts.data}: image families read mock, jpeg or (vit) shapes")
+    if data == "jpeg" and case["model"] == "llava" and case["images"] != 1:  # before any shard is written
+        raise ValueError(f"--data jpeg with llava: a WebDataset sample holds one image; use --images 1 (got "
+                         f"{case['images']})")
     if data == "jpeg":
         flags += ["--data.dataset=webdataset", f"--data.paths={jpeg_folder(opts, side)}/shapes{side}-train-*.tar"]
     if case["model"] == "vit":
@@ -99,8 +102,6 @@ def data_flags(case: dict, opts) -> list[str]:
             flags.append(f"--data.dataset={data}")
         return flags + (["--data.wds_target=cls"] if data == "jpeg" else [])
     k = case["images"]
-    if data == "jpeg" and k != 1:
-        raise ValueError(f"--data jpeg with llava: a WebDataset sample holds one image; use --images 1 (got {k})")
     if data == "mock":
         flags += ["--data.dataset=mock_image_text", f"--data.images_per_row={k}"]
     return flags + [f"--data.image_size={side}", f"--data.image_tokens={args.image_tokens}",

@@ -377,7 +377,7 @@ def test_fetch_wheels_script_documents_itself_and_refuses_unknown_arguments():
         "fetch_wheels.sh: unknown argument '--pear' (use --peer and/or --extra NAME==VERSION ...)"]
 
 
-def test_vit_and_llava_cases_count_images_and_decoder_tokens():
+def test_vit_and_llava_cases_count_images_and_decoder_tokens(tmp_path):
     """--model vit / llava: titanlike's row length, config, data flags; the unit per step (images, decoder tokens),
     the FLOPs per unit, its tok/s scaled to that unit; the peers' commands (timm, transformers)."""
     import dataclasses
@@ -414,7 +414,8 @@ def test_vit_and_llava_cases_count_images_and_decoder_tokens():
     assert bench.peer_cmd(llava, hf)[2:9] == ["--vocab", "128256", "--model", "llava", "--images", "4", "1B-siglip"]
     assert bench.peer_cmd(llava, opts) is None and bench.peer_cmd(vit, hf) is None  # each family its own peer
     with pytest.raises(ValueError, match="--images 1"):
-        bench.titanlike_cmd(llava, Namespace(**{**vars(hf), "data": "jpeg", "image_data": "/nonexistent"}))
+        bench.titanlike_cmd(llava, Namespace(**{**vars(hf), "data": "jpeg", "image_data": str(tmp_path / "none")}))
+    assert not (tmp_path / "none").exists()  # refused before any shard is written
     with pytest.raises(ValueError, match="llava's images per row"):
         bench.expand_matrix({"model": "vit", "images": "2"})
 
