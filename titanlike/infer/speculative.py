@@ -39,12 +39,19 @@ from titanlike.infer.generate import _check_sampling, _Stops, step_at
 class SpeculativeStats:
     drafted: int = 0  # draft tokens proposed to the verifier, summed over the rows still generating
     accepted: int = 0  # of those, committed without a main-model correction
+    # drafts each row's main model agreed with, in order, before the batch commits its rows' smallest count: with
+    # one row it equals `accepted`; in a batch the gap is what rows waiting for the worst row cost
+    matched: int = 0
     rounds: int = 0  # verify forwards of the main model (after the prefill)
     committed: int = 0  # tokens committed per row by the prefill and the rounds (one row's count)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def match_rate(self) -> float:
+        return self.matched / self.drafted if self.drafted else 0.0
 
     def line(self) -> str:
         return (f"speculative mtp: accepted {self.accepted} of {self.drafted} drafted tokens "
@@ -112,12 +119,14 @@ def mtp_generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_to
             y = run.main(torch.cat([seq[:, n:n + 1], drafts], dim=1), n).argmax(-1)  # [B, k+1]
             matched = (drafts == y[:, :k]).long().cumprod(dim=1).sum(dim=1)  # per row: drafts accepted in order
             live = torch.tensor([not d for d in stops.done], device=device)
-            a = int(matched[live].min())
+            per_row = matched[live].tolist()  # how many drafts each live row accepts (a host sync, as _commit's)
+            a = min(per_row)
             seq[:, n + 1:n + a + 1] = drafts[:, :a]
             seq[:, n + a + 1] = y[:, a]
-            n_live = int(live.sum())
+            n_live = len(per_row)  # from the host list: live.sum() would wait for the device once more
             stats.drafted += k * n_live
             stats.accepted += a * n_live
+            stats.matched += sum(per_row)
             stats.rounds += 1
             _commit(stops, seq[:, n + 1:n + a + 2], stats)
             n += a + 1
