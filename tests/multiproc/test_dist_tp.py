@@ -3,7 +3,7 @@
 The checks live in tp_worker.py (see its docstring). Two cases cost about a minute each on 2 cores and run only on
 request: the 8-process HSDP 2 x 2 x TP 2 (TITANLIKE_TEST_8PROC=1) and TP 2 with per-block compile
 (TITANLIKE_TEST_TP_COMPILE=1). Both passed when written (2026-11-22). The 4-process launch runs EXPECTED[4] by default
-and FULL_ONLY[4] too with TITANLIKE_TEST_FULL=1 (CONTRIBUTING.md).
+and FULL_ONLY[2] and [4] too with TITANLIKE_TEST_FULL=1 (CONTRIBUTING.md).
 """
 
 import os
@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 EXPECTED = {
     2: ["tp2", "tp2_sp", "tp2_lp", "tp2_sp_lp_sac", "nemotron_h_tp2", "nemotron_h_tp2_sp_lp_docs", "mamba2_tp2_sp",
-        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs", "llama3_mtp_tp2", "llama3_mtp_tp2_sp_lp",
+        "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs", "llama3_mtp_tp2_sp_lp",
         "deepseek_v3_mtp_tp2_sp_lp", "llava_tp2_sp_lp", "llava_cp2", "llava_pp2", "llava_qwen3_tp2_sp"],
     4: ["fsdp2_tp2_sp_lp", "mixed_mesh_grad_norm", "llama3_mtp_fsdp2_tp2_sp_lp", "llava_fsdp2_tp2_sp_lp",
         "nemotron_h_moe_fsdp4_ep2_muon"],
@@ -26,7 +26,7 @@ EXPECTED = {
 # Four processes on two cores are dear: these repeat paths that the cases above cover (TP without SP: tp2; AdamW on
 # nemotron_h's MoE: its _muon case; qwen3_next's plan: its TP 2 and FSDP 2 cases; replicate: test_dist_fsdp.py) and
 # run with TITANLIKE_TEST_FULL=1. Muon's sharded cases (FSDP x TP among them) run in test_dist_muon.py.
-FULL_ONLY = {4: ["fsdp2_tp2_no_sp", "qwen3_next_fsdp2_tp2_sp_lp_docs", "replicate2_tp2_sp_lp",
+FULL_ONLY = {2: ["llama3_mtp_tp2"], 4: ["fsdp2_tp2_no_sp", "qwen3_next_fsdp2_tp2_sp_lp_docs", "replicate2_tp2_sp_lp",
                  "nemotron_h_moe_fsdp4_ep2", "nemotron_h_moe_tp2_fsdp2_ep2", "llava_pp2_fsdp2", "llava_cp2_tp2"]}
 
 
