@@ -226,8 +226,8 @@ DATASETS = {"stdlib": _build_stdlib, "mock": _build_mock, "indexed": _build_inde
             "chat": _build_chat, "preference": _build_preference, "bert": _build_masked, "t5": _build_masked,
             "shapes": _build_shapes, "image_folder": _build_image_folder,
             "shapes_captions": _build_shapes_captions,  # image + caption rows (titanlike/data/image_text.py)
-            "mock_image_text": _build_mock_image_text,  # llava throughput: random images + text at any tower size
-            "webdataset": _build_webdataset}  # tar shards of images + captions / classes (titanlike/data/webdataset.py)
+            "webdataset": _build_webdataset,  # tar shards of images + captions / classes (titanlike/data/webdataset.py)
+            "mock_image_text": _build_mock_image_text}  # llava throughput: random images + text at any tower size
 
 
 def build_dataset(data_cfg, tokenizer, *, seq_len: int, split: str = "train", seed: int = 0,
