@@ -92,9 +92,9 @@ class ImageText:
         a = self.args
         if data.wds_target == "cls":
             return "data.wds_target='cls': llava trains on text; set data.wds_target to \"txt\" or \"json\""
-        if a.images_per_row != 1:
-            return (f"model.args.images_per_row={a.images_per_row}: a webdataset sample holds one image; set "
-                    "model.args.images_per_row=1")
+        if data.images_per_row != a.images_per_row:  # a sample's images fill the row's slots, up to this many
+            return (f"data.images_per_row={data.images_per_row}: the model takes {a.images_per_row} image slot(s) per "
+                    f"row (model.args.images_per_row); set data.images_per_row={a.images_per_row}")
         if (data.image_size, data.image_tokens) != (a.vision.image_size, a.image_tokens):
             return (f"data.image_size={data.image_size}, data.image_tokens={data.image_tokens}: the model takes "
                     f"{a.vision.image_size}x{a.vision.image_size} images as {a.image_tokens} tokens; set "

@@ -15,9 +15,9 @@ Data (--data): mock (the default for these families, also for --data stdlib): ra
 data.dataset=mock) or random images + tokens with `images` placeholder runs spread over the text (llava:
 data.dataset=mock_image_text); shapes (vit): procedural images drawn on the CPU; jpeg: WebDataset shards of JPEG
 images at the tower's side, written once under --image-data (titanlike/data/webdataset_write.py), decoded in the
-loader's workers: the decode cost is in the step (llava: one image per row, the shards' layout). titanlike's log
-line carries the share of the wall time its loop waited for the loader ("data N%", `data_pct` in the JSON). The
-peers draw random tensors on the device: no loader.
+loader's workers: the decode cost is in the step (llava: `images` JPEGs a sample, KEY.0.jpg ..., one per slot).
+titanlike's log line carries the share of the wall time its loop waited for the loader ("data N%", `data_pct` in the
+JSON). The peers draw random tensors on the device: no loader.
 """
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ def check_case(case: dict) -> None:
                          "image (vit) or none")
 
 
-def jpeg_folder(opts, side: int) -> str:
-    """The JPEG shards at this side under --image-data, written when missing (2048 training samples)."""
-    folder = os.path.join(opts.image_data, f"jpeg{side}")
+def jpeg_folder(opts, side: int, images: int = 1) -> str:
+    """The JPEG shards at this side (images per sample: llava's --images) under --image-data, written when missing
+    (2048 training samples)."""
+    folder = os.path.join(opts.image_data, f"jpeg{side}" + (f"x{images}" if images > 1 else ""))
     if not os.path.isfile(os.path.join(folder, "done")):
         from titanlike.data.webdataset_write import write_jpeg_shards
 
-        write_jpeg_shards(folder, side, samples=2048, per_shard=256)
+        write_jpeg_shards(folder, side, samples=2048, per_shard=256, images_per_sample=images)
         open(os.path.join(folder, "done"), "w").close()
     return folder
 
@@ -92,18 +93,17 @@ def data_flags(case: dict, opts) -> list[str]:
     flags = ["--validation.enable=false"]  # (training.seq_len: row_len, set by titanlike_cmd)
     if data not in ("mock", "shapes", "jpeg") or (data == "shapes" and case["model"] == "llava"):
         raise ValueError(f"--data {opts.data}: image families read mock, jpeg or (vit) shapes")
-    if data == "jpeg" and case["model"] == "llava" and case["images"] != 1:  # before any shard is written
-        raise ValueError(f"--data jpeg with llava: a WebDataset sample holds one image; use --images 1 (got "
-                         f"{case['images']})")
-    if data == "jpeg":
-        flags += ["--data.dataset=webdataset", f"--data.paths={jpeg_folder(opts, side)}/shapes{side}-train-*.tar"]
+    k = case["images"]
+    if data == "jpeg":  # llava: K images a sample (KEY.0.jpg, ...), filling the row's K slots
+        folder = jpeg_folder(opts, side, k if case["model"] == "llava" else 1)
+        flags += ["--data.dataset=webdataset", f"--data.paths={folder}/shapes{side}-train-*.tar"]
     if case["model"] == "vit":
         if data != "jpeg":
             flags.append(f"--data.dataset={data}")
         return flags + (["--data.wds_target=cls"] if data == "jpeg" else [])
-    k = case["images"]
     if data == "mock":
-        flags += ["--data.dataset=mock_image_text", f"--data.images_per_row={k}"]
+        flags.append("--data.dataset=mock_image_text")
+    flags.append(f"--data.images_per_row={k}")
     return flags + [f"--data.image_size={side}", f"--data.image_tokens={args.image_tokens}",
                     *(["--data.wds_target=txt"] if data == "jpeg" else []),
                     f"--model.args={{images_per_row = {k}}}"]

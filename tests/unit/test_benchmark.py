@@ -413,9 +413,18 @@ def test_vit_and_llava_cases_count_images_and_decoder_tokens(tmp_path):
     assert bench.flops_per_unit(llava, 128256) == pytest.approx(text + 4 * llava_image(args) / 4096)
     assert bench.peer_cmd(llava, hf)[2:9] == ["--vocab", "128256", "--model", "llava", "--images", "4", "1B-siglip"]
     assert bench.peer_cmd(llava, opts) is None and bench.peer_cmd(vit, hf) is None  # each family its own peer
-    with pytest.raises(ValueError, match="--images 1"):
-        bench.titanlike_cmd(llava, Namespace(**{**vars(hf), "data": "jpeg", "image_data": str(tmp_path / "none")}))
-    assert not (tmp_path / "none").exists()  # refused before any shard is written
+    # --data jpeg with --images K: K-image JPEG shards (KEY.0.jpg, ...), K slots a row
+    (small,) = bench.expand_matrix({"model": "llava", "flavor": "debug-siglip", "seq": "48", "images": "2"})
+    jpeg = Namespace(**{**vars(hf), "data": "jpeg", "image_data": str(tmp_path / "img")})
+    ours = bench.titanlike_cmd(small, jpeg)
+    side = spec.flavors["debug-siglip"].vision.image_size
+    paths = sorted((tmp_path / "img" / f"jpeg{side}x2").glob("*.tar"))
+    assert {"--data.dataset=webdataset", f"--data.paths={paths[0].parent}/shapes{side}-train-*.tar",
+            "--data.images_per_row=2", "--data.wds_target=txt", "--model.args={images_per_row = 2}"} <= set(ours)
+    import tarfile
+
+    with tarfile.open(paths[0]) as tar:
+        assert tar.getnames()[:4] == ["000000.0.jpg", "000000.1.jpg", "000000.cls", "000000.txt"]
     with pytest.raises(ValueError, match="llava's images per row"):
         bench.expand_matrix({"model": "vit", "images": "2"})
 

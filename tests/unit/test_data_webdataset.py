@@ -218,6 +218,7 @@ def test_config_refusals_name_the_key(shards):
         (["--data.bad_samples=ignore"], r"data.bad_samples='ignore' is not one of error, skip"),
         (["--data.image_tokens=9"], r"set data.image_size=32 and data.image_tokens=16"),
         (["--data.wds_target=cls"], r"llava trains on text"),
+        (["--data.images_per_row=2"], r"the model takes 1 image slot\(s\) per row .*set data.images_per_row=1"),
         (["--validation.enable=true"], r"needs validation.paths \(held-out shards\)"),
     ):
         with pytest.raises(ConfigError, match=pattern):
@@ -247,6 +248,127 @@ def test_trains_a_few_steps_from_shards(config, extra, shards, tmp_path):
         trainer.close()
     first, last = history[0]["loss"], history[-1]["loss"]
     print(f"{config} {extra}: loss {first:.3f} -> {last:.3f}")
+    assert last < first - 0.5, (first, last)
+
+
+SEQ2 = 2 * PIXELS + 64  # two slots, two runs of 16 and a 2-image conversation (60 tokens)
+
+
+@pytest.fixture(scope="module")
+def shards2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wds2")
+    return folder, write_shapes_shards(folder, 12, 4, images_per_sample=2)
+
+
+def words(text: str) -> list[int]:
+    return [WORD_ID[w] for w in text.split()]
+
+
+def test_multi_image_rows_are_the_drawn_samples(shards, shards2):
+    _, paths = shards2
+    with tarfile.open(paths[0]) as tar:
+        assert tar.getnames()[:5] == ["000000.0.png", "000000.1.png", "000000.txt", "000000.json", "000000.cls"]
+    ref = ShapesCaptions(SEQ, 64)
+    caps = build_dataset(cfg(paths, images_per_row=2), None, seq_len=SEQ2, vocab_size=64)
+    conv = build_dataset(cfg(paths, images_per_row=2, wds_target="json"), None, seq_len=SEQ2, vocab_size=64)
+    assert len(caps) == 12
+    for i in (0, 5, 11):
+        c0, c1 = ref.draw(2 * i)[1], ref.draw(2 * i + 1)[1]
+        ids, labels = caps[i]
+        assert torch.equal(ids[:PIXELS], ref[2 * i][0][:PIXELS]) and torch.equal(ids[PIXELS:2 * PIXELS],
+                                                                                  ref[2 * i + 1][0][:PIXELS])
+        text = [63] * 32 + words(f"{c0} and {c1}") + [WORD_ID["<end>"]]  # both runs first, then the caption
+        assert ids[2 * PIXELS:2 * PIXELS + len(text)].tolist() == text and not ids[2 * PIXELS + len(text):].any()
+        assert [t for t in labels.tolist() if t != IGNORE_INDEX] == text[32:]
+        # a conversation: each image's run where its <image> marker stands, loss on the answers only
+        ids, labels = conv[i]
+        assert torch.equal(ids[:2 * PIXELS], caps[i][0][:2 * PIXELS])
+        turns = [(words(c[:c.index(" at ")]) + [WORD_ID["<end>"]], words(c[c.index(" at ") + 1:]) +
+                  [WORD_ID["<end>"]]) for c in (c0, c1)]
+        want = [t for a1, a2 in turns for t in [63] * 16 + words("what is it") + a1 + words("where is it") + a2]
+        assert ids[2 * PIXELS:2 * PIXELS + len(want)].tolist() == want
+        assert [t for t in labels.tolist() if t != IGNORE_INDEX] == [t for a1, a2 in turns for t in a1 + a2]
+
+    # one-image samples in 2-slot rows: the second slot stays empty (the objective ignores it)
+    one = build_dataset(cfg(shards[1], images_per_row=2), None, seq_len=SEQ2, vocab_size=64)
+    ids, _ = one[3]
+    assert torch.equal(ids[:PIXELS], ref[3][0][:PIXELS]) and not ids[PIXELS:2 * PIXELS].any()
+    assert (ids[2 * PIXELS:] == 63).sum() == 16
+    # too long: cut before the second run, never inside it, and its image's slot left empty
+    cut = build_dataset(cfg(paths, images_per_row=2, wds_target="json"), None, seq_len=2 * PIXELS + 40,
+                        vocab_size=64)
+    ids, _ = cut[0]
+    assert (ids[2 * PIXELS:] == 63).sum() == 16 and not ids[PIXELS:2 * PIXELS].any()
+
+    # exact resume over 2-image rows
+    kw = dict(local_batch_size=4, seq_len=SEQ2, seed=1, vocab_size=64, dp_rank=0, dp_degree=1)
+    loader = build_dataloader(cfg(paths, images_per_row=2), None, **kw)
+    it = iter(loader)
+    next(it)
+    state, want = loader.state_dict(), [next(it) for _ in range(3)]  # across the epoch boundary (3 batches)
+    again = build_dataloader(cfg(paths, images_per_row=2, num_workers=1), None, **kw)
+    again.load_state_dict(state)
+    got = iter(again)
+    assert all(torch.equal(next(got)[0], w[0]) for w in want)
+
+
+def test_multi_image_refusals_error_in_one_line_or_skip(shards, shards2, tmp_path, caplog):
+    _, paths = shards
+
+    def add(key, members):  # 000003 gains a second image (a copy of its first)
+        if key == "000003":
+            png = members.pop("png")
+            members.update({"0.png": png, "1.png": png})
+        return members
+
+    more = _rewrite(paths[0], tmp_path / "more", add)
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cfg([more]), None, seq_len=SEQ, vocab_size=64)
+    msg = one_line(e)
+    assert more in msg and "sample '000003' holds 2 images, member '000003.1.png' past data.images_per_row=1" in msg
+    skip = build_dataset(cfg([more], bad_samples="skip"), None, seq_len=SEQ, vocab_size=64)
+    assert len(skip) == PER_SHARD - 1 and skip.left_out == {"with too many images": 1}
+    assert len(build_dataset(cfg([more], images_per_row=2), None, seq_len=SEQ2, vocab_size=64)) == PER_SHARD
+    gap = _rewrite(paths[0], tmp_path / "gap", lambda k, m: {("2.png" if e == "1.png" else e): v for e, v in
+                                                             add(k, m).items()})
+    with pytest.raises(ConfigError, match=r"sample '000003' numbers its images \[0, 2\]") as e:
+        build_dataset(cfg([gap], images_per_row=2), None, seq_len=SEQ2, vocab_size=64)
+    one_line(e)
+
+    # a conversation with one <image> marker for two images: found when read
+    def one_marker(key, members):
+        if key == "000001":
+            members["json"] = members["json"].replace(b"<image>", b"", 1)
+        return members
+
+    bad = _rewrite(shards2[1][0], tmp_path / "marker", one_marker)
+    data = cfg([bad], images_per_row=2, wds_target="json")
+    with pytest.raises(ConfigError) as e:
+        build_dataset(data, None, seq_len=SEQ2, vocab_size=64)[1]
+    msg = one_line(e)
+    assert bad in msg and "member '000001.json' of sample '000001'" in msg and "1 <image> marker(s)" in msg
+    skip = build_dataset(dataclasses.replace(data, bad_samples="skip"), None, seq_len=SEQ2, vocab_size=64)
+    good = build_dataset(cfg([shards2[1][0]], images_per_row=2, wds_target="json"), None, seq_len=SEQ2,
+                         vocab_size=64)
+    with caplog.at_level(logging.WARNING, logger="titanlike.data.images"):
+        assert torch.equal(skip[1][0], good[2][0])
+    assert skip.skipped == 1 and "000001.json" in caplog.text
+
+
+def test_trains_a_few_steps_from_two_image_shards(shards2, tmp_path):
+    from titanlike.train.trainer import Trainer
+
+    folder, _ = shards2
+    c = _load("configs/llava_wds_debug.toml", f"--job.dump_folder={tmp_path}", "--training.steps=8",
+              "--metrics.log_freq=1", f"--data.paths={folder}", "--training.local_batch_size=8",
+              f"--training.seq_len={SEQ2}", "--data.images_per_row=2", "--model.args={images_per_row = 2}")
+    trainer = Trainer(c)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    first, last = history[0]["loss"], history[-1]["loss"]
+    print(f"2-image shards: loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5, (first, last)
 
 

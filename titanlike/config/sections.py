@@ -304,7 +304,7 @@ class Data:
     wds_target: str = "txt"
     image_size: int = 0  # webdataset txt/json rows: the llava tower's image side (cls: 0 = from training.seq_len)
     image_tokens: int = 0  # webdataset txt/json rows: placeholders per image (the llava model's image_tokens)
-    images_per_row: int = 1  # mock_image_text rows: image slots per row (the llava model's images_per_row)
+    images_per_row: int = 1  # mock_image_text / webdataset txt/json rows: image slots per row (the model's)
     # webdataset / image_folder: an image that does not decode, a bad class or conversation, a truncated shard:
     # error (stop, naming the shard and member) | skip (the next good sample instead, logged with a count)
     bad_samples: str = "error"

@@ -149,7 +149,8 @@ def _check_images(d: Any, errors: list[str]) -> None:
         if getattr(d, key) < 0:
             errors.append(f"data.{key}={getattr(d, key)} must be >= 0")
     if d.images_per_row < 1:
-        errors.append(f"data.images_per_row={d.images_per_row} must be >= 1 (mock_image_text's image slots per row)")
+        errors.append(f"data.images_per_row={d.images_per_row} must be >= 1 (image slots per row: mock_image_text, "
+                      "webdataset llava rows)")
 
 
 def _check_chat(d: Any, errors: list[str]) -> None:

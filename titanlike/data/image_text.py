@@ -22,8 +22,9 @@ PLACEHOLDERS = (SIDE // PATCH) ** 2  # the llava debug flavor's patches per imag
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220), "yellow": (220, 210, 40)}
 SHAPES = ("square", "circle", "triangle")
 ROWS, COLS = ("top", "middle", "bottom"), ("left", "center", "right")
-# (the question words last, for the conversations of scripts/make_shape_shards.py: earlier ids never move)
-WORDS = ("a", "at", "<end>", *COLOURS, *SHAPES, *ROWS, *COLS, "what", "where", "is", "it")
+# (the question words last, for the conversations of scripts/make_shape_shards.py, then "and" for its multi-image
+# captions: appended, so earlier ids never move)
+WORDS = ("a", "at", "<end>", *COLOURS, *SHAPES, *ROWS, *COLS, "what", "where", "is", "it", "and")
 WORD_ID = {w: i + 1 for i, w in enumerate(WORDS)}
 
 

@@ -2,53 +2,57 @@
 
 The layout megatron-energon and the `webdataset` library read: plain (uncompressed) `.tar` files whose members are
 grouped into samples by key, the member name up to the first dot of its base name: `000123.jpg` + `000123.txt` (a
-caption), `000123.json` (a conversation) or `000123.cls` (a class id). data.paths gives the shards: files, globs,
-brace patterns (`/data/shards-{000000..000099}.tar`, `{a,b}` lists too) or folders (every `*.tar` under them).
+caption), `000123.json` (a conversation) or `000123.cls` (a class id). A sample may hold several images, numbered as
+energon's multi-image samples are: `000123.0.jpg`, `000123.1.jpg`, ... (slot order), up to data.images_per_row.
+data.paths gives the shards: files, globs, brace patterns (`/data/shards-{000000..000099}.tar`, `{a,b}` lists too)
+or folders (every `*.tar` under them).
 
 Read with the stdlib's tarfile and Pillow, no new dependency. At build time every shard's headers are scanned (not
-its data: tarfile seeks past it) into an index of (shard, member offsets); sample i then reads its two members by
+its data: tarfile seeks past it) into an index of (shard, member offsets); sample i then reads its members by
 offset, so the dataset is map-style and the loader's global-order sampler gives it everything the token data has:
 a seeded shuffle over all samples, each data-parallel rank a disjoint share of every batch, and an exact resume
 under any DP degree or worker count. Images are decoded in the loader's workers (data.num_workers).
 
-Rows (what data.wds_target picks; each family's objective checks the choice against its model):
+Rows (what data.wds_target picks; each family's objective checks the choice against its model), made by
+titanlike/data/webdataset_rows.py:
 - "cls": ViT rows as titanlike/data/images.py: the image's bytes (side from training.seq_len = 3 * side**2), every
-  label its class.
-- "txt" / "json": LLaVA rows as titanlike/data/image_text.py: the image's bytes (data.image_size), then
-  data.image_tokens placeholders (the vocabulary's last id), then the text; labels are the next token on the text
-  only (a caption: all of it; a conversation: the assistant's turns and their end tokens, loss on answers only).
-  Text is encoded by the run's tokenizer (its EOS ends a caption or an answer), or with NullTokenizer by
-  image_text.py's word list, as shapes_captions is (the shards scripts/make_shape_shards.py writes).
+  label its class. One image per sample.
+- "txt" / "json": LLaVA rows as models/llava/objective.py reads them: data.images_per_row slots of the images' bytes
+  (data.image_size; unused slots stay empty), then the text with a run of data.image_tokens placeholders (the
+  vocabulary's last id) per image: a caption's runs first, a conversation's where its `<image>` markers stand (one
+  per image); labels are the next token on the text only (a caption: all of it; a conversation: the assistant's
+  turns and their end tokens, loss on answers only). Text is encoded by the run's tokenizer (its EOS ends a caption
+  or an answer), or with NullTokenizer by image_text.py's word list, as shapes_captions is (the shards
+  scripts/make_shape_shards.py writes).
 
-Bad input (data.bad_samples): a sample whose image does not decode, whose class is not an integer or whose JSON is
-not a conversation stops the run in one line naming shard and member ("error"), or is replaced by the next good
-sample, logged with a count ("skip"). Shards that are truncated, not tar files, or hold incomplete samples are found
-while indexing: "error" names the shard, "skip" keeps what is readable and says how much was left out.
+Bad input (data.bad_samples): a sample whose image does not decode, whose class is not an integer, whose JSON is
+not a conversation or whose `<image>` markers do not match its images stops the run in one line naming shard,
+member and key ("error"), or is replaced by the next good sample, logged with a count ("skip"). Shards that are
+truncated, not tar files, or hold incomplete samples, and samples with more images than data.images_per_row or
+misnumbered ones, are found while indexing: "error" names the shard (and sample), "skip" keeps what is readable and
+says how much was left out.
 """
 from __future__ import annotations
 
 import glob
 import hashlib
 import io
-import json
 import logging
 import os
 import re
 import tarfile
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from models.batch import IGNORE_INDEX
 from titanlike.config.errors import ConfigError
-from titanlike.data.images import CHANNELS, BadImage, decode_square, first_good, image_side
+from titanlike.data.images import BadImage, decode_square, first_good
+from titanlike.data.webdataset_rows import ClassRows, TextRows
 
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "gif", "tif", "tiff")  # first present wins
 TARGETS = ("txt", "json", "cls")  # data.wds_target
-ASSISTANT_ROLES = ("gpt", "assistant")  # LLaVA's conversations say "gpt", chat data "assistant"
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -96,9 +100,27 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
 
 
-def index_shard(path: str, target: str, bad_samples: str, key: str = "data.paths"
+def sample_images(parts: dict) -> tuple[list[str], str | None]:
+    """A sample's image members (extensions) in slot order: `jpg` alone, or `0.jpg`, `1.jpg`, ... (energon's multi-
+    image samples), the first of IMAGE_EXTS where one slot has several; and a problem, when both forms or a gap in
+    the numbers appear (which image goes to which <image> marker would be a guess)."""
+    plain = next((e for e in IMAGE_EXTS if e in parts), None)
+    numbers = {int(n) for n, dot, kind in (e.partition(".") for e in parts) if dot and n.isdigit()
+               and kind in IMAGE_EXTS}
+    if not numbers:
+        return ([plain] if plain else []), None
+    if plain is not None:
+        return [], f"holds both an unnumbered image (.{plain}) and numbered ones (.0.<ext>, ...)"
+    found = [next((f"{n}.{e}" for e in IMAGE_EXTS if f"{n}.{e}" in parts), None) for n in range(len(numbers))]
+    if None in found:
+        return [], f"numbers its images {sorted(numbers)}: want 0, 1, ... with no gap"
+    return found, None
+
+
+def index_shard(path: str, target: str, bad_samples: str, key: str = "data.paths", max_images: int = 1
                 ) -> tuple[list[tuple], dict[str, int]]:
-    """[(key, image name, image offset, size, target offset, size)] of one shard, and what was left out by reason."""
+    """[(key, ((image name, offset, size), ...), target offset, size)] of one shard, and what was left out by
+    reason; a sample with more than max_images images is bad (data.images_per_row: a row's slots)."""
     size = os.path.getsize(path)
     members: dict[str, dict[str, tuple[int, int]]] = {}
     problem = None
@@ -134,16 +156,26 @@ def index_shard(path: str, target: str, bad_samples: str, key: str = "data.paths
         left_out["in a truncated or unreadable shard (the rest of it)"] = 1
         logger.warning(f"data.bad_samples='skip': shard {path}: {problem}; kept its {len(members)} samples before")
     for name, parts in members.items():
-        image = next((e for e in IMAGE_EXTS if e in parts), None)
-        if image is None or target not in parts:
-            missing = "an image" if image is None else f"a .{target}"
+        images, problem = sample_images(parts)
+        missing = "an image" if not images and problem is None else None if target in parts else f"a .{target}"
+        too_many = problem is None and missing is None and len(images) > max_images
+        if too_many:
+            extra = f"{name}.{images[max_images]}"
+            vit = " (a vit row is one image)" if target == "cls" else ""
+            problem = f"holds {len(images)} images, member {extra!r} past data.images_per_row={max_images}{vit}"
+        if missing is not None or problem is not None:
+            why = f"has no {missing} member (it has {sorted(parts)})" if missing else problem
             if bad_samples != "skip":
-                raise ConfigError(f"{key}: shard {path}: sample {name!r} has no {missing} member (it has "
-                                  f"{sorted(parts)}); set data.bad_samples=\"skip\" to leave such samples out, or "
-                                  "data.wds_target to the member that holds the target (txt, json, cls)")
-            left_out[f"without {missing}"] = left_out.get(f"without {missing}", 0) + 1
+                fix = ("data.wds_target to the member that holds the target (txt, json, cls)" if missing else
+                       "data.images_per_row to the most images a sample holds" if too_many and not vit else
+                       "rewrite the shard")
+                raise ConfigError(f"{key}: shard {path}: sample {name!r} {why}; set data.bad_samples=\"skip\" to "
+                                  f"leave such samples out, or {fix}")
+            reason = (f"without {missing}" if missing else "with too many images" if too_many else
+                      "with misnumbered images")
+            left_out[reason] = left_out.get(reason, 0) + 1
             continue
-        samples.append((name, f"{name}.{image}", *parts[image], *parts[target]))
+        samples.append((name, tuple((f"{name}.{e}", *parts[e]) for e in images), *parts[target]))
     return samples, left_out
 
 
@@ -156,7 +188,7 @@ class WebDatasetShards(Dataset):
         self.samples: list[tuple] = []
         self.left_out: dict[str, int] = {}
         for s, path in enumerate(self.shards):
-            found, left_out = index_shard(path, target, bad_samples, paths_key)
+            found, left_out = index_shard(path, target, bad_samples, paths_key, rows.images_per_row)
             self.samples += [(s, *sample) for sample in found]
             for why, n in left_out.items():
                 self.left_out[why] = self.left_out.get(why, 0) + n
@@ -184,17 +216,19 @@ class WebDatasetShards(Dataset):
         return f.read(size)
 
     def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shard, key, image_name, img_off, img_size, tgt_off, tgt_size = self.samples[i]
+        shard, key, members, tgt_off, tgt_size = self.samples[i]
         where = f"shard {self.shards[shard]}"
-        try:
-            image = decode_square(io.BytesIO(self._read(shard, img_off, img_size)), self.rows.side)
-        except BadImage as e:
-            raise BadImage(f"{where} member {image_name!r}: {e}") from None
+        images = []
+        for name, offset, size in members:
+            try:
+                images.append(decode_square(io.BytesIO(self._read(shard, offset, size)), self.rows.side))
+            except BadImage as e:
+                raise BadImage(f"{where} member {name!r}: {e}") from None
         raw = self._read(shard, tgt_off, tgt_size)
         try:
-            return self.rows(image, raw)
+            return self.rows(images, raw)
         except BadImage as e:
-            raise BadImage(f"{where} member {key}.{self.target!r}: {e}") from None
+            raise BadImage(f"{where} member {f'{key}.{self.target}'!r} of sample {key!r}: {e}") from None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return first_good(self, i, self._load, "rewrite the shard")
@@ -207,107 +241,6 @@ class WebDatasetShards(Dataset):
         run = f"; {whose} samples: {samples:,} ({samples / len(self):.2f} epochs)" if samples else ""
         return [f"{label}: webdataset, {len(self.shards)} shard(s), {len(self):,} samples (image + .{self.target}), "
                 f"{self.rows.layout}{run}{out}"]
-
-
-class ClassRows:
-    """.cls members -> ViT rows: the image's bytes, every label the class."""
-
-    def __init__(self, seq_len: int):
-        self.side = image_side(seq_len, "webdataset")
-        self.layout = f"{self.side}x{self.side} images, one class each"
-
-    def __call__(self, image: np.ndarray, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            label = int(raw.decode("utf-8").strip())
-        except (UnicodeDecodeError, ValueError):
-            raise BadImage(f"not a class id ({raw[:20]!r}; a .cls member holds one integer)") from None
-        if label < 0:
-            raise BadImage(f"class {label} is negative")
-        ids = torch.from_numpy(image.astype(np.int64).reshape(-1))
-        return ids, torch.full_like(ids, label)
-
-
-class TextRows:
-    """.txt captions / .json conversations -> LLaVA rows (image bytes, placeholders, text; labels on the text)."""
-
-    def __init__(self, seq_len: int, side: int, image_tokens: int, vocab_size: int, tokenizer, messages_key: str):
-        self.seq_len, self.side, self.image_tokens = seq_len, side, image_tokens
-        self.pixels = CHANNELS * side * side
-        self.image_token = vocab_size - 1
-        self.messages_key = messages_key
-        if seq_len < self.pixels + image_tokens + 2:
-            raise ConfigError(f"training.seq_len={seq_len}: a webdataset row holds {self.pixels} pixel values "
-                              f"(data.image_size={side}), {image_tokens} image tokens and the text; set "
-                              f"training.seq_len >= {self.pixels + image_tokens + 2} (plus the text's length)")
-        if tokenizer is None or type(tokenizer).__name__ == "NullTokenizer":  # the shapes shards' word ids
-            from titanlike.data.image_text import WORD_ID
-
-            if vocab_size < len(WORD_ID) + 2:
-                raise ConfigError(f"model.vocab_size={vocab_size}: the word ids of image_text.py need "
-                                  f"{len(WORD_ID) + 2} (words, padding, the image token)")
-            self.words, self.end = WORD_ID, WORD_ID["<end>"]
-        else:
-            if tokenizer.vocab_size > self.image_token:
-                raise ConfigError(f"model.vocab_size={vocab_size}: the image token is the vocabulary's last id, "
-                                  f"which the tokenizer ({tokenizer.vocab_size} ids) uses; set model.vocab_size >= "
-                                  f"{tokenizer.vocab_size + 1}")
-            self.words, self.end = None, tokenizer.eos_id
-        self.tokenizer = tokenizer
-        self.layout = (f"{side}x{side} images + {image_tokens} image tokens, text to {seq_len - self.pixels} "
-                       "tokens (longer text is cut)")
-
-    def encode(self, text: str) -> list[int]:
-        text = text.replace("<image>", " ")  # the placeholders go first, one run per row (objective.py)
-        if self.words is None:
-            return self.tokenizer.encode(text.strip())
-        unknown = [w for w in text.split() if w not in self.words]
-        if unknown:
-            raise BadImage(f"words {unknown[:3]} are not in image_text.py's word list (NullTokenizer); set "
-                           "data.tokenizer / data.tokenizer_type to a real tokenizer for real captions")
-        return [self.words[w] for w in text.split()]
-
-    def turns(self, raw: bytes) -> list[tuple[list[int], bool]]:
-        """[(ids, trained)]: a caption is one trained turn; a conversation's assistant turns are the trained ones."""
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadImage("not UTF-8 text") from None
-        if not text.lstrip().startswith(("[", "{")):  # a .txt caption
-            return [(self.encode(text) + [self.end], True)]
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise BadImage(f"not JSON ({e.msg} at line {e.lineno})") from None
-        if isinstance(value, dict):
-            value = value.get(self.messages_key, value.get("conversations"))
-        if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
-            raise BadImage(f"not a conversation: want a list of turns, or {{\"{self.messages_key}\" or "
-                           "\"conversations\": [...]}, each {\"from\"/\"role\", \"value\"/\"content\"}")
-        out = []
-        for t in value:
-            role, content = t.get("from", t.get("role")), t.get("value", t.get("content"))
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise BadImage(f"turn {t!r:.60} has no role and text (\"from\"/\"role\", \"value\"/\"content\")")
-            trained = role in ASSISTANT_ROLES
-            out.append((self.encode(content) + ([self.end] if trained else []), trained))
-        return out
-
-    def __call__(self, image: np.ndarray, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, trained = [self.image_token] * self.image_tokens, [False] * self.image_tokens
-        for ids, train in self.turns(raw):
-            tokens += ids
-            trained += [train] * len(ids)
-        room = self.seq_len - self.pixels
-        tokens, trained = tokens[:room], trained[:room]  # too long: the end is cut (the placeholders always fit)
-        ids = torch.zeros(self.seq_len, dtype=torch.int64)
-        ids[:self.pixels] = torch.from_numpy(image.astype(np.int64).reshape(-1))
-        ids[self.pixels:self.pixels + len(tokens)] = torch.tensor(tokens)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        # position p predicts token p + 1: a target only where that token belongs to a trained turn
-        nxt = torch.tensor(tokens[1:], dtype=torch.int64)
-        keep = torch.tensor(trained[1:], dtype=torch.bool)
-        labels[self.pixels:self.pixels + len(tokens) - 1] = nxt.masked_fill(~keep, IGNORE_INDEX)
-        return ids, labels
 
 
 def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, paths_key="data.paths", **_):
@@ -328,7 +261,8 @@ def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, pa
                               f"caption / conversation rows need both (the llava tower's image size and "
                               "placeholders per image, e.g. 32 and 16 for the debug flavor)")
         vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
-        rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key)
+        rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key,
+                        data_cfg.images_per_row)
     # no split: training and validation read their own shards (validation.paths), as streaming text does
     return WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
                             bad_samples=data_cfg.bad_samples, paths_key=paths_key)

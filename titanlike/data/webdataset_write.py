@@ -7,12 +7,15 @@ Members carry a fixed mtime and owner, so the same samples give byte-identical s
 `write_shapes_shards` draws shapes_captions' images (titanlike/data/image_text.py: a coloured shape at one of 9
 places) and writes each sample with every target a family reads: `.png` (lossless: the decoded bytes equal the drawn
 ones), `.txt` (the caption), `.json` (a two-turn LLaVA conversation: "what is it" / the shape, "where is it" / the
-place) and `.cls` (the colour, 0..3). scripts/make_shape_shards.py runs it; tests and configs/llava_wds_debug.toml
-use it.
+place) and `.cls` (the colour, 0..3). With images_per_sample K > 1 a sample holds K drawn images as `0.png`, ...
+(multi-image rows: data.images_per_row >= K), the caption "a red circle at top left and a blue square at bottom
+right", one `<image>` marker per image in the conversation. scripts/make_shape_shards.py runs it; tests and
+configs/llava_wds_debug.toml use it.
 
 `write_jpeg_shards` writes the image-classification shapes (titanlike/data/images.py) at any side as JPEG, with a
 `.cls` (the class, 0..9) and a `.txt` (the shape's name in image_text.py's words, for llava rows): input whose decode
-costs what a real corpus's does, for the benchmarks' data share (scripts/bench/benchmark.py --data jpeg).
+costs what a real corpus's does, for the benchmarks' data share (scripts/bench/benchmark.py --data jpeg; K images a
+sample with images_per_sample, for llava's --images K).
 """
 from __future__ import annotations
 
@@ -50,47 +53,70 @@ def write_shards(folder: str | Path, samples, per_shard: int, prefix: str = "sha
     return paths
 
 
-def shapes_samples(n: int, seed: int = 0, split: str = "train"):
-    """(key, {png, txt, json, cls}) for shapes_captions' samples 0..n-1."""
+def image_members(images: list[bytes], ext: str) -> dict[str, bytes]:
+    """One image as `ext` (today's layout), several as `0.ext`, `1.ext`, ... (energon's multi-image samples)."""
+    return {ext: images[0]} if len(images) == 1 else {f"{j}.{ext}": b for j, b in enumerate(images)}
+
+
+def shapes_samples(n: int, seed: int = 0, split: str = "train", images_per_sample: int = 1):
+    """(key, {png, txt, json, cls}) for shapes_captions' samples 0..n-1; with images_per_sample K, sample i holds the
+    drawn images i*K .. i*K+K-1 (`0.png`, `1.png`, ...), its caption their captions joined by "and", its
+    conversation "what is it" / "where is it" about each image in turn (an `<image>` marker in the first question of
+    each), its class the first image's colour."""
     from PIL import Image
 
     from titanlike.data.image_text import COLOURS, PIXELS, ShapesCaptions
 
     source = ShapesCaptions(PIXELS + 64, 64, seed=seed, split=split)
+    k = images_per_sample
     for i in range(n):
-        image, caption = source.draw(i)
-        png = io.BytesIO()
-        Image.fromarray(image.transpose(1, 2, 0)).save(png, format="PNG")
-        words = caption.split()  # "a red circle at top left"
-        conversation = [{"from": "human", "value": "<image>\nwhat is it"},
-                        {"from": "gpt", "value": " ".join(words[:3])},
-                        {"from": "human", "value": "where is it"},
-                        {"from": "gpt", "value": " ".join(words[3:])}]
-        yield f"{i:06d}", {"png": png.getvalue(), "txt": caption.encode(), "json": json.dumps(conversation).encode(),
-                           "cls": str(list(COLOURS).index(words[1])).encode()}
+        pngs, captions, conversation = [], [], []
+        for j in range(k):
+            image, caption = source.draw(i * k + j)
+            png = io.BytesIO()
+            Image.fromarray(image.transpose(1, 2, 0)).save(png, format="PNG")
+            pngs.append(png.getvalue())
+            captions.append(caption)
+            words = caption.split()  # "a red circle at top left"
+            conversation += [{"from": "human", "value": "<image>\nwhat is it"},
+                             {"from": "gpt", "value": " ".join(words[:3])},
+                             {"from": "human", "value": "where is it"},
+                             {"from": "gpt", "value": " ".join(words[3:])}]
+        colour = str(list(COLOURS).index(captions[0].split()[1])).encode()
+        yield f"{i:06d}", {**image_members(pngs, "png"), "txt": " and ".join(captions).encode(),
+                           "json": json.dumps(conversation).encode(), "cls": colour}
 
 
 def write_shapes_shards(folder: str | Path, samples: int = 64, per_shard: int = 16, seed: int = 0,
-                        split: str = "train") -> list[str]:
-    return write_shards(folder, shapes_samples(samples, seed, split), per_shard, prefix=f"shapes-{split}")
+                        split: str = "train", images_per_sample: int = 1) -> list[str]:
+    return write_shards(folder, shapes_samples(samples, seed, split, images_per_sample), per_shard,
+                        prefix=f"shapes-{split}")
 
 
-def jpeg_samples(n: int, side: int, seed: int = 0, split: str = "train", quality: int = 90):
-    """(key, {jpg, cls, txt}) for the shapes set's samples 0..n-1 drawn at side x side."""
+def jpeg_samples(n: int, side: int, seed: int = 0, split: str = "train", quality: int = 90,
+                 images_per_sample: int = 1):
+    """(key, {jpg, cls, txt}) for the shapes set's samples 0..n-1 drawn at side x side; with images_per_sample K,
+    sample i holds the drawn images i*K .. i*K+K-1 (`0.jpg`, ...), its .txt their names, its .cls the first's."""
     from PIL import Image
 
     from titanlike.data.image_text import SHAPES
     from titanlike.data.images import CHANNELS, ShapesDataset
 
     source = ShapesDataset(CHANNELS * side * side, seed=seed, split=split)
+    k = images_per_sample
     for i in range(n):
-        image, label = source.draw(i)
-        jpg = io.BytesIO()
-        Image.fromarray(image.transpose(1, 2, 0)).save(jpg, format="JPEG", quality=quality)
-        yield f"{i:06d}", {"jpg": jpg.getvalue(), "cls": str(label).encode(),
-                           "txt": f"a {SHAPES[label % len(SHAPES)]}".encode()}
+        jpgs, labels = [], []
+        for j in range(k):
+            image, label = source.draw(i * k + j)
+            jpg = io.BytesIO()
+            Image.fromarray(image.transpose(1, 2, 0)).save(jpg, format="JPEG", quality=quality)
+            jpgs.append(jpg.getvalue())
+            labels.append(label)
+        text = " and ".join(f"a {SHAPES[label % len(SHAPES)]}" for label in labels)
+        yield f"{i:06d}", {**image_members(jpgs, "jpg"), "cls": str(labels[0]).encode(), "txt": text.encode()}
 
 
 def write_jpeg_shards(folder: str | Path, side: int, samples: int = 1024, per_shard: int = 256, seed: int = 0,
-                      split: str = "train") -> list[str]:
-    return write_shards(folder, jpeg_samples(samples, side, seed, split), per_shard, prefix=f"shapes{side}-{split}")
+                      split: str = "train", images_per_sample: int = 1) -> list[str]:
+    return write_shards(folder, jpeg_samples(samples, side, seed, split, images_per_sample=images_per_sample),
+                        per_shard, prefix=f"shapes{side}-{split}")
