@@ -25,7 +25,9 @@ from torch import nn
 class Step:
     """One forward of generation, as the cache must know it."""
 
-    slots: torch.Tensor  # [S] int64: the slots this forward's tokens take (the same in every row)
+    # [S] int64: the slots this forward's tokens take (the same in every row); [B, S]: per row, which only KVCache
+    # takes (speculative decoding's rows advance by their own accepted drafts)
+    slots: torch.Tensor
     mask: torch.Tensor  # [B, 1, S, A] bool: the slots each query may see (A: attend_len, else max_len)
     # slots in use (eager: attention reads only those), or None: all max_len slots, masked (static shapes for a
     # compiled decode step)

@@ -4,8 +4,9 @@
 One `KVCache` holds, per block, static buffers [B, max_len, ...] of whatever the block's attention chooses to cache,
 and for each forward the slots it writes and the boolean mask of the slots each query may see. Slots are shared by
 all rows: prompts are left-padded, so the token a step feeds sits in the same slot in every row, and the mask
-hides each row's pad slots. Positions (RoPE rows, GPT's position ids) come in through the model's own `positions`
-argument, so the training forward needs nothing new.
+hides each row's pad slots. Speculative decoding (titanlike/infer/speculative.py) gives each row its own slots
+instead ([B, S]): its rows commit different numbers of tokens per round. Positions (RoPE rows, GPT's position
+ids) come in through the model's own `positions` argument, so the training forward needs nothing new.
 
 How a block's attention uses it (`KVCache.attached(model)` sets this up and undoes it afterwards):
   - a module with a `kv_cache` attribute (DeepSeek's MLA) gets its LayerCache there and caches what it wants
@@ -57,7 +58,10 @@ class LayerCache:
         if self.buffers is None:
             self.buffers = [t.new_zeros(o.batch, o.max_len, *t.shape[2:]) for t in new]
         for buf, t in zip(self.buffers, new):
-            buf.index_copy_(1, o.slots, t.to(buf.dtype))
+            if o.slots.dim() == 1:
+                buf.index_copy_(1, o.slots, t.to(buf.dtype))
+            else:  # [B, S]: each row writes its own slots (speculative decoding, whose rows advance apart)
+                buf[torch.arange(o.batch, device=o.slots.device)[:, None], o.slots] = t.to(buf.dtype)
         n = o.attend_len
         return tuple(buf if n is None else buf[:, :n] for buf in self.buffers)
 
@@ -78,7 +82,7 @@ class KVCache:
     def __init__(self, batch: int, max_len: int) -> None:
         self.batch, self.max_len = batch, max_len
         self.layers: dict[str, LayerCache] = {}
-        self.slots: torch.Tensor | None = None  # [S] int64: the slots this forward writes
+        self.slots: torch.Tensor | None = None  # [S] or [B, S] int64: the slots this forward writes
         self.mask: torch.Tensor | None = None  # [B, 1, S, attend_len or max_len] bool
         self.attend_len: int | None = None  # None: attend over all max_len slots (static shapes)
 

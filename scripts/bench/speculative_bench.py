@@ -220,7 +220,8 @@ def run_group(engines, calls: list[list[list[int]]], new_tokens: int, device, it
                 seconds += time.perf_counter() - t0
                 outs += out
                 if stats is not None:
-                    for f in ("drafted", "accepted", "matched", "rounds", "committed"):
+                    for f in ("drafted", "accepted", "matched", "rounds", "committed", "row_forwards",
+                              "rows_drafted", "rows_accepted"):  # the lists concatenate: one entry per prompt
                         setattr(total, f, getattr(total, f) + getattr(stats, f))
             best = min(best, seconds)
         seconds = best
@@ -229,12 +230,14 @@ def run_group(engines, calls: list[list[list[int]]], new_tokens: int, device, it
                "new_tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 1)}
         if k:
             forwards = total.rounds + len(calls)  # the verify rounds and each call's prefill
-            # match_rate: drafts each row's main model agreed with; acceptance_rate: those the batch committed
-            # (a round commits its rows' smallest count, so one hard row holds the others back)
+            # match_rate: drafts each row's main model agreed with; acceptance_rate: those committed (each row
+            # commits its own; they differ only where max_new_tokens cut a round). tokens_per_main_forward: what a
+            # live row commits per main forward, prefill included
             row.update(drafted=total.drafted, accepted=total.accepted, matched=total.matched,
                        acceptance_rate=round(total.acceptance_rate, 4), match_rate=round(total.match_rate, 4),
-                       main_forwards=forwards,
-                       tokens_per_main_forward=round(total.committed / forwards, 3))
+                       rows_acceptance=[round(a / d, 4) if d else 0.0
+                                        for a, d in zip(total.rows_accepted, total.rows_drafted)],
+                       main_forwards=forwards, tokens_per_main_forward=round(total.tokens_per_forward, 3))
         else:
             row.update(main_forwards=tokens // len(calls[0]), tokens_per_main_forward=1.0)
         if ref is None:

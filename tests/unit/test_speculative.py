@@ -39,8 +39,10 @@ def test_greedy_equals_plain_generate(family, make, depth):
     want = generate(model, prompts, max_new_tokens=20)
     got, stats = mtp_generate(model, prompts, max_new_tokens=20)
     assert got == want
-    assert stats.committed == 20 and stats.rounds >= 20 // (depth + 1)
-    assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted
+    assert stats.committed == 3 * 20 and stats.rounds >= 20 // (depth + 1)  # all rows' tokens, prefill included
+    assert stats.drafted > 0 and 0 <= stats.accepted <= stats.matched <= stats.drafted
+    assert sum(stats.rows_drafted) == stats.drafted and sum(stats.rows_accepted) == stats.accepted
+    assert stats.row_forwards <= 3 * (stats.rounds + 1) and stats.tokens_per_forward >= 1
     # fewer drafts than depths, and EOS / streaming as generate() gives them
     eos = want[1][5]
     streamed = []
@@ -61,15 +63,14 @@ def test_oracle_drafts_accept_and_roll_back(family, make, depth, monkeypatch):
     rounds = []
     longest = max(map(len, prompts))
 
-    def oracle(self, seq, n, k):
-        real(self, seq, n, k)  # keep the MTP caches' bookkeeping exercised
-        done = n - longest  # tokens already generated before slot n's
-        out = torch.tensor([[row[done + j] if done + j < len(row) else 0 for j in range(1, k + 1)] for row in want])
+    def oracle(self, seq, n, n_host, k):
+        real(self, seq, n, n_host, k)  # keep the MTP caches' bookkeeping exercised
+        out = _truth(want, n_host, longest, k)
         r = len(rounds)
         rounds.append(k)
         if k == 0:  # the last token: nothing to draft
             return out.long()
-        if r % 3 == 1:  # one row wrong at the last depth: the batch accepts k-1
+        if r % 3 == 1:  # one row wrong at the last depth: it accepts k-1, the others k
             out[r % len(prompts), k - 1] = (out[r % len(prompts), k - 1] + 1) % vocab
         elif r % 3 == 2:  # every row wrong at depth 1: nothing accepted
             out[:, 0] = (out[:, 0] + 1) % vocab
@@ -80,6 +81,50 @@ def test_oracle_drafts_accept_and_roll_back(family, make, depth, monkeypatch):
     assert got == want
     assert 0 < stats.accepted < stats.drafted
     assert stats.rounds < 23  # some rounds committed several tokens
+
+
+def _truth(want, n_host, longest, k):
+    """[B, k] each row's greedy tokens after its slot n (tokens already generated before it: n - longest)."""
+    return torch.tensor([[row[n - longest + j] if n - longest + j < len(row) else 0 for j in range(1, k + 1)]
+                         for row, n in zip(want, n_host)]).long()
+
+
+@pytest.mark.parametrize("family,make,depth", CASES, ids=[f"{c[0]}-d{c[2]}" for c in CASES])
+def test_rows_commit_their_own_drafts(family, make, depth, monkeypatch):
+    """Oracle drafts, right every round for row 0, wrong at depth 1 for row 1 and (depth 2) at depth 2 for row 2:
+    each row commits its own count per round, so row 0 finishes in a few rounds while row 1 takes one token per
+    round, and every row's tokens are still plain greedy's."""
+    model, vocab = _model(family, make, depth)
+    prompts = _prompts(vocab)
+    new = 24
+    want = generate(model, prompts, max_new_tokens=new)
+    real = speculative._Drafter.draft
+    longest = max(map(len, prompts))
+
+    def oracle(self, seq, n, n_host, k):
+        real(self, seq, n, n_host, k)
+        out = _truth(want, n_host, longest, k)
+        if k:
+            out[1, 0] = (out[1, 0] + 1) % vocab
+        if k > 1:
+            out[2, 1] = (out[2, 1] + 1) % vocab
+        return out
+
+    monkeypatch.setattr(speculative._Drafter, "draft", oracle)
+    got, stats = mtp_generate(model, prompts, max_new_tokens=new)
+    assert got == want
+    acc, drafted = stats.rows_accepted, stats.rows_drafted
+    assert acc[1] == 0 and stats.rounds == new - 1  # row 1 commits one token per round
+    # row 0 commits depth + 1 tokens per round (its last round cut at max_new_tokens) and then stops drafting:
+    # aligned rows would have committed one per round, row 1's count
+    fast = -(-(new - 1) // (depth + 1))  # its rounds
+    assert drafted[0] == depth * fast and acc[0] == new - 1 - fast and drafted[0] < drafted[1]
+    if depth == 2:  # row 2 accepts its depth-1 draft every round: two tokens per round
+        slow = -(-(new - 1) // 2)
+        assert drafted[2] == 2 * slow and acc[2] == new - 1 - slow
+    else:
+        assert (drafted[2], acc[2]) == (drafted[0], acc[0])
+    assert stats.committed == 3 * new and stats.accepted == sum(acc) and stats.drafted == sum(drafted)
 
 
 def test_refusals_are_one_line():

@@ -14,11 +14,13 @@ h^0 (after its final norm, what the head and the MTP modules read) at every fed 
   rollback nothing to undo: the KV caches are written by slot and a query sees only slots at or before its own, so
           K/V written for rejected tokens sit past the committed end and the next round's forward overwrites them.
 
-Rows of a batch stay aligned (left-padded prompts share slots, as in generate()): a round commits the smallest a of
-the rows still generating (each row's accepted drafts are its main model's greedy tokens, so taking fewer of them is
-exact). The MTP modules keep KV caches of their own blocks: depth d's state at slot p needs token p+d, which is a
-draft until committed, so each round recomputes depth d from the first slot whose inputs were not all committed
-(at most d slots back), and a draft's cache entries never outlive the round.
+Rows of a batch advance apart: every row commits its own a+1 tokens, so each keeps its own slot n (the KV caches
+and the MTP caches take per-row slots, models/common/kv_cache.py) and its own positions, and sees only its own
+committed slots; a hard row no longer holds the others to one token per round. A row that has finished (EOS, stop
+sequence, max_new_tokens) stays where it is: the batch still computes it, and nothing of it is kept. The MTP modules
+keep KV caches of their own blocks: depth d's state at slot p needs token p+d, which is a draft until committed, so
+each round recomputes depth d from each row's first slot whose inputs were not all committed, and a draft's cache
+entries never outlive the round.
 
 Greedy only (sampling would need the rejection-sampling rule); eager only (block shapes change every round).
 """
@@ -32,18 +34,23 @@ import torch
 
 import models
 from models.common.kv_cache import KVCache
+from models.cache import Step
 from titanlike.infer.generate import _check_sampling, _Stops, step_at
 
 
 @dataclasses.dataclass
 class SpeculativeStats:
-    drafted: int = 0  # draft tokens proposed to the verifier, summed over the rows still generating
+    """Sums over the rows, each counted only while it is still generating; the rows_* lists hold each row's own."""
+
+    drafted: int = 0  # draft tokens proposed to the verifier
     accepted: int = 0  # of those, committed without a main-model correction
-    # drafts each row's main model agreed with, in order, before the batch commits its rows' smallest count: with
-    # one row it equals `accepted`; in a batch the gap is what rows waiting for the worst row cost
+    # drafts each row's main model agreed with, in order; above `accepted` only where max_new_tokens cut a round
     matched: int = 0
     rounds: int = 0  # verify forwards of the main model (after the prefill)
-    committed: int = 0  # tokens committed per row by the prefill and the rounds (one row's count)
+    committed: int = 0  # tokens committed by the prefill and the rounds, all rows together
+    row_forwards: int = 0  # main forwards (prefill included) summed over the rows they computed while live
+    rows_drafted: list[int] = dataclasses.field(default_factory=list)
+    rows_accepted: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,9 +60,15 @@ class SpeculativeStats:
     def match_rate(self) -> float:
         return self.matched / self.drafted if self.drafted else 0.0
 
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens a live row commits per main forward (1 without drafts)."""
+        return self.committed / self.row_forwards if self.row_forwards else 0.0
+
     def line(self) -> str:
         return (f"speculative mtp: accepted {self.accepted} of {self.drafted} drafted tokens "
-                f"({100 * self.acceptance_rate:.1f}%), {self.committed} tokens in {self.rounds + 1} main forwards")
+                f"({100 * self.acceptance_rate:.1f}%), {self.committed} tokens in {self.rounds + 1} main forwards "
+                f"({self.tokens_per_forward:.2f} per row and forward)")
 
 
 def _refusals(model: torch.nn.Module, temperature: float, compile: bool, draft_tokens: int | None) -> int:
@@ -96,49 +109,72 @@ def mtp_generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_to
         raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context of {model.args.max_seq_len} tokens; shorten the prompt or lower max_new_tokens")
     device = next(model.parameters()).device
-    rows, length = len(prompts), longest + max_new_tokens
+    rows = len(prompts)
+    # a row's verify block may reach k_max slots past its last token; those slots' positions are clamped into the
+    # RoPE table (only tokens past the row's max_new_tokens sit there, and nothing reads them)
+    length = longest + max_new_tokens + k_max
     pads = torch.tensor([longest - len(p) for p in prompts], device=device)
     slot = torch.arange(length, device=device)
     valid = slot[None, :] >= pads[:, None]
-    positions = (slot[None, :] - pads[:, None]).clamp(min=0)
-    seq = torch.zeros(rows, length, dtype=torch.long, device=device)  # committed tokens by slot
+    positions = (slot[None, :] - pads[:, None]).clamp(min=0, max=model.args.max_seq_len - 1)
+    seq = torch.zeros(rows, length + 1, dtype=torch.long, device=device)  # committed tokens by slot, per row
     seq[:, :longest] = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
     run = _Drafter(model, rows, length, valid, positions)
     cache = (spec or models.spec_of(model)).cache(model, rows, length)
-    stops, stats = _Stops(rows, eos_id, stop, on_token), SpeculativeStats()
+    stops = _Stops(rows, eos_id, stop, on_token)
+    stats = SpeculativeStats(rows_drafted=[0] * rows, rows_accepted=[0] * rows)
+    count = [1] * rows  # tokens committed per row
     with cache.attached(model), run.attached():
         cache.set_step(step_at(valid, 0, longest, longest))
-        logits = run.main(seq[:, :longest], 0)
-        n = longest  # the slot of the newest committed token, not yet fed to the main model
-        seq[:, n] = logits[:, -1].argmax(-1)
-        _commit(stops, seq[:, n:n + 1], stats)
-        while not all(stops.done) and stats.committed < max_new_tokens:
-            k = min(k_max, max_new_tokens - stats.committed - 1)
-            drafts = run.draft(seq, n, k)  # [B, k]
-            cache.set_step(step_at(valid, n, k + 1, n + k + 1))
-            y = run.main(torch.cat([seq[:, n:n + 1], drafts], dim=1), n).argmax(-1)  # [B, k+1]
-            matched = (drafts == y[:, :k]).long().cumprod(dim=1).sum(dim=1)  # per row: drafts accepted in order
-            live = torch.tensor([not d for d in stops.done], device=device)
-            per_row = matched[live].tolist()  # how many drafts each live row accepts (a host sync, as _commit's)
-            a = min(per_row)
-            seq[:, n + 1:n + a + 1] = drafts[:, :a]
-            seq[:, n + a + 1] = y[:, a]
-            n_live = len(per_row)  # from the host list: live.sum() would wait for the device once more
-            stats.drafted += k * n_live
-            stats.accepted += a * n_live
-            stats.matched += sum(per_row)
+        logits = run.main(seq[:, :longest], slot[:longest].expand(rows, -1))
+        n_host = [longest] * rows  # per row: the slot of its newest committed token, not yet fed to the main model
+        n = torch.tensor(n_host, device=device)
+        seq[:, longest] = logits[:, -1].argmax(-1)
+        for row, t in enumerate(seq[:, longest].tolist()):
+            stops.add(row, t)
+        stats.committed, stats.row_forwards = rows, rows
+        while True:
+            live = [r for r in range(rows) if not stops.done[r] and count[r] < max_new_tokens]
+            if not live:
+                break
+            # one draft depth for the batch (tensor shapes); a row near its end takes fewer of them below
+            k = min(k_max, max(max_new_tokens - count[r] - 1 for r in live))
+            drafts = run.draft(seq, n, n_host, k)  # [B, k]
+            cache.set_step(_rows_step(valid, n, k + 1, max(n_host) + k + 1))
+            block = n[:, None] + torch.arange(k + 1, device=device)  # each row's slots n..n+k
+            y = run.main(torch.cat([seq.gather(1, n[:, None]), drafts], dim=1), block).argmax(-1)  # [B, k+1]
+            matched = (drafts == y[:, :k]).long().cumprod(dim=1).sum(dim=1).tolist()  # per row, in order
+            # y[:a] are the accepted drafts and y[a] the main model's next token: every row's y goes to its slots
+            # n+1..n+k+1; what lies past its commit is overwritten before anything reads it as committed
+            seq.scatter_(1, block + 1, y)
+            y_host, step = y.tolist(), [0] * rows
+            for r in live:
+                a = min(matched[r], max_new_tokens - count[r] - 1)
+                stats.rows_drafted[r] += k
+                stats.rows_accepted[r] += a
+                stats.matched += matched[r]
+                for t in y_host[r][:a + 1]:
+                    stops.add(r, t)
+                count[r] += a + 1
+                step[r] = a + 1
+                stats.committed += a + 1
             stats.rounds += 1
-            _commit(stops, seq[:, n + 1:n + a + 2], stats)
-            n += a + 1
+            stats.row_forwards += len(live)
+            n_host = [p + s for p, s in zip(n_host, step)]
+            n = n + torch.tensor(step, device=device)
+    stats.drafted, stats.accepted = sum(stats.rows_drafted), sum(stats.rows_accepted)
     stops.finish_all()
     return stops.out, stats
 
 
-def _commit(stops: _Stops, new: torch.Tensor, stats: SpeculativeStats) -> None:
-    for row, tokens in enumerate(new.tolist()):
-        for t in tokens:
-            stops.add(row, t)
-    stats.committed += new.shape[1]
+def _rows_step(valid: torch.Tensor, first: torch.Tensor, n: int, attend_len: int) -> Step:
+    """The Step of a forward feeding each row r its slots first[r]..first[r]+n-1 (generate.step_at with one start per
+    row): causal over the row's own valid slots, a pad query seeing itself."""
+    slots = first[:, None] + torch.arange(n, device=valid.device)  # [B, n]
+    kv = torch.arange(attend_len, device=valid.device)
+    q = slots[:, :, None]
+    mask = (valid[:, None, :attend_len] & (kv <= q)) | (kv == q)
+    return Step(slots, mask.unsqueeze(1), attend_len, valid.gather(1, slots), start=False)
 
 
 class _Drafter:
@@ -151,7 +187,8 @@ class _Drafter:
         # hidden[d]: the input hidden state of MTP depth d+1 by slot (hidden[0] is the main model's h^0)
         self.hidden: list[torch.Tensor | None] = [None] * len(self.layers)
         self.caches = [KVCache(rows, length) for _ in self.layers]
-        self.fresh = [0] * len(self.layers)  # depth d+1: the first slot whose state must be (re)computed
+        # depth d+1, per row: the first slot whose state must be (re)computed
+        self.fresh = [[0] * rows for _ in self.layers]
         self._h0: torch.Tensor | None = None
 
     def attached(self):
@@ -173,33 +210,44 @@ class _Drafter:
                     hook.remove()
         return ctx()
 
-    def _store(self, depth: int, first: int, h: torch.Tensor) -> None:
+    def _store(self, depth: int, slots: torch.Tensor, h: torch.Tensor) -> None:
         if self.hidden[depth] is None:
             rows, length = self.valid.shape
             self.hidden[depth] = h.new_zeros(rows, length, h.shape[-1])
-        self.hidden[depth][:, first:first + h.shape[1]] = h
+        self.hidden[depth].scatter_(1, slots[..., None].expand(-1, -1, h.shape[-1]), h)
 
-    def main(self, tokens: torch.Tensor, first: int) -> torch.Tensor:
-        """The main model's logits for tokens at slots first.. (the caller set its cache's Step); keeps h^0."""
-        logits = self.model(tokens, positions=self.positions[:, first:first + tokens.shape[1]])
-        self._store(0, first, self._h0)
+    def main(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The main model's logits for tokens at each row's `slots` [B, S] (the caller set its cache's Step); keeps
+        h^0."""
+        logits = self.model(tokens, positions=self.positions.gather(1, slots))
+        self._store(0, slots, self._h0)
         return logits
 
-    def draft(self, seq: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """[B, k] greedy drafts of tokens n+1..n+k from MTP depths 1..k at slot n-1 (see the module docstring)."""
-        model, drafts = self.model, []
+    def draft(self, seq: torch.Tensor, n: torch.Tensor, n_host: list[int], k: int) -> torch.Tensor:
+        """[B, k] greedy drafts of each row's tokens n+1..n+k from MTP depths 1..k at its slot n-1 (see the module
+        docstring); n [B] and n_host are the same slots, on the device and on the host."""
+        model, drafts, dim = self.model, [], None
+        ext = seq.clone()  # committed tokens, then this round's drafts at each row's slots n+1..
         for d in range(1, k + 1):
-            first = self.fresh[d - 1]
-            ext = torch.cat([seq[:, :n + 1], *drafts], dim=1)  # committed slots 0..n, then this round's drafts
-            emb = model.tok_embeddings(ext[:, first + d:n + d])
-            rope, _ = model._attention_inputs(n - first, None, self.positions[:, first:n], seq.device)
-            self.caches[d - 1].set_step(step_at(self.valid, first, n - first, n))
-            h = self.layers[d - 1](self.hidden[d - 1][:, first:n], emb, rope, None)
+            # one window length m for the batch, ending at each row's slot n-1 and covering what it must redo
+            # (recomputing a committed slot again gives what it held); clamped at slot 0 for short rows, whose
+            # window then runs past n-1 into slots that are redone before a committed query reads them
+            m = max(p - f for p, f in zip(n_host, self.fresh[d - 1]))
+            start = (n - m).clamp(min=0)
+            slots = start[:, None] + torch.arange(m, device=seq.device)  # [B, m]
+            emb = model.tok_embeddings(ext.gather(1, slots + d))
+            rope, _ = model._attention_inputs(m, None, self.positions.gather(1, slots), seq.device)
+            self.caches[d - 1].set_step(_rows_step(self.valid, start, m, max(max(p - m, 0) for p in n_host) + m))
+            h_in = self.hidden[d - 1]
+            dim = h_in.shape[-1]
+            h = self.layers[d - 1](h_in.gather(1, slots[..., None].expand(-1, -1, dim)), emb, rope, None)
             if d < len(self.layers):
-                self._store(d, first, h)
+                self._store(d, slots, h)
             # slots up to n-d read only committed tokens: they stay; later ones read a draft and are redone
-            self.fresh[d - 1] = n - d + 1
-            drafts.append(model.output(h[:, -1:]).argmax(-1))
+            self.fresh[d - 1] = [p - d + 1 for p in n_host]
+            last = h.gather(1, (n - 1 - start)[:, None, None].expand(-1, 1, dim))  # each row's slot n-1
+            drafts.append(model.output(last).argmax(-1))  # [B, 1]
+            ext.scatter_(1, (n + d)[:, None], drafts[-1])
         return torch.cat(drafts, dim=1) if drafts else seq.new_zeros(seq.shape[0], 0)
 
 
