@@ -44,8 +44,7 @@ def make_cfg(root: str, name: str, *, local_batch: int = 2, checkpoint: dict | N
 
 
 def finish(trainer: Trainer) -> None:
-    trainer.checkpointer.close()
-    trainer.metrics.close()
+    trainer.close(keep_process_group=True)  # heartbeat included: the next run reuses the process group
 
 
 def run(cfg, stop_after: int | None = None) -> dict:

@@ -85,9 +85,8 @@ def run(cfg) -> dict:
     trainer.validate = lambda: validations.append(validate()) or validations[-1]
     try:
         history = trainer.train()
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
+    finally:  # the heartbeat thread too: run in-process it would print into a later test's output
+        trainer.close(keep_process_group=True)
     return {"loss": {h["step"]: h["loss"] for h in history}, "grad_norm": {h["step"]: h["grad_norm"] for h in history},
             "validation": validations}
 

@@ -95,9 +95,8 @@ def record(cfg) -> dict:
         history = trainer.train()  # (a fresh iterator: the loader starts again at the first batch)
         weights = _over_pipeline(trainer, {n: _full(p) for n, p in _params(trainer)})
         table = trainer.dpo.table.state_dict() if trainer.dpo.table is not None else None
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
+    finally:  # the heartbeat thread too: run in-process it would print into a later test's output
+        trainer.close(keep_process_group=True)
     return {"grads": grads, "count": float(count), "history": history, "weights": weights, "table": table,
             "mesh": str(trainer.mesh), "loss_parallel": trainer.compute.loss_parallel}
 

@@ -92,9 +92,8 @@ def main() -> None:
         try:
             params = gather_params(trainer)
             history = trainer.train()
-        finally:
-            trainer.checkpointer.close()  # not Trainer.close(): the next run reuses the process group
-            trainer.metrics.close()
+        finally:  # the heartbeat too; the next run reuses the process group
+            trainer.close(keep_process_group=True)
         if dist.get_rank() == 0:
             torch.save({"params": params, "loss": history[0]["loss"]}, os.path.join(root, f"{name}.pt"))
             print(f"RUN_OK {name} loss {history[0]['loss']:.6f}", flush=True)
