@@ -1,6 +1,6 @@
 """Write a tiny WebDataset shard set of procedural shapes (image + caption + conversation + class), no download:
 
-    python scripts/make_shape_shards.py /tmp/titanlike_shapes_wds              # 256 train + 64 valid samples
+    python scripts/make_shape_shards.py shapes_wds              # 256 train + 64 valid samples
     python scripts/train.py --config configs/llava_wds_debug.toml
     python scripts/make_shape_shards.py /tmp/jpeg224 --jpeg-side 224 --samples 2048   # JPEG, for speed runs
     python scripts/make_shape_shards.py /tmp/shapes2 --images-per-sample 2   # 2 images a sample (.0.png, .1.png)
