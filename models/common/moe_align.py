@@ -2,9 +2,11 @@
 GEMM wants every expert's row count a multiple of 16: float8/experts.py), with no host sync and static shapes.
 
 x [N, d] is sorted by expert, num_tokens_per_expert c [E] (sum(c) <= N: rows past the sum are the caller's padding,
-e.g. capacity mode's dropped assignments). Group e gets zero rows appended up to p_e = ceil(c_e / align) * align; the
-caller's trailing rows follow the padded groups. sum(p) <= sum(c) + (align - 1) * E, so the padded tensor has a fixed
-N + align * E rows whatever the routing (the last rows are zeros in no group). `dest[i]` is where row i went: padding
+e.g. capacity mode's dropped assignments). Group e gets zero rows appended up to p_e = max(ceil(c_e / align), 1) * align:
+an expert without tokens still gets `align` zero rows, since a grouped GEMM may leave an empty group's weight-gradient
+block unwritten, while zero rows give it an exact zero. The caller's trailing rows follow the padded groups.
+p_e <= c_e + align, so the padded tensor has a fixed N + align * E rows whatever the routing (the last rows are zeros
+in no group). `dest[i]` is where row i went: padding
 is one index_copy into zeros and unpadding one index_select, both differentiable (the pad rows get no gradient).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ def group_destinations(num_tokens_per_expert: torch.Tensor, n: int, align: int) 
     """(dest [n] int64: each row's index in the padded layout, padded counts [E] int64: multiples of align)."""
     counts = num_tokens_per_expert.to(torch.int64)
     ends = torch.cumsum(counts, 0)
-    padded = (counts + align - 1) // align * align
+    padded = ((counts + align - 1) // align).clamp_min(1) * align  # never an empty group: see the module docstring
     padded_ends = torch.cumsum(padded, 0)
     # Start of each group before and after padding; index E is the caller's trailing rows (past every group).
     starts = torch.cat([ends - counts, ends[-1:]])

@@ -39,7 +39,8 @@ class PatchEmbed(nn.Module):
             # a learned table of n_tokens rows: another grid would need interpolated positions (not done)
             raise ValueError(f"images of {h}x{w}: the model was built for {self.args.image_size}x"
                              f"{self.args.image_size} (model.args.image_size)")
-        x = self.proj(pixels).flatten(2).transpose(1, 2)  # [B, N, D], patches in row-major order (HF's)
+        # Pixels arrive fp32 from the loader; bf16 weights (master-weight training) need bf16 input to the conv.
+        x = self.proj(pixels.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)  # [B, N, D], HF's patch order
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return x + self.pos_embed
