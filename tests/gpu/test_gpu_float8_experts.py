@@ -9,7 +9,9 @@ Tolerances: the training loss within 3% of bf16's at every logged step, as tests
 the dense float8 recipes. Single tensors: e4m3 keeps 3 mantissa bits (rounding error up to 2^-4 of a value, ~2.5% RMS
 per operand), so one float8 GEMM's output is off by ~3.5% of its norm and the SwiGLU chains three of them: we require
 the error's norm within 10% of the fp32 reference's (a layout or scale bug gives errors of order 100%), and the same
-2% as tests/gpu/test_gpu_moe.py between compiled and eager float8 (the same casts and GEMMs).
+5% between compiled and eager float8: the same casts and GEMMs, but Inductor's fused SiLU-and-multiply rounds a few
+bf16 values differently, and each such value may then land on the other side of an e4m3 rounding step (1/8 of its
+size); the weight gradients, summed over few rows per expert, show it most (2.9% seen on an H100, 2026-11-26).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ pytestmark = [
 ]
 
 F8_TOL = 0.10
-COMPILE_TOL = 2e-2
+COMPILE_TOL = 5e-2
 LOSS_TOL = 0.03
 
 
@@ -60,7 +62,8 @@ def test_float8_experts_track_fp32(counts):
     x = torch.randn(n + 5, 256, device="cuda").to(torch.bfloat16)
     g = torch.randn(n, 256, device="cuda").to(torch.bfloat16)
     results = []
-    for mod, dtype in ((_experts(True), torch.bfloat16), (_experts(False), torch.float32)):
+    e = len(counts)
+    for mod, dtype in ((_experts(True, e), torch.bfloat16), (_experts(False, e), torch.float32)):
         xi = x.detach().to(dtype).clone().requires_grad_()
         if dtype == torch.float32:  # fp32 on CUDA takes the loop; the same bf16-valued inputs and weights
             out = swiglu_expert_loop(xi, mod.w1, mod.w2, mod.w3, c)

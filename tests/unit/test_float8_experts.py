@@ -57,7 +57,8 @@ def _padded_loop(x, w1, w2, w3, counts):
 def test_pad_groups_layout(counts):
     (x, *_), c, _ = _inputs(counts)
     xp, padded, dest = pad_groups(x, c, ALIGN)
-    assert xp.shape == (x.shape[0] + ALIGN * len(counts), x.shape[1])  # static: no shape depends on the routing
+    rows = -(-x.shape[0] // ALIGN) * ALIGN + ALIGN * len(counts)  # static (no shape depends on the routing), aligned
+    assert xp.shape == (rows, x.shape[1])
     assert padded.tolist() == [max(-(-n // ALIGN), 1) * ALIGN for n in counts]  # empty experts get ALIGN zero rows
     starts = torch.cumsum(padded, 0) - padded
     for e, n in enumerate(counts):  # each group at its padded start, zero rows after it up to the multiple of 16
