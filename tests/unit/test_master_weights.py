@@ -262,7 +262,8 @@ def test_trainer_master_weights_tracks_fp32_and_resumes_exactly(tmp_path):
 
 # One debug config per family: bf16 weights are the one-GPU default (configs/base_gpu.toml), so every family's inputs
 # must meet bf16 parameters (ViT's fp32 pixels once met a bf16 conv only on the GPU).
-FAMILY_DEBUG_CONFIGS = ["debug_model", "debug_model:mixtral", "gpt2_debug", "qwen3_debug_moe", "deepseek_v3_debug", "bert_debug", "t5_debug",
+FAMILY_DEBUG_CONFIGS = ["debug_model", "debug_model:mixtral", "gpt2_debug", "qwen3_debug_moe", "deepseek_v3_debug",
+                        "bert_debug", "t5_debug",
                         "vit_debug", "llava_debug", "mamba2_debug", "nemotron_h_debug", "qwen3_next_debug"]
 
 
