@@ -102,6 +102,27 @@ def test_watchdog_exits_a_process_whose_main_thread_never_returns():
     assert "no progress" in p.stderr and "blocked in saving" in p.stderr, p.stderr
 
 
+def test_a_child_exiting_never_arms_the_watchdog():
+    """Another library's Python handler (the DataLoader's SIGCHLD one) also writes to the wakeup fd: a child that
+    exits while the first step compiles for longer than the grace (Inductor's compile workers) must not end the run.
+    A SIGTERM afterwards still does."""
+    code = ("import os, signal, subprocess, sys, time\n"
+            "from titanlike.resilience import signals as m\n"
+            "m.SETUP_GRACE_S = 0.5\n"
+            "s = m.RunSignals()\n"
+            "signal.signal(signal.SIGCHLD, lambda *a: None)\n"
+            "s.enter('first step (compiling)')\n"
+            "subprocess.run([sys.executable, '-c', 'pass'])\n"
+            "time.sleep(3)\n"
+            "print('survived', flush=True)\n"
+            "s.enter('saving', graceful=True, grace_s=0.5)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert "survived" in p.stdout and p.returncode == 143, (p.stdout, p.stderr)
+    assert "blocked in saving" in p.stderr, p.stderr
+
+
 def _cmd(tmp_path, *extra, script="scripts/train.py"):
     return [sys.executable, "-u", str(REPO_ROOT / script), "--config", "configs/debug_model.toml",
             "--data.dataset=mock", "--model.vocab_size=128", "--training.seq_len=32", "--training.device=cpu",

@@ -190,11 +190,19 @@ class RunSignals:
         threading.Thread(target=self._watch, name="titanlike-signal-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        try:
-            if not self._wake_r.recv(16):  # blocks until a signal arrives (or close() shuts the socket)
+        # The wakeup fd gets one byte, the signal's number, for every signal with a Python handler in this process,
+        # not only ours: the DataLoader's SIGCHLD handler fires whenever any child exits (Inductor's compile workers
+        # do during the first step). Only SIGTERM/SIGUSR1/SIGINT arm the watchdog.
+        ours = {int(s) for s in (*self.STOP, signal.SIGINT)}
+        while True:
+            try:
+                data = self._wake_r.recv(16)  # blocks until a signal arrives (or close() shuts the socket)
+            except OSError:
                 return
-        except OSError:
-            return
+            if not data:
+                return
+            if ours.intersection(data):
+                break
         signal_time = time.monotonic()
         while not self._closed.wait(1.0):
             grace = self._grace
