@@ -132,8 +132,19 @@ def _parse_every_n(option: str) -> int:
     return n
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """Every transformer block of `model`: those of `model.layers` and of any other block stack inside it (a
+    ModuleDict named `layers`, such as a VLM's vision tower's `vision.layers`), in module order; a pipeline stage's
+    removed blocks (None) left out. AC and compile treat each the same way."""
+    stacks = [model.layers]  # (T5's is a view over both its stacks, not a registered module)
+    stacks += [m for name, m in model.named_modules()
+               if name.endswith(".layers") and isinstance(m, nn.ModuleDict) and m is not model.layers]
+    return [b for stack in stacks for b in stack.values() if b is not None]
+
+
 def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.Module:
-    """Apply activation checkpointing to each block of `model.layers` per `ac_cfg` (mode, selective_option).
+    """Apply activation checkpointing to each block (blocks_of: `model.layers` and nested stacks such as a vision
+    tower's) per `ac_cfg` (mode, selective_option).
 
     selective "N": blocks N-1, 2N-1, ... (every N-th counting from 1) recompute fully, the rest keep
     activations; N=1 equals full. selective "op": every block, saving mm/attention outputs (and, with
@@ -163,8 +174,7 @@ def apply_ac(model: nn.Module, ac_cfg, save_every_other_mm: bool = True) -> nn.M
             context_fn = partial(op_sac_context_fn, False, matmuls=False)
         else:
             every_n = _parse_every_n(option)
-    blocks = [b for b in model.layers.values() if b is not None]
-    for count, block in enumerate(blocks, start=1):
+    for count, block in enumerate(blocks_of(model), start=1):
         if count % every_n == 0:
             checkpoint_module(block, context_fn)
     return model

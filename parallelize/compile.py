@@ -42,7 +42,8 @@ def _check_components(compile_cfg) -> None:
 
 def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True,
                   split: Callable[[nn.Module], list] | None = None) -> nn.Module:
-    """Compile each block of `model.layers` in place when compile.enable and "model" in compile.components.
+    """Compile each block in place (parallelize.ac.blocks_of: `model.layers` and nested stacks such as a vision
+    tower's) when compile.enable and "model" in compile.components.
 
     fullgraph=True: a graph break inside a block is a bug to fix (it would silently cost speed), so fail loudly.
     Blocks whose MoE experts are expert-parallel are compiled per child, their MoE with the EP exchange left eager
@@ -50,6 +51,7 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True,
     graphs without Inductor's slow CPU code generation). `split`: the submodules whose calls stay eager, found in a
     block or child (default: parallelize.ep's ep_experts; scripts/bench/per_child_compile.py passes every MoE's
     experts)."""
+    from parallelize.ac import blocks_of
     from parallelize.ep import ep_experts
 
     _check_components(compile_cfg)
@@ -57,9 +59,7 @@ def apply_compile(model: nn.Module, compile_cfg, fullgraph: bool = True,
         return model
     split = split or ep_experts
     per_child = 0
-    for block in model.layers.values():
-        if block is None:
-            continue
+    for block in blocks_of(model):
         if split(block):
             _compile_per_child(block, fullgraph, compile_cfg.backend, split)
             per_child += 1
