@@ -287,3 +287,22 @@ def test_every_family_takes_a_master_weight_step(config, tmp_path):
                        "--metrics.enable_tensorboard=false"])
     losses, _, kind = _run(cfg)
     assert kind is MasterWeightAdamW and all(math.isfinite(x) for x in losses), losses
+
+
+def test_update_buckets_are_blocks_of_every_stack():
+    """One bucket (one compiled update, reused) per block, nested stacks included (a VLM's vision tower): a
+    tower in one bucket compiled a graph over all its parameters for minutes on the GPU's first step."""
+    from titanlike.optim.master_weights import _bucket_key
+
+    assert _bucket_key("layers.3.attention.wq.weight") == "layers.3"
+    assert _bucket_key("vision.layers.12.feed_forward.w1.bias") == "vision.layers.12"
+    assert _bucket_key("encoder_layers.0.attention.wq.weight") == "encoder_layers.0"
+    assert _bucket_key("vision.patch_embed.proj.weight") == "vision"
+    assert _bucket_key("tok_embeddings.weight") == "tok_embeddings"
+    spec = models.MODELS["llava"]
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors["debug-siglip"])
+    keys = {_bucket_key(n) for n, _ in model.named_parameters()}
+    for name, module in model.named_modules():  # every key names a module (the overlap hooks its forward)
+        keys.discard(name)
+    assert not keys, keys
