@@ -20,14 +20,13 @@ from models.batch import Batch, StepContext
 from parallelize import PlanSections, get_plan
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config import ConfigError, JobConfig, config_to_toml
-from titanlike.data import build_dataloader, build_validation_dataloader
 from titanlike.data.tokenizers import build_tokenizer
 from titanlike.distributed.init import destroy_distributed, init_distributed, pick_device
 from titanlike.distributed.parallel_dims import ParallelDims
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiling import StepProfiler
 from titanlike.resilience.comm_watch import HangWatch, enable_flight_recorder
-from titanlike.resilience.ft import FaultTolerance, ft_data_shard, ft_run_dir
+from titanlike.resilience.ft import FaultTolerance, ft_run_dir
 from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
@@ -39,6 +38,7 @@ from titanlike.train.evaluate import maybe_evaluate, validation_loss
 from titanlike.train.moe import MoEBookkeeping
 from titanlike.train.mtp import MTPBookkeeping
 from titanlike.train.pipeline import PipelineRunner
+from titanlike.train.run_data import build_run_data
 from titanlike.train.step import StepCompute
 from titanlike.train.update import UpdateSections, Updater
 
@@ -134,25 +134,13 @@ class Trainer:
 
         # Data: each DP rank reads its share of every global batch; accumulation covers the rest.
         self.signals.enter("data")
-        # torchft: replica group i reads the i-th block of each global batch (the groups are the replicate axis)
-        dp_degree, dp_rank = ft_data_shard(cfg.fault_tolerance, self.dims.dp_degree, self.dims.dp_rank())
-        self.dp_degree = dp_degree
-        global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
-        self.grad_accum_steps = global_bs // (t.local_batch_size * dp_degree)
         rows = 2 if self.dpo is not None and not self.dpo.packed else 1  # a preference pair is two sequences
-        self.tokens_per_step_local = self.grad_accum_steps * t.local_batch_size * t.seq_len * rows
-        # tok/s per device: TP/CP/PP ranks of one DP rank share its tokens, so each device counts its share.
-        self.tokens_per_step_device = self.tokens_per_step_local // self.dims.non_data_parallel_size
-        loader_kw = dict(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=t.local_batch_size,
-                         seq_len=t.seq_len, seed=t.seed, vocab_size=self.model_args.vocab_size)
-        # global_batch_size: a resume with another global batch is refused (the loader's state records it)
-        self.dataloader = build_dataloader(cfg.data, self.tokenizer, split="train", global_batch_size=global_bs,
-                                           steps=t.steps, **loader_kw)
-        self.val_loader_kw = loader_kw
-        # Built now so bad validation data (paths, split, vocabulary) fails at start-up, not at the first interval.
-        self.val_loader = (build_validation_dataloader(cfg.data, cfg.validation, self.tokenizer,
-                                                       steps=cfg.validation.steps, **loader_kw)
-                           if cfg.validation.enable else None)
+        data = build_run_data(t, cfg.data, cfg.validation, cfg.fault_tolerance, self.dims, self.tokenizer,
+                              self.model_args.vocab_size, rows)
+        self.dataloader, self.val_loader, self.val_loader_kw = data.dataloader, data.val_loader, data.loader_kw
+        self.dp_degree, self.grad_accum_steps = data.dp_degree, data.grad_accum_steps
+        self.tokens_per_step_local = data.tokens_per_step_local
+        self.tokens_per_step_device = data.tokens_per_step_device
         microbatches = self.grad_accum_steps * (self.pp.pipeline.n_microbatches if self.pp is not None else 1)
         self.moe = MoEBookkeeping(self.model_parts, self.dims, microbatches)  # nothing to do without MoE layers
         self.moe_metrics = {}
@@ -168,7 +156,7 @@ class Trainer:
             log_dir=os.path.join(self.run_dir, cfg.metrics.save_tb_folder), device=self.device,
             flops_per_token=self.flops_per_token, is_rank0=self.rank == 0,
             enable_tensorboard=cfg.metrics.enable_tensorboard, job_config=cfg, run_dir=self.run_dir,
-            megatron_line=(t.steps, global_bs) if cfg.metrics.log_format == "megatron" else None)
+            megatron_line=(t.steps, data.global_batch) if cfg.metrics.log_format == "megatron" else None)
         self.tokens_seen = 0  # global tokens trained on; with self.step, the trainer's checkpointed state
         self.signals.enter("checkpoint set-up")
         self.checkpointer = CheckpointManager(  # no-op unless checkpoint.enable, a seed or an initial_load_path
@@ -186,7 +174,7 @@ class Trainer:
                                      dataloader=self.dataloader, trainer=self)
             self.model = self.ft.wrap(self.model, fsdp=self.dims.fsdp_enabled)
         logger.info(f"world {self.world_size} on {self.device.type}, mesh {self.mesh}, "
-                    f"global batch {global_bs} = {t.local_batch_size} local x {dp_degree} dp x "
+                    f"global batch {data.global_batch} = {t.local_batch_size} local x {data.dp_degree} dp x "
                     f"{self.grad_accum_steps} accumulation, seq {t.seq_len}")
         desc = cfg.job.description
         logger.info(f"run {cfg.job.run_name or config_name} in {self.run_dir}" + (f": {desc}" if desc else ""))
