@@ -194,7 +194,8 @@ class Float8:
     # also the MoE's routed experts: their three grouped GEMMs through torchao's float8 rowwise grouped GEMM (dynamic
     # per-row scales, forward and backward; token groups padded to 16 rows), whatever the recipe above; the router
     # stays high precision, shared experts follow the Linear rules. Needs enable, routed experts with widths that are
-    # multiples of 16, and CUDA capability >= 9.0 (float8/experts.py)
+    # multiples of 16, and CUDA capability >= 9.0 (float8/experts.py). Slower than bf16 at few tokens an expert
+    # (docs/benchmarks.md, MoE): measure before turning it on
     moe_experts: bool = False
 
 
