@@ -33,7 +33,9 @@ class EncoderAttention(nn.Module):
 
 class GeluFeedForward(nn.Module):
     """w2(gelu(w1 x)): the exact (erf) GELU, HF's hidden_act="gelu" for BERT and ViT; approximate="tanh" for what
-    Megatron-LM computes with its default fused bias-GELU (--bias-gelu-fusion approximates with tanh)."""
+    Megatron-LM computes with its default fused bias-GELU (--bias-gelu-fusion approximates with tanh) and SigLIP;
+    approximate="quick" for OpenAI CLIP's x * sigmoid(1.702 x) (HF's hidden_act="quick_gelu"), which its weights
+    were trained with."""
 
     def __init__(self, dim: int, hidden_dim: int, approximate: str = "none"):
         super().__init__()
@@ -42,7 +44,10 @@ class GeluFeedForward(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
+        h = self.w1(x)
+        if self.approximate == "quick":
+            return self.w2(h * torch.sigmoid(1.702 * h))
+        return self.w2(F.gelu(h, approximate=self.approximate))
 
 
 class FirstToken(nn.Module):
@@ -55,8 +60,13 @@ class FirstToken(nn.Module):
 
 
 class MeanTokens(nn.Module):
-    """h [B, S, D] -> the token average [B, D]: what HF's SiglipForImageClassification classifies. A module of its
-    own for the same reason as FirstToken (a plan gathers its sequence-parallel input)."""
+    """h [B, S, D] -> the average of h[:, skip:] [B, D]: what HF's SiglipForImageClassification classifies (skip 0)
+    and CLIPForImageClassification (skip 1: the patches, not the class token). A module of its own for the same
+    reason as FirstToken (a plan gathers its sequence-parallel input)."""
+
+    def __init__(self, skip: int = 0):
+        super().__init__()
+        self.skip = skip
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h.mean(dim=1)
+        return h[:, self.skip:].mean(dim=1)

@@ -14,8 +14,8 @@ def _llava(vision: ViTArgs, text, **kw) -> ModelArgs:
                      vocab_size=text.vocab_size, max_seq_len=text.max_seq_len, **kw)
 
 
-# ViT-L/14 at 336 px as LLaVA-1.5's CLIP tower (576 patches); a ViT stands in for CLIP (not built: CLIP's pre-LN on
-# the embeddings and quick-GELU differ from HF ViT's).
+# ViT-L/14 at 336 px in LLaVA-1.5's CLIP tower's shapes (576 patches), as an HF ViT (kept for the "1B" flavor's
+# checkpoints; "1B-clip" is the CLIP tower itself: pre-LN on the embeddings, quick-GELU, no patch bias).
 _VIT_L14_336 = dataclasses.replace(vit_flavors["L/16"], patch_size=14, image_size=336, n_classes=0)
 
 
@@ -38,4 +38,10 @@ llava_flavors: dict[str, ModelArgs] = {
     # llava-interleave / llava-onevision) + Llama 3.2 1B shapes.
     "1B-siglip": _llava(_siglip("siglip-so400m/14-384"), llama3_flavors["1B"], vision_feature_layer=-1,
                         vision_feature_select_strategy="full"),
+    # The debug CLIP tower (3 blocks, 2 used; 16 patches + the class token) with LLaVA-1.5's feature layer -2 and
+    # strategy "default" (the class token dropped): 16 placeholders an image, as the debug ViT's.
+    "debug-clip": _llava(dataclasses.replace(vit_flavors["debug-clip"], n_layers=3), llama3_flavors["debugmodel"]),
+    # LLaVA-1.5's tower (llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336, feature layer -2, "default": 576 image
+    # tokens) + Llama 3.2 1B shapes (LLaVA-1.5 itself uses Vicuna 7B / 13B).
+    "1B-clip": _llava(vit_flavors["L/14-336-clip"], llama3_flavors["1B"]),
 }

@@ -1,14 +1,15 @@
 """State-dict adapter between titanlike LLaVA and transformers' LlavaForConditionalGeneration with a ViT tower
-(vision_config: ViTConfig, AutoModel -> ViTModel) or a SigLIP tower (SiglipVisionConfig -> SiglipVisionModel: the
-vit family with class_token=False) and a decoder family's text_config (LlamaConfig, Qwen3Config, ...).
+(vision_config: ViTConfig, AutoModel -> ViTModel), a SigLIP tower (SiglipVisionConfig -> SiglipVisionModel: the
+vit family with class_token=False) or a CLIP tower (CLIPVisionConfig -> CLIPVisionModel, LLaVA-1.5's: the vit family
+with final_norm="cls") and a decoder family's text_config (LlamaConfig, Qwen3Config, ...).
 The tower's and the language model's tensors go through their own families' adapters (RoPE row permutations
 included); this file only moves prefixes. Pure dict code (no transformers import).
 
 Export writes the hub layout of llava-hf checkpoints (vision_tower.*, multi_modal_projector.*,
 language_model.model.*, language_model.lm_head.*), which transformers 4.x and 5.x load; import also reads 5.x's
 in-memory names (model.vision_tower.*, model.language_model.*, lm_head.*). What HF holds but never reaches the
-logits (tower blocks past vision_feature_layer, the tower's final LayerNorm, ViTModel's pooler; SigLIP's
-post_layernorm and MAP head) is dropped on import and written as zeros (LayerNorm: ones) on export (a SigLIP tower
+logits (tower blocks past vision_feature_layer, the tower's final LayerNorm, ViTModel's pooler; SigLIP's and CLIP's
+post_layernorm, SigLIP's MAP head) is dropped on import and written as zeros (LayerNorm: ones) on export (a SigLIP tower
 is exported with vision_use_head=false), so the folder is complete and computes our logits.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from models.llava.args import ModelArgs
 from models.vit import hf as vit_hf
-from models.vit import hf_siglip
+from models.vit import hf_clip, hf_siglip
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 MODEL_TYPES = ("llava",)
@@ -43,6 +44,12 @@ def _lang_spec(args: ModelArgs):
     return families.language(args.language_family)
 
 
+def _hub_tower(v) -> bool:
+    """SigLIP's and CLIP's towers share HF's layout (vision_model.{embeddings, encoder.layers.<i>.{layer_norm1,
+    self_attn.*, mlp.*}, post_layernorm}); ViT's is ViTModel's."""
+    return not v.class_token or hf_clip.is_clip(v)
+
+
 def _split(key: str, prefixes) -> str | None:
     return next((key[len(p):] for p in prefixes if key.startswith(p)), None)
 
@@ -56,7 +63,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             out["multi_modal_projector." + key[len("projector."):]] = value
         else:
             lang[key] = value
-    for key, value in vit_hf.to_hf(vision, args.vision).items():  # ViT: vit.*; SigLIP: vision_model.*
+    for key, value in vit_hf.to_hf(vision, args.vision).items():  # ViT: vit.*; SigLIP, CLIP: vision_model.*
         out["vision_tower." + key.removeprefix("vit.")] = value
     out.update(_unused_tower(args, next(iter(state_dict.values())).dtype))
     for key, value in _lang_spec(args).hf.to_hf(lang, args.text_args).items():
@@ -66,7 +73,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 
 def _unused_tower(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     v, d = args.vision, args.vision.dim
-    if not v.class_token:
+    if _hub_tower(v):
         return _unused_siglip(args, dtype)
     out = {"vision_tower.layernorm.weight": torch.ones(d, dtype=dtype),
            "vision_tower.layernorm.bias": torch.zeros(d, dtype=dtype),
@@ -83,6 +90,7 @@ def _unused_tower(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor
 
 
 def _unused_siglip(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """SigLIP's and CLIP's (the same names and shapes)."""
     v, d, pre = args.vision, args.vision.dim, "vision_tower.vision_model."
     out = {pre + "post_layernorm.weight": torch.ones(d, dtype=dtype),
            pre + "post_layernorm.bias": torch.zeros(d, dtype=dtype)}
@@ -99,7 +107,7 @@ def _unused_siglip(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 def _tower_key(rest: str, siglip: bool) -> str | None:
     """A tower key (after vision_tower.) as the vit adapter reads it; None for what never reaches the features."""
-    if siglip:  # hub files: vision_model.*; transformers 5.x in memory: no prefix
+    if siglip:  # SigLIP, CLIP. hub files: vision_model.*; transformers 5.x in memory: no prefix
         return None if rest.removeprefix("vision_model.").startswith(("post_layernorm.", "head.")) else rest
     return None if rest.startswith(("layernorm.", "pooler.")) else "vit." + rest
 
@@ -109,7 +117,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     used = args.vision_layers_used
     for key, value in hf_state_dict.items():
         if (rest := _split(key, _VISION)) is not None:
-            if (name := _tower_key(rest, not args.vision.class_token)) is not None:
+            if (name := _tower_key(rest, _hub_tower(args.vision))) is not None:
                 vision[name] = value
         elif (rest := _split(key, _PROJ)) is not None:
             out["projector." + rest] = value
@@ -129,9 +137,9 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     from models.llava import families
 
     vc, tc = dict(config["vision_config"]), dict(config["text_config"])
-    if vc.get("model_type", "vit") not in ("vit", *hf_siglip.MODEL_TYPES):
-        raise ValueError(f"LLaVA vision_config model_type={vc.get('model_type')!r}: only ViT ('vit') and SigLIP "
-                         f"('siglip_vision_model') towers are supported (CLIP's is not built)")
+    if vc.get("model_type", "vit") not in ("vit", *hf_siglip.MODEL_TYPES, *hf_clip.MODEL_TYPES):
+        raise ValueError(f"LLaVA vision_config model_type={vc.get('model_type')!r}: only ViT ('vit'), SigLIP "
+                         f"('siglip_vision_model') and CLIP ('clip_vision_model') towers are supported")
     family = next((n for n, s in families.LANGUAGE.items() if tc.get("model_type") in s.hf.MODEL_TYPES), None)
     if family is None:
         raise ValueError(f"LLaVA text_config model_type={tc.get('model_type')!r}: no titanlike decoder family reads it")
@@ -140,6 +148,8 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         raise ValueError(f"LLaVA vision_feature_layer={layer}: several feature layers are not supported")
     if vc.get("model_type", "vit") == "vit":
         vision = vit_hf.args_from_hf_config({**vc, "architectures": ["ViTModel"]})
+    elif vc["model_type"] in hf_clip.MODEL_TYPES:  # llava-hf/llava-1.5-*: CLIP ViT-L/14-336
+        vision = hf_clip.args_from_hf_config({**vc, "architectures": ["CLIPVisionModel"]})
     else:  # the tower without its MAP head: llava reads hidden states, never the pooler
         vision = dataclasses.replace(hf_siglip.args_from_hf_config({**vc, "architectures": ["SiglipVisionModel"]}),
                                      n_classes=0, map_head=False)
@@ -153,12 +163,12 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int | None = None) -> dict:
-    if args.vision.class_token:
+    if not _hub_tower(args.vision):
         vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=1), dtype)
         for k in ("id2label", "label2id"):
             vision.pop(k)
         vision["architectures"] = ["ViTModel"]
-    else:  # SiglipVisionModel's config (no head: what llava-hf's SigLIP checkpoints hold too)
+    else:  # SiglipVisionModel's config (no head: what llava-hf's SigLIP checkpoints hold too), CLIPVisionModel's
         vision = vit_hf.hf_config(dataclasses.replace(args.vision, n_classes=0, map_head=False), dtype)
     text = _lang_spec(args).hf.hf_config(args.text_args, dtype, max_position_embeddings)
     return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "vision_config": vision,
@@ -172,9 +182,12 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
 def preprocessor_config(args: ModelArgs) -> dict:
     """The image processor's settings (preprocessor_config.json beside an export): the normalisation training used
     (models/llava/objective.py: (x / 255 - 0.5) / 0.5) at the tower's size, with the resampling of the tower's HF
-    processor (ViT: bilinear, SigLIP: bicubic). titanlike/infer/images.py reads the same file of an HF folder."""
+    processor (ViT: bilinear, SigLIP and CLIP: bicubic). titanlike/infer/images.py reads the same file of an HF
+    folder. CLIP's processor center-crops by default: off here (the resize already gives the tower's size)."""
     v = args.vision
-    proc = "ViTImageProcessor" if v.class_token else "SiglipImageProcessor"
-    return {"image_processor_type": proc, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
-            "resample": 2 if v.class_token else 3, "do_rescale": True, "rescale_factor": 1 / 255,
-            "do_normalize": True, "image_mean": [0.5] * v.channels, "image_std": [0.5] * v.channels}
+    vit = not _hub_tower(v)
+    proc = "ViTImageProcessor" if vit else "CLIPImageProcessor" if v.class_token else "SiglipImageProcessor"
+    out = {"image_processor_type": proc, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
+           "resample": 2 if vit else 3, "do_rescale": True, "rescale_factor": 1 / 255,
+           "do_normalize": True, "image_mean": [0.5] * v.channels, "image_std": [0.5] * v.channels}
+    return out if proc != "CLIPImageProcessor" else {**out, "do_center_crop": False, "do_convert_rgb": True}

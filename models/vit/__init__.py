@@ -1,5 +1,6 @@
 """Vision Transformer family (HF's ViTForImageClassification; SigLIP's vision tower, HF's SiglipVisionModel and
-SiglipForImageClassification, through ModelArgs' options): the model, flavors, counts, checks and HF adapter, as
+SiglipForImageClassification, and CLIP's, HF's CLIPVisionModel and CLIPForImageClassification, through ModelArgs'
+options): the model, flavors, counts, checks and HF adapter, as
 one ModelSpec trained by its own objective (images + class labels, models/vit/objective.py)."""
 from __future__ import annotations
 

@@ -18,11 +18,22 @@ class ModelArgs:
     init_std: float = 0.02
     # SigLIP's vision tower (HF SiglipVisionModel) differs from ViT in these four; the defaults are ViT's.
     class_token: bool = True  # False (SigLIP): the blocks see the patches alone, positions one row per patch
-    act: str = "gelu"  # the MLP's GELU: "gelu" (exact, ViT) or "gelu_pytorch_tanh" (SigLIP)
+    # The MLP's activation: "gelu" (exact, ViT), "gelu_pytorch_tanh" (SigLIP), "quick_gelu" (OpenAI CLIP:
+    # x * sigmoid(1.702 x), HF's QuickGELUActivation)
+    act: str = "gelu"
     map_head: bool = False  # SigLIP's attention-pooling head (HF vision_use_head): a learned probe over the tokens
     # What the classifier reads: "cls" the class token (ViT), "mean" the average of the final tokens (what HF's
-    # SiglipForImageClassification does: its MAP head is built but unused), "map" the MAP head's pooler_output.
+    # SiglipForImageClassification does: its MAP head is built but unused), "map" the MAP head's pooler_output,
+    # "mean_patches" the average of the tokens after the class token (HF's CLIPForImageClassification).
     pool: str = "cls"
+    # CLIP's vision tower (HF CLIPVisionModel) differs from ViT in these three; the defaults are ViT's, so a ViT or
+    # SigLIP model builds the same modules (and checkpoints keep their FQNs).
+    patch_bias: bool = True  # False (CLIP): the patch conv has no bias
+    pre_norm: bool = False  # True (CLIP's pre_layrnorm): a LayerNorm on the embeddings, before the first block
+    # Where the final LayerNorm applies: "tokens" every final token (ViT, SigLIP: HF's last_hidden_state is normed);
+    # "cls" only the pooled class token (CLIP's post_layernorm: last_hidden_state is the last block's output,
+    # pooler_output = norm(its class token); CLIPForImageClassification's classifier reads unnormed tokens).
+    final_norm: str = "tokens"
     # Run fields the trainer sets for every family. A ViT reads neither: images come as pixel bytes (0..255), so the
     # "vocabulary" is 256 values, and a loader row of max_seq_len (= training.seq_len) values holds one image.
     vocab_size: int = 256
@@ -31,15 +42,27 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if self.act not in ("gelu", "gelu_pytorch_tanh"):
-            raise ValueError(f"model.args.act={self.act!r}: use 'gelu' (ViT) or 'gelu_pytorch_tanh' (SigLIP)")
-        needs = {"cls": ("class_token", self.class_token), "map": ("map_head", self.map_head), "mean": ("", True)}
+        if self.act not in ("gelu", "gelu_pytorch_tanh", "quick_gelu"):
+            raise ValueError(f"model.args.act={self.act!r}: use 'gelu' (ViT), 'gelu_pytorch_tanh' (SigLIP) or "
+                             f"'quick_gelu' (CLIP)")
+        if self.final_norm not in ("tokens", "cls"):
+            raise ValueError(f"model.args.final_norm={self.final_norm!r}: use 'tokens' (ViT, SigLIP) or 'cls' (CLIP)")
+        needs = {"cls": ("class_token", self.class_token), "map": ("map_head", self.map_head), "mean": ("", True),
+                 "mean_patches": ("class_token", self.class_token)}
         if self.pool not in needs:
             raise ValueError(f"model.args.pool={self.pool!r}: use one of {list(needs)}")
         name, ok = needs[self.pool]
         if not ok:
             raise ValueError(f"model.args.pool={self.pool!r} reads model.args.{name}, which is false: set "
                              f"model.args.{name}=true or another pool")
+        if self.final_norm == "cls" and (not self.class_token or self.map_head):
+            raise ValueError("model.args.final_norm='cls' norms the class token alone (CLIP): it needs "
+                             "model.args.class_token=true and map_head=false")
+        if self.final_norm == "cls" and self.n_classes and self.pool != "mean_patches":
+            # the one classifier HF holds for CLIP; a classifier on the normed class token would need the norm
+            # outside the sequence-parallel token layout (parallelize/vit.py), which is not written
+            raise ValueError(f"model.args.pool={self.pool!r} with final_norm='cls': a CLIP classifier reads the "
+                             f"patch average (HF's CLIPForImageClassification); set model.args.pool='mean_patches'")
 
     @property
     def head_dim(self) -> int:
@@ -60,8 +83,9 @@ class ModelArgs:
 
     @property
     def approximate(self) -> str:
-        """F.gelu's `approximate` for `act` (HF's gelu_pytorch_tanh is F.gelu(approximate="tanh"))."""
-        return "tanh" if self.act == "gelu_pytorch_tanh" else "none"
+        """GeluFeedForward's `approximate` for `act` (HF's gelu_pytorch_tanh is F.gelu(approximate="tanh"); "quick"
+        is CLIP's sigmoid approximation)."""
+        return {"gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}.get(self.act, "none")
 
     @property
     def pixels(self) -> int:

@@ -10,8 +10,8 @@ forward 2, backward 4), as torch's FLOP counter sees them (tests/unit/test_vit.p
 - SigLIP's MAP head, where the classifier reads it (pool="map"): k and v over the T tokens, q, o and the MLP on the
   one probe, attention 12 * dim * T. With pool="mean" (HF's SiglipForImageClassification) it holds parameters but
   does not run in the forward: no FLOPs.
-Biases, norms, the class token, the probe, the token average and the position table are elementwise (no matmul
-FLOPs).
+Biases, norms (CLIP's pre-LayerNorm too), the class token, the probe, the token average and the position table are
+elementwise (no matmul FLOPs); so is CLIP's quick-GELU.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from models.vit.args import ModelArgs
 def param_counts(args: ModelArgs) -> ParamCounts:
     d, c, p = args.dim, args.channels, args.patch_size
     cls = d if args.class_token else 0
-    patch = c * p * p * d + d + cls + args.n_tokens * d  # conv weight + bias, class token, positions
+    # conv weight (+ bias: not CLIP's), class token, positions (+ CLIP's pre-LayerNorm)
+    patch = c * p * p * d + d * args.patch_bias + cls + args.n_tokens * d + 2 * d * args.pre_norm
     block = 4 * (d * d + d) + 2 * d * args.ffn_dim + args.ffn_dim + d + 4 * d  # + two LayerNorms
     map_head = d + block - 2 * d if args.map_head else 0  # the probe + a block's attention and MLP, one LayerNorm
     head = d * args.n_classes + args.n_classes

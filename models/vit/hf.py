@@ -2,7 +2,8 @@
 the classifier reads the class token after the final LayerNorm). Every tensor keeps its shape (HF's conv weight,
 [1, 1, D] class token, [1, T, D] position table are ours), so the mapping is names only. Pure dict code.
 A model with SigLIP's options (class_token=false) goes through models/vit/hf_siglip.py (SiglipVisionModel,
-SiglipForImageClassification): every function here hands it on.
+SiglipForImageClassification), one with CLIP's (final_norm="cls") through models/vit/hf_clip.py (CLIPVisionModel,
+CLIPForImageClassification): every function here hands them on.
 """
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import re
 
 import torch
 
-from models.vit import hf_siglip
+from models.vit import hf_clip, hf_siglip
 from models.vit.args import ModelArgs
 
-ARCHITECTURES = ("ViTForImageClassification", "ViTModel", *hf_siglip.ARCHITECTURES)
-MODEL_TYPES = ("vit", *hf_siglip.MODEL_TYPES)
+ARCHITECTURES = ("ViTForImageClassification", "ViTModel", *hf_siglip.ARCHITECTURES, *hf_clip.ARCHITECTURES)
+MODEL_TYPES = ("vit", *hf_siglip.MODEL_TYPES, *hf_clip.MODEL_TYPES)
 AUTO_CLASS = "AutoModelForImageClassification"
 
 _TOP = {
@@ -50,6 +51,8 @@ _HF_RE = re.compile(r"^vit\.(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     if not args.class_token:
         return hf_siglip.to_hf(state_dict, args)
+    if hf_clip.is_clip(args):
+        return hf_clip.to_hf(state_dict, args)
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         if key in _TOP:
@@ -66,6 +69,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     if not args.class_token:
         return hf_siglip.from_hf(hf_state_dict, args)
+    if hf_clip.is_clip(args):
+        return hf_clip.from_hf(hf_state_dict, args)
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_state_dict.items():
         key = key if key.startswith(("vit.", "classifier.")) else f"vit.{key}"  # ViTModel's names lack "vit."
@@ -86,6 +91,9 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if config.get("model_type") in hf_siglip.MODEL_TYPES or set(config.get("architectures") or []) & set(
             hf_siglip.ARCHITECTURES):
         return hf_siglip.args_from_hf_config(config)
+    if config.get("model_type") in hf_clip.MODEL_TYPES or set(config.get("architectures") or []) & set(
+            hf_clip.ARCHITECTURES):
+        return hf_clip.args_from_hf_config(config)
     if config.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"ViT config hidden_act={config['hidden_act']!r}: titanlike ViT uses the exact GELU ('gelu')")
     if not config.get("qkv_bias", True):
@@ -105,9 +113,12 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
     """A transformers ViTConfig dict (max_position_embeddings: unused, the table is the patch grid's)."""
     if not args.class_token:
         return hf_siglip.hf_config(args, dtype)
-    if args.act != "gelu" or args.map_head or args.pool != "cls":
-        raise ValueError(f"model.args act={args.act!r} map_head={args.map_head} pool={args.pool!r} with a class token: "
-                         f"HF's ViTForImageClassification has none of these; set them to 'gelu', false, 'cls'")
+    if hf_clip.is_clip(args):
+        return hf_clip.hf_config(args, dtype)
+    if not supports(args):
+        raise ValueError(f"model.args act={args.act!r} map_head={args.map_head} pool={args.pool!r} patch_bias="
+                         f"{args.patch_bias} pre_norm={args.pre_norm} with a class token: HF's "
+                         f"ViTForImageClassification has none of these; set them to 'gelu', false, 'cls', true, false")
     if not args.n_classes:
         raise ValueError("model.args.n_classes=0: a ViT without head exports as ViTModel, which is not written yet; "
                          "give the model a head")
@@ -124,10 +135,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
 
 
 def supports(args: ModelArgs) -> bool:
-    """False where no HF class holds the model (a SigLIP tower classifying its MAP output)."""
-    if args.class_token:
-        return args.act == "gelu" and not args.map_head and args.pool == "cls"
-    return hf_siglip.supports(args)
+    """False where no HF class holds the model (a SigLIP tower classifying its MAP output, a ViT with some of
+    CLIP's options)."""
+    if not args.class_token:
+        return hf_siglip.supports(args)
+    if hf_clip.is_clip(args):
+        return hf_clip.supports(args)
+    return (args.act == "gelu" and not args.map_head and args.pool == "cls" and args.patch_bias
+            and not args.pre_norm)
 
 
 def example_inputs(tokens: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, dict, dict]:

@@ -1,10 +1,12 @@
 """ViT (HF's ViTForImageClassification): conv patch embedding, a class token, learned positions, pre-LN blocks
 (attention with qkv bias, exact-GELU MLP), a final LayerNorm and a linear classifier on the class token.
 The same model with ModelArgs' SigLIP options is HF's SiglipVisionModel (no class token, tanh-GELU, the MAP head
-`map_head` after the final LayerNorm) and, with pool="mean", SiglipForImageClassification.
+`map_head` after the final LayerNorm) and, with pool="mean", SiglipForImageClassification; with its CLIP options,
+HF's CLIPVisionModel (patch conv without bias, a LayerNorm on the embeddings `patch_embed.norm`, quick-GELU, the
+final LayerNorm on the pooled class token only) and, with pool="mean_patches", CLIPForImageClassification.
 FQNs in titanlike's style:
 
-    patch_embed.{proj, cls_token (ViT only), pos_embed},
+    patch_embed.{proj, cls_token (ViT, CLIP), pos_embed, norm (CLIP only)},
     layers.<i>.{attention_norm, attention.{wq, wk, wv, wo}, ffn_norm, feed_forward.{w1, w2}},
     norm, map_head.{probe, attention.{wq, wk, wv, wo}, norm, feed_forward.{w1, w2}} (SigLIP),
     first_token | mean_tokens (no parameters), head
@@ -24,14 +26,19 @@ from models.common.encoder import EncoderAttention, FirstToken, GeluFeedForward,
 class PatchEmbed(nn.Module):
     """pixels [B, C, H, W] -> [B, T, dim]: a stride-p conv per patch (an image size that is no multiple of the
     patch drops the last rows and columns, as HF's valid conv: SigLIP so400m's 384 / 14), the class token first
-    (ViT), plus positions."""
+    (ViT, CLIP), plus positions, then CLIP's pre-LayerNorm (`norm`, HF's pre_layrnorm). The norm lives here, not
+    on the model: the output is then HF's hidden_states[0] (what LLaVA's feature layers count from), and the
+    plans' and pipeline's input module stays one (`patch_embed`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.proj = nn.Conv2d(args.channels, args.dim, kernel_size=args.patch_size, stride=args.patch_size)
+        self.proj = nn.Conv2d(args.channels, args.dim, kernel_size=args.patch_size, stride=args.patch_size,
+                              bias=args.patch_bias)
         self.cls_token = nn.Parameter(torch.empty(1, 1, args.dim)) if args.class_token else None
         self.pos_embed = nn.Parameter(torch.empty(1, args.n_tokens, args.dim))
+        # built only when enabled: ViT and SigLIP checkpoints keep their keys
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps) if args.pre_norm else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         h, w = pixels.shape[-2:]
@@ -43,7 +50,8 @@ class PatchEmbed(nn.Module):
         x = self.proj(pixels.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)  # [B, N, D], HF's patch order
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return x + self.pos_embed
+        x = x + self.pos_embed
+        return self.norm(x) if self.norm is not None else x
 
 
 class AttentionPool(nn.Module):
@@ -98,7 +106,8 @@ def _init_attention_mlp(norm1: nn.LayerNorm, norm2: nn.LayerNorm, attention: Enc
 class ViT(nn.Module):
     """pixels [B, C, H, W] (normalised: HF's ViTImageProcessor gives (x / 255 - 0.5) / 0.5) -> logits
     [B, n_classes]; with n_classes = 0 there is no head and the forward returns the final hidden states [B, T, D]
-    (HF's last_hidden_state; `pooled` gives the MAP head's pooler_output)."""
+    (HF's last_hidden_state: normed for ViT and SigLIP, the last block's output for CLIP; `pooled` gives HF's
+    pooler_output: SigLIP's MAP head, CLIP's normed class token)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -110,7 +119,8 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.map_head = AttentionPool(args) if args.map_head else None
         self.first_token = FirstToken() if args.n_classes and args.pool == "cls" else None
-        self.mean_tokens = MeanTokens() if args.n_classes and args.pool == "mean" else None
+        self.mean_tokens = MeanTokens(int(args.pool == "mean_patches")) if args.n_classes and args.pool in (
+            "mean", "mean_patches") else None
         self.head = nn.Linear(args.dim, args.n_classes) if args.n_classes else None
 
     @torch.no_grad()
@@ -120,7 +130,10 @@ class ViT(nn.Module):
         std = self.args.init_std
         if self.patch_embed is not None:
             nn.init.trunc_normal_(self.patch_embed.proj.weight, std=std)
-            nn.init.zeros_(self.patch_embed.proj.bias)
+            if self.patch_embed.proj.bias is not None:
+                nn.init.zeros_(self.patch_embed.proj.bias)
+            if self.patch_embed.norm is not None:
+                self.patch_embed.norm.reset_parameters()
             if self.patch_embed.cls_token is not None:
                 nn.init.trunc_normal_(self.patch_embed.cls_token, std=std)
             nn.init.trunc_normal_(self.patch_embed.pos_embed, std=std)
@@ -142,7 +155,7 @@ class ViT(nn.Module):
         h = self.patch_embed(pixels) if self.patch_embed is not None else pixels
         for layer in self.layers.values():
             h = layer(h)
-        if self.norm is not None:
+        if self.norm is not None and self.args.final_norm == "tokens":  # (CLIP's norms the pooled class token)
             h = self.norm(h)
         if self.head is not None:
             h = self.head(self._pool(h))
@@ -155,7 +168,10 @@ class ViT(nn.Module):
         return self.mean_tokens(h) if self.mean_tokens is not None else self.map_head(h)
 
     def pooled(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """HF SiglipVisionModel's pooler_output from the forward's output at n_classes = 0."""
+        """HF's pooler_output from the forward's output at n_classes = 0: SiglipVisionModel's MAP head, or
+        CLIPVisionModel's post_layernorm on the class token."""
+        if self.args.final_norm == "cls":
+            return self.norm(last_hidden_state[:, 0])
         if self.map_head is None:
             raise ValueError("model.args.map_head=false: this model has no pooling head")
         return self.map_head(last_hidden_state)

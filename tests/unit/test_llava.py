@@ -70,12 +70,15 @@ def qwen3_text(args):
 
 # what HF's tower holds that never reaches the logits: the last block here, the final norm, ViT's pooler
 UNUSED = {"debugmodel": ("vision_tower.layernorm", "vision_tower.pooler", "vision_tower.layers.2."),
-          "debug-siglip": ("vision_tower.post_layernorm", "vision_tower.encoder.layers.2.")}
+          "debug-siglip": ("vision_tower.post_layernorm", "vision_tower.encoder.layers.2."),
+          "debug-clip": ("vision_tower.post_layernorm", "vision_tower.encoder.layers.2.")}
+TOWERS = {"debugmodel": "ViTModel", "debug-siglip": "SiglipVisionModel", "debug-clip": "CLIPVisionModel"}
 
 
 @pytest.mark.parametrize("rows,language,flavor", [((0, 2), "llama3", "debugmodel"), ((1, 2), "llama3", "debugmodel"),
                                                   ((1, 2), "qwen3", "debugmodel"), ((0, 2), "llama3", "debug-siglip"),
-                                                  ((1, 2), "qwen3", "debug-siglip")])
+                                                  ((1, 2), "qwen3", "debug-siglip"), ((0, 2), "llama3", "debug-clip"),
+                                                  ((1, 2), "qwen3", "debug-clip")])
 def test_logits_and_state_dict_match_transformers(rows, language, flavor, tmp_path):
     args = tiny(flavor) if language == "llama3" else qwen3_text(tiny(flavor))
     ours = build(args)
@@ -83,7 +86,7 @@ def test_logits_and_state_dict_match_transformers(rows, language, flavor, tmp_pa
     theirs = hf_model(args, sd, tmp_path)
     assert type(theirs).__name__ == "LlavaForConditionalGeneration"
     tower = type(theirs.model.vision_tower).__name__
-    assert tower == ("ViTModel" if flavor == "debugmodel" else "SiglipVisionModel"), tower
+    assert tower == TOWERS[flavor], tower
     # counts: HF's minus what never reaches the logits
     unused = sum(p.numel() for n, p in theirs.named_parameters() if any(s in n for s in UNUSED[flavor]))
     assert sum(p.numel() for p in theirs.parameters()) - unused == SPEC.param_counts(args).total
@@ -300,3 +303,21 @@ def test_mock_image_text_rows_train_and_flops_take_the_text_length():
     costs = SPEC.pp_costs(args, seq)
     assert sum(costs.layers.values()) + costs.embedding + costs.output == pytest.approx(  # (but the final norm's
         SPEC.flops_per_token(args, seq), rel=1e-3)  # 1-D parameters, as every family's)
+
+
+def test_llava_1_5_config_reads_as_the_clip_tower():
+    """llava-hf/llava-1.5-7b-hf's config.json (its vision_config lists only what differs from CLIPVisionConfig's
+    defaults: quick_gelu, eps 1e-5 come from them) reads as models/vit's L/14-336-clip tower, feature layer -2,
+    strategy "default": 576 image tokens; our 1B-clip flavor has the same tower."""
+    transformers = pytest.importorskip("transformers")
+    vision = {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+              "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+              "vocab_size": 32000}
+    text = {"model_type": "llama", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": 32064}
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=32000).to_dict()
+    args = SPEC.hf.args_from_hf_config(config)
+    assert args.vision == models.get_spec("vit").flavors["L/14-336-clip"]
+    assert (args.vision_feature_layer, args.vision_feature_select_strategy, args.image_tokens) == (-2, "default", 576)
+    assert args.vision_layers_used == 23 and SPEC.flavors["1B-clip"].vision == args.vision
+    assert SPEC.hf.hf_config(SPEC.flavors["1B-clip"], torch.bfloat16)["vision_config"]["model_type"] == \
+        "clip_vision_model"

@@ -30,7 +30,7 @@ def export(args, tmp_path, seed=0):
     return model, hf_model(args, model.state_dict(), tmp_path), tmp_path / "hf"
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "debug-siglip"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "debug-siglip", "debug-clip"])
 def test_greedy_tokens_equal_transformers_generate(flavor, tmp_path):
     args = tiny(flavor)
     ours, theirs, folder = export(args, tmp_path)
@@ -74,6 +74,21 @@ def test_pixels_equal_transformers_image_processor(processor, resample, tmp_path
     err = (got - want).abs().max().item()
     print(f"{processor}: max |diff| {err:.1e} at values up to {want.abs().max():.2f}")
     assert got.shape == want.shape == (1, 3, 32, 32) and err <= 1e-5
+
+
+def test_clip_preprocessor_config_loads_as_clip_image_processor(tmp_path):
+    """A CLIP tower's export writes a CLIPImageProcessor config without its default center crop (which would cut a
+    224 crop out of any size): transformers' AutoImageProcessor reads it and gives our pixels (bicubic, 0.5/0.5)."""
+    import json
+
+    args = tiny("debug-clip")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(SPEC.hf.preprocessor_config(args)))
+    proc = transformers.AutoImageProcessor.from_pretrained(str(tmp_path))
+    assert "CLIPImageProcessor" in type(proc).__name__
+    path = write_png(tmp_path / "x.png", 45, 0)
+    got = load_pixels([path], ImagePrep(32, 3, (0.5,) * 3, (0.5,) * 3, 3, "test"))
+    want = proc(images=[Image.open(path).convert("RGB")], return_tensors="pt")["pixel_values"]
+    assert got.shape == want.shape == (1, 3, 32, 32) and (got - want).abs().max().item() <= 1e-5
 
 
 def test_expand_placeholders():

@@ -30,9 +30,14 @@ def build(args, seed: int = 0):
 
 def hf_model(transformers, args, **kw):
     """transformers' class for our hf_config: ViTForImageClassification, SiglipForImageClassification or (SigLIP
-    without classes) SiglipVisionModel."""
+    without classes) SiglipVisionModel, CLIPForImageClassification or (CLIP without classes) CLIPVisionModel."""
     cfg = {k: v for k, v in SPEC.hf.hf_config(args, torch.float32).items()
            if k not in ("architectures", "model_type", "torch_dtype", "id2label", "label2id")}
+    if args.final_norm == "cls" and args.n_classes:
+        config = transformers.CLIPConfig(vision_config=cfg["vision_config"], num_labels=args.n_classes, **kw)
+        return transformers.CLIPForImageClassification(config)
+    if args.final_norm == "cls":
+        return transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**cfg, **kw))
     if args.class_token:
         return transformers.ViTForImageClassification(transformers.ViTConfig(**cfg, num_labels=args.n_classes, **kw))
     if args.n_classes:
@@ -50,13 +55,14 @@ def test_param_counts_equal_transformers_models(flavor):
     with torch.device("meta"):
         theirs = hf_model(transformers, args)
     assert SPEC.param_counts(args).total == sum(p.numel() for p in theirs.parameters())
-    if not args.class_token:  # SigLIP: the bare tower too (SiglipVisionModel)
+    if not args.class_token or args.n_classes and args.final_norm == "cls":  # SigLIP, CLIP: the bare tower too
         bare = dataclasses.replace(args, n_classes=0)
         with torch.device("meta"):
             assert SPEC.param_counts(bare).total == sum(p.numel() for p in hf_model(transformers, bare).parameters())
-    # google/siglip-base-patch16-224's and siglip-so400m-patch14-384's vision towers: 92.9M, 428.2M
+    # google/siglip-base-patch16-224's and siglip-so400m-patch14-384's vision towers: 92.9M, 428.2M;
+    # openai/clip-vit-large-patch14-336's (LLaVA-1.5's tower, without CLIPModel's visual_projection): 303.5M
     published = {"B/16": 86_567_656, "L/16": 304_326_632, "siglip-B/16-224": 92_884_224 + 769_000,
-                 "siglip-so400m/14-384": 428_225_600 + 1_153_000}
+                 "siglip-so400m/14-384": 428_225_600 + 1_153_000, "L/14-336-clip": 303_507_456}
     if flavor in published:
         assert SPEC.param_counts(args).total == published[flavor]
 
@@ -328,3 +334,95 @@ def test_siglip_args_refusals_and_plan_covers_the_map_head():
 
     plan = vit_tp_plan()
     assert isinstance(plan["map_head"], GatherTokens) and "mean_tokens" in plan
+
+
+# ------------------------------------------------------------------------------------------------ CLIP
+def test_clip_tower_equals_clip_vision_model():
+    """debug-clip without classes against transformers' CLIPVisionModel (random weights, fp32, eager): the forward
+    = last_hidden_state (the last block's output, no final norm) and `pooled` (post_layernorm on the class token)
+    = pooler_output within 1e-4; hidden_states[0] (pre_layrnorm's output, LLaVA's layer 0) = patch_embed's output;
+    the state dict round trips through HF's in-memory and hub names, and the config round trips."""
+    transformers = pytest.importorskip("transformers")
+    args = dataclasses.replace(SPEC.flavors["debug-clip"], n_classes=0)
+    ours = _randomized(build(args))
+    theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
+    assert "pre_layrnorm.weight" in theirs.state_dict() and ours.patch_embed.proj.bias is None
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = ours(pixels)
+        got = (h, ours.pooled(h))
+        out = theirs(pixel_values=pixels, output_hidden_states=True)
+        assert (ours.patch_embed(pixels) - out.hidden_states[0]).abs().max() < 1e-5
+    for name, a, b in zip(("last_hidden_state", "pooler_output"), got, (out.last_hidden_state, out.pooler_output)):
+        assert a.shape == b.shape and b.abs().max() > 1
+        err = (a - b).abs().max().item()
+        print(f"clip debug {name} vs transformers: max abs error {err:.2e} at max |x| {b.abs().max():.2f}")
+        assert err < 1e-4
+    assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
+    # a CLIPModel checkpoint (openai/clip-*): the text tower and the projections are skipped
+    extra = {"text_model.embeddings.token_embedding.weight": torch.zeros(1), "visual_projection.weight":
+             torch.zeros(1), "text_projection.weight": torch.zeros(1), "logit_scale": torch.zeros(())}
+    assert SPEC.hf.from_hf({**SPEC.hf.to_hf(ours.state_dict(), args), **extra}, args).keys() == \
+        ours.state_dict().keys()
+
+
+def test_clip_classifier_equals_clip_for_image_classification_and_flops_match():
+    """debug-clip (10 classes on the patch average, unnormed tokens: HF's CLIPForImageClassification, whose
+    post_layernorm is held but unused) gives its logits within 1e-4; FLOPs per image = torch's counter (the
+    quick-GELU, the pre-LayerNorm and the average are elementwise)."""
+    transformers = pytest.importorskip("transformers")
+    args = SPEC.flavors["debug-clip"]
+    ours = _randomized(build(args))
+    theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = ours(pixels), theirs(pixel_values=pixels).logits
+    err = (got - want).abs().max().item()
+    print(f"clip debug logits vs CLIPForImageClassification: max abs error {err:.2e} at {want.abs().max():.2f}")
+    assert want.abs().max() > 1 and err < 1e-4
+    assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
+    model = build(args).train()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(torch.randn(3, 3, 32, 32)), torch.tensor([0, 1, 2])).backward()
+    assert counter.get_total_flops() == 3 * flops_per_image(args)
+
+
+def test_clip_options_refused_in_one_line_and_vit_keeps_its_modules():
+    """The CLIP options' refusals; ViT and SigLIP flavors build no pre-norm and keep the patch bias (their
+    checkpoints' FQNs); a ViT with one CLIP option has no HF class."""
+    with pytest.raises(ValueError, match="model.args.pool='cls' with final_norm='cls'") as e:
+        dataclasses.replace(SPEC.flavors["debug-clip"], pool="cls")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="final_norm='cls' norms the class token alone"):
+        dataclasses.replace(SPEC.flavors["debug-siglip"], final_norm="cls")
+    with pytest.raises(ValueError, match="model.args.act='relu'"):
+        dataclasses.replace(SPEC.flavors["debug-clip"], act="relu")
+    for flavor in ("debugmodel", "debug-siglip"):
+        names = dict(build(SPEC.flavors[flavor]).named_parameters())
+        assert "patch_embed.proj.bias" in names and not any(n.startswith("patch_embed.norm") for n in names)
+    assert not SPEC.hf.supports(dataclasses.replace(SPEC.flavors["debugmodel"], pre_norm=True))
+
+
+def test_clip_plan_shards_on_fake_ranks_and_keeps_fqns():
+    """debug-clip under the default plan on 4 fake ranks, TP 2 (+ SP) x FSDP 2: every parameter a DTensor (the
+    pre-norm inside patch_embed replicated, the patch average gathered as the token average is), FQNs unchanged.
+    The contract test shards the family's last debug flavor (debug-siglip) only."""
+    from parallelize import PlanSections, get_plan
+    from titanlike.config.sections import JobConfig
+    from titanlike.distributed.parallel_dims import ParallelDims
+    from titanlike.planner.fake import fake_world
+
+    args = SPEC.flavors["debug-clip"]
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    names = [n for n, _ in model.named_parameters()]
+    assert "patch_embed.norm.weight" in names and model.mean_tokens.skip == 1
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.flavor, cfg.compile.enable = "vit", "debug-clip", False
+    cfg.parallelism.enable_sequence_parallel = False  # 17 tokens do not split over 2 ranks (the check's refusal)
+    with fake_world(0, 4):
+        dims = ParallelDims(dp_shard=2, tp=2, world_size=4)
+        dims.build_mesh("cpu")
+        model = get_plan("vit", "default")(model, dims, PlanSections.of(cfg))
+        params = dict(model.named_parameters())
+        assert list(params) == names and all(type(p).__name__ == "DTensor" for p in params.values())

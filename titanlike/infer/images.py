@@ -42,7 +42,8 @@ def takes_images(args) -> bool:
 def image_prep(loaded) -> ImagePrep:
     """An HF folder's preprocessor_config.json (image_mean / image_std / resample, as its export or the hub wrote
     them), else the tower's defaults: mean = std = 0.5, what HF's ViT and SigLIP processors use and what
-    models/llava/objective.py trains with ((x / 255 - 0.5) / 0.5); bilinear (ViT's processor) or bicubic (SigLIP's)."""
+    models/llava/objective.py trains with ((x / 255 - 0.5) / 0.5); bilinear (ViT's processor) or bicubic (SigLIP's,
+    CLIP's)."""
     args = loaded.args
     if not takes_images(args):
         name = getattr(loaded.spec, "name", type(loaded.model).__name__)
@@ -50,7 +51,8 @@ def image_prep(loaded) -> ImagePrep:
                          f"such as llava does); drop --image")
     v = args.vision
     prep = ImagePrep(v.image_size, v.channels, (0.5,) * v.channels, (0.5,) * v.channels,
-                     2 if v.class_token else 3, "the tower's defaults")
+                     2 if v.class_token and getattr(v, "final_norm", "tokens") != "cls" else 3,  # CLIP's: bicubic
+                     "the tower's defaults")
     path = os.path.join(loaded.source, "preprocessor_config.json")
     if not os.path.isfile(path):
         return prep
