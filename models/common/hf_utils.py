@@ -58,6 +58,17 @@ def hf_layer_items(hf_state_dict: dict[str, torch.Tensor],
         yield key, m.group(1), m.group(2), value
 
 
+def map_block_key(key: str, pattern: re.Pattern, table: dict[str, str], template: str, direction: str) -> str:
+    """One block parameter's key in the other naming: `pattern` captures (layer, block-relative module, weight|bias),
+    `table` renames the module, `template` ("...{layer}...{name}.{kind}") writes the result; a key outside both is a
+    KeyError naming it (`direction`: "to_hf" for titanlike keys, "from_hf" for HF's)."""
+    m = pattern.match(key)
+    if m is None or m.group(2) not in table:
+        raise KeyError(f"{direction}: unexpected {'titanlike' if direction == 'to_hf' else 'HF'} key {key!r}")
+    layer, name, kind = m.groups()
+    return template.format(layer=layer, name=table[name], kind=kind)
+
+
 def untie_output(out: dict[str, torch.Tensor]) -> None:
     """A checkpoint without lm_head ties it to the embedding; the decoder families other than GPT do not tie, so the
     output gets a copy."""

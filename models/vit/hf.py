@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from models.common.hf_utils import map_block_key
 from models.vit import hf_clip, hf_siglip
 from models.vit.args import ModelArgs
 
@@ -58,11 +59,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         if key in _TOP:
             out[_TOP[key]] = value
             continue
-        m = _TL_RE.match(key)
-        if m is None or m.group(2) not in _LAYER:
-            raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-        layer, name, kind = m.groups()
-        out[f"vit.encoder.layer.{layer}.{_LAYER[name]}.{kind}"] = value
+        out[map_block_key(key, _TL_RE, _LAYER, "vit.encoder.layer.{layer}.{name}.{kind}", "to_hf")] = value
     return out
 
 
@@ -79,11 +76,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         if key in _TOP_INV:
             out[_TOP_INV[key]] = value
             continue
-        m = _HF_RE.match(key)
-        if m is None or m.group(2) not in _LAYER_INV:
-            raise KeyError(f"from_hf: unexpected HF key {key!r}")
-        layer, name, kind = m.groups()
-        out[f"layers.{layer}.{_LAYER_INV[name]}.{kind}"] = value
+        out[map_block_key(key, _HF_RE, _LAYER_INV, "layers.{layer}.{name}.{kind}", "from_hf")] = value
     return out
 
 

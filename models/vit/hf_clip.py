@@ -8,11 +8,13 @@ Not names only: HF's class embedding is [D] (ours [1, 1, D]) and its position ta
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from models.common.hf_utils import map_block_key
 from models.vit.args import ModelArgs
+
+# the encoder blocks are named as SigLIP's
+from models.vit.hf_siglip import _HF_BLOCK, _HF_RE, _LAYER, _LAYER_INV, _PREFIX, _TL_RE, tower_args, tower_config
 
 ARCHITECTURES = ("CLIPForImageClassification", "CLIPVisionModel", "CLIPModel")  # CLIPModel: its vision tower
 MODEL_TYPES = ("clip", "clip_vision_model")
@@ -29,15 +31,6 @@ _TOP_INV = {v: k for k, v in _TOP.items()}
 _TABLES = {"patch_embed.cls_token": "embeddings.class_embedding", "patch_embed.pos_embed":
            "embeddings.position_embedding.weight"}
 _TABLES_INV = {v: k for k, v in _TABLES.items()}
-_LAYER = {
-    "attention_norm": "layer_norm1", "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.out_proj", "ffn_norm": "layer_norm2",
-    "feed_forward.w1": "mlp.fc1", "feed_forward.w2": "mlp.fc2",
-}
-_LAYER_INV = {v: k for k, v in _LAYER.items()}
-_TL_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
-_HF_RE = re.compile(r"^encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_PREFIX = "vision_model."
 # a CLIPModel checkpoint's other parts: the text tower, the two projections into the joint space, the scale
 _NOT_TOWER = ("text_model.", "visual_projection.", "text_projection.", "logit_scale")
 
@@ -58,11 +51,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         elif key in _TOP:
             out[_PREFIX + _TOP[key]] = value
         else:
-            m = _TL_RE.match(key)
-            if m is None or m.group(2) not in _LAYER:
-                raise KeyError(f"to_hf: unexpected titanlike key {key!r}")
-            layer, name, kind = m.groups()
-            out[f"{_PREFIX}encoder.layers.{layer}.{_LAYER[name]}.{kind}"] = value
+            out[map_block_key(key, _TL_RE, _LAYER, _PREFIX + _HF_BLOCK, "to_hf")] = value
     return out
 
 
@@ -80,32 +69,19 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         elif key in _TOP_INV:
             out[_TOP_INV[key]] = value
         else:
-            m = _HF_RE.match(key)
-            if m is None or m.group(2) not in _LAYER_INV:
-                raise KeyError(f"from_hf: unexpected HF key {key!r}")
-            layer, name, kind = m.groups()
-            out[f"layers.{layer}.{_LAYER_INV[name]}.{kind}"] = value
+            out[map_block_key(key, _HF_RE, _LAYER_INV, "layers.{layer}.{name}.{kind}", "from_hf")] = value
     return out
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
-    """CLIPVisionModel's config, or CLIPForImageClassification's / CLIPModel's (the vision_config inside)."""
-    vision = config.get("vision_config", config)
-    archs = config.get("architectures") or []
-    classify = bool(archs) and archs[0] == "CLIPForImageClassification"
-    labels = config.get("id2label") or {}
-    n_classes = config.get("num_labels", len(labels) or 2) if classify else 0
-    # CLIPVisionConfig's defaults (openai/clip-vit-base-patch32's), for keys a config leaves out
-    size, channels = vision.get("image_size", 224), vision.get("num_channels", 3)
+    """CLIPVisionModel's config, or CLIPForImageClassification's / CLIPModel's (the vision_config inside); defaults
+    are CLIPVisionConfig's (openai/clip-vit-base-patch32's)."""
+    vision, fields = tower_args(config, "CLIPForImageClassification", patch_size=32, norm_eps=1e-5)
     act = vision.get("hidden_act", "quick_gelu")
     if act not in ("quick_gelu", "gelu"):
         raise ValueError(f"CLIP config hidden_act={act!r}: titanlike's CLIP tower runs 'quick_gelu' or 'gelu'")
-    return ModelArgs(dim=vision.get("hidden_size", 768), n_layers=vision.get("num_hidden_layers", 12),
-                     n_heads=vision.get("num_attention_heads", 12), ffn_dim=vision.get("intermediate_size", 3072),
-                     image_size=size, patch_size=vision.get("patch_size", 32), channels=channels, n_classes=n_classes,
-                     norm_eps=vision.get("layer_norm_eps", 1e-5), init_std=vision.get("initializer_range", 0.02),
-                     act=act, patch_bias=False, pre_norm=True, final_norm="cls", pool="mean_patches",
-                     max_seq_len=channels * size * size)
+    return ModelArgs(**fields, init_std=vision.get("initializer_range", 0.02), act=act, patch_bias=False,
+                     pre_norm=True, final_norm="cls", pool="mean_patches")
 
 
 def supports(args: ModelArgs) -> bool:
@@ -119,13 +95,4 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         raise ValueError(f"model.args patch_bias={args.patch_bias} pre_norm={args.pre_norm} act={args.act!r} "
                          f"pool={args.pool!r} with final_norm='cls': HF's CLIP classes need patch_bias=false, "
                          f"pre_norm=true, act 'quick_gelu' or 'gelu' and (with classes) pool='mean_patches'")
-    vision = {"model_type": "clip_vision_model", "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-              "num_attention_heads": args.n_heads, "intermediate_size": args.ffn_dim, "image_size": args.image_size,
-              "patch_size": args.patch_size, "num_channels": args.channels, "hidden_act": args.act,
-              "layer_norm_eps": args.norm_eps, "attention_dropout": 0.0, "initializer_range": args.init_std}
-    dtype_name = str(dtype).replace("torch.", "")
-    if not args.n_classes:
-        return {"architectures": ["CLIPVisionModel"], **vision, "torch_dtype": dtype_name}
-    return {"architectures": ["CLIPForImageClassification"], "model_type": "clip", "vision_config": vision,
-            "id2label": {str(i): f"LABEL_{i}" for i in range(args.n_classes)},
-            "label2id": {f"LABEL_{i}": i for i in range(args.n_classes)}, "torch_dtype": dtype_name}
+    return tower_config(args, dtype, "CLIP", "clip", {"initializer_range": args.init_std})

@@ -276,15 +276,20 @@ def test_siglip_tower_equals_siglip_vision_model():
 def test_siglip_classifier_equals_siglip_for_image_classification():
     """pool="mean" (the flavors'): logits = SiglipForImageClassification's (which averages the final tokens; its MAP
     head is built but not run) within 1e-4; the config round trips."""
+    _assert_classifier_logits_equal_hf("debug-siglip")
+
+
+def _assert_classifier_logits_equal_hf(flavor: str):
+    """The flavor's logits equal its HF classifier's within 1e-4 (random weights, fp32); the config round trips."""
     transformers = pytest.importorskip("transformers")
-    args = SPEC.flavors["debug-siglip"]
+    args = SPEC.flavors[flavor]
     ours = _randomized(build(args))
     theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = ours(pixels), theirs(pixel_values=pixels).logits
     err = (got - want).abs().max().item()
-    print(f"siglip debug logits vs SiglipForImageClassification: max abs error {err:.2e} at {want.abs().max():.2f}")
+    print(f"{flavor} logits vs {type(theirs).__name__}: max abs error {err:.2e} at {want.abs().max():.2f}")
     assert want.abs().max() > 1 and err < 1e-4
     assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
 
@@ -370,17 +375,8 @@ def test_clip_classifier_equals_clip_for_image_classification_and_flops_match():
     """debug-clip (10 classes on the patch average, unnormed tokens: HF's CLIPForImageClassification, whose
     post_layernorm is held but unused) gives its logits within 1e-4; FLOPs per image = torch's counter (the
     quick-GELU, the pre-LayerNorm and the average are elementwise)."""
-    transformers = pytest.importorskip("transformers")
+    _assert_classifier_logits_equal_hf("debug-clip")
     args = SPEC.flavors["debug-clip"]
-    ours = _randomized(build(args))
-    theirs = _load_theirs(hf_model(transformers, args, attn_implementation="eager"), ours, args)
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got, want = ours(pixels), theirs(pixel_values=pixels).logits
-    err = (got - want).abs().max().item()
-    print(f"clip debug logits vs CLIPForImageClassification: max abs error {err:.2e} at {want.abs().max():.2f}")
-    assert want.abs().max() > 1 and err < 1e-4
-    assert SPEC.hf.args_from_hf_config(SPEC.hf.hf_config(args, torch.float32)) == args
     model = build(args).train()
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(torch.randn(3, 3, 32, 32)), torch.tensor([0, 1, 2])).backward()
