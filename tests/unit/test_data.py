@@ -320,20 +320,3 @@ def test_long_windows(cfg, tok):
     resumed = loader(cfg, tok, local_batch_size=1, seq_len=seq)
     resumed.load_state_dict(state)
     assert_same_batches([second], [next(iter(resumed))])
-
-
-def test_pinned_batches_travel_narrowed_and_arrive_int64():
-    """A GPU loader's collate (collate_narrow) stores each batch in the smallest integer dtype holding it: pixel
-    bytes in uint8, class ids and -100 in int16, large vocabularies in int32; widened, it equals collate_pair's."""
-    from titanlike.data.loader import collate_narrow, collate_pair
-
-    cases = [(torch.randint(0, 256, (6,)), torch.full((6,), 7)),  # an image row and its class
-             (torch.randint(0, 2000, (6,)), torch.tensor([-100, 5, 1999, 3, 2, 1])),  # tokens, ignored labels
-             (torch.randint(0, 200_000, (6,)), torch.randint(0, 200_000, (6,)))]  # a 200k vocabulary
-    want = [(torch.uint8, torch.uint8), (torch.int16, torch.int16), (torch.int32, torch.int32)]
-    for (x, y), dtypes in zip(cases, want):
-        samples = [(x, y), (x.flip(0), y.flip(0))]
-        narrowed, plain = collate_narrow(samples), collate_pair(samples)
-        assert tuple(t.dtype for t in narrowed) == dtypes
-        for a, b in zip(narrowed, plain):
-            assert b.dtype == torch.int64 and torch.equal(a.long(), b)

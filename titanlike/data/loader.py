@@ -39,29 +39,6 @@ def collate_pair(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     return torch.stack(inputs), torch.stack(labels)
 
 
-_NARROW = (torch.uint8, torch.int16, torch.int32)
-
-
-def narrow(t: torch.Tensor) -> torch.Tensor:
-    """An int64 batch in the smallest integer dtype that holds its values (uint8, int16, int32), else as it is. The
-    copy to the GPU then moves 2-8x fewer bytes (an image row's int64 pixel bytes: 8x); the trainer widens it back
-    there (Trainer.make_batch), so the objectives see int64 as ever."""
-    if t.dtype != torch.int64 or t.numel() == 0:
-        return t
-    lo, hi = t.min().item(), t.max().item()
-    for dtype in _NARROW:
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return t.to(dtype)
-    return t
-
-
-def collate_narrow(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """collate_pair, each tensor narrowed (`narrow`) in the loader's workers: the collate for pinned (GPU) loaders."""
-    inputs, labels = collate_pair(samples)
-    return narrow(inputs), narrow(labels)
-
-
 def _saved_workers(state: dict) -> int:
     snap = state.get("_snapshot")
     return int(snap["_main_snapshot"]["_num_workers"]) if snap else 0
@@ -141,8 +118,7 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
                      seed: int, split: str = "train", vocab_size: int | None = None,
                      max_corpus_bytes: int | None = STDLIB_CORPUS_MAX_BYTES, paths_key: str = "data.paths",
                      global_batch_size: int | None = None, steps: int | None = None) -> StatefulDataLoader:
-    """This DP rank's endless loader of `(input_ids[B,S], labels[B,S])` int64 batches (pinned for a GPU: in the
-    smallest integer dtype that holds them, see `narrow`).
+    """This DP rank's endless loader of `(input_ids[B,S], labels[B,S])` int64 batches.
 
     `tokenizer` may be None for `data.dataset="mock"` when `vocab_size` is given. `max_corpus_bytes` caps the stdlib
     corpus (tests use a small slice). With pinned memory, torch may hand the pair back as a list; unpack it either way.
@@ -157,11 +133,10 @@ def build_dataloader(data_cfg, tokenizer, *, dp_rank: int, dp_degree: int, local
     num_workers = int(data_cfg.num_workers)
     if hasattr(dataset, "check_usable"):  # streaming: data with no usable document would spin before step 1
         dataset.check_usable(num_workers)
-    pin = bool(data_cfg.pin_memory) and torch.cuda.is_available()
     common = dict(
-        collate_fn=collate_narrow if pin else collate_pair,  # (narrowed for the copy to the GPU, widened there)
+        collate_fn=collate_pair,
         num_workers=num_workers,
-        pin_memory=pin,
+        pin_memory=bool(data_cfg.pin_memory) and torch.cuda.is_available(),
         # workers only slice a memory-mapped array; 2 batches ahead per worker hides that easily
         prefetch_factor=2 if num_workers > 0 else None,
     )

@@ -212,8 +212,7 @@ class Trainer:
     def make_batch(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> Batch:
         """A loader batch (whole sequences, any device) -> this rank's Batch: the objective's inputs and targets,
         then BatchLayout's documents and context-parallel share."""
-        # A pinned loader narrows its batches for the copy (titanlike/data/loader.py narrow): int64 again here.
-        inputs, labels = (t.to(self.device, non_blocking=True).long() for t in (inputs, labels))
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
         return self.batch_layout(self.objective(inputs, labels, StepContext(step, self.cfg.training.seed)), inputs)
 
     def next_batches(self, data_iter) -> list[Batch]:
