@@ -236,19 +236,23 @@ def test_config_refusals_name_the_key(shards):
     ("configs/vit_debug.toml", ["--data.dataset=webdataset", "--data.wds_target=cls", "--optimizer.lr=2e-3"]),
 ])
 def test_trains_a_few_steps_from_shards(config, extra, shards, tmp_path):
-    from titanlike.train.trainer import Trainer
-
     folder, _ = shards
     c = _load(config, f"--job.dump_folder={tmp_path}", "--training.steps=8", "--metrics.log_freq=1",
               f"--data.paths={folder}/shapes-train-{{000000..000002}}.tar", "--training.local_batch_size=8", *extra)
-    trainer = Trainer(c)
+    first, last = _first_and_last_loss(c)
+    print(f"{config} {extra}: loss {first:.3f} -> {last:.3f}")
+    assert last < first - 0.5, (first, last)
+
+
+def _first_and_last_loss(cfg) -> tuple[float, float]:
+    from titanlike.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
     try:
         history = trainer.train()
     finally:
         trainer.close()
-    first, last = history[0]["loss"], history[-1]["loss"]
-    print(f"{config} {extra}: loss {first:.3f} -> {last:.3f}")
-    assert last < first - 0.5, (first, last)
+    return history[0]["loss"], history[-1]["loss"]
 
 
 SEQ2 = 2 * PIXELS + 64  # two slots, two runs of 16 and a 2-image conversation (60 tokens)
@@ -356,18 +360,11 @@ def test_multi_image_refusals_error_in_one_line_or_skip(shards, shards2, tmp_pat
 
 
 def test_trains_a_few_steps_from_two_image_shards(shards2, tmp_path):
-    from titanlike.train.trainer import Trainer
-
     folder, _ = shards2
     c = _load("configs/llava_wds_debug.toml", f"--job.dump_folder={tmp_path}", "--training.steps=8",
               "--metrics.log_freq=1", f"--data.paths={folder}", "--training.local_batch_size=8",
               f"--training.seq_len={SEQ2}", "--data.images_per_row=2", "--model.args={images_per_row = 2}")
-    trainer = Trainer(c)
-    try:
-        history = trainer.train()
-    finally:
-        trainer.close()
-    first, last = history[0]["loss"], history[-1]["loss"]
+    first, last = _first_and_last_loss(c)
     print(f"2-image shards: loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5, (first, last)
 
