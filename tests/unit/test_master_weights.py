@@ -202,9 +202,6 @@ def test_mode_choice_and_errors():
     assert mode(cfg(), two, cuda) == "fsdp"
     no_opt_compile = config_from_dict({"compile": {"enable": True, "components": ["model", "loss"]}})
     assert mode(no_opt_compile, one, cuda) == "autocast"
-    # an optimizer without a master-weight path (Muon): "auto" falls back to autocast
-    assert mixed_precision_mode(cfg().training, cfg().compile, one, cuda, fault_tolerant=False,
-                                master_ok=False) == "autocast"
     with pytest.raises(ValueError, match="mixed_precision_impl='master_weights' is for runs on one device"):
         mode(cfg(mixed_precision_impl="master_weights"), two, cuda)
     with pytest.raises(ValueError, match="mixed_precision_param='float32'; set it to 'bfloat16'"):

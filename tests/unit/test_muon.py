@@ -148,7 +148,6 @@ def _cfg(*extra):
     ("--optimizer.muon_ns_steps=0", "optimizer.muon_ns_steps=0 must be in [1, 99]"),
     ("--optimizer.muon_lr_scale=rms", "optimizer.muon_lr_scale"),
     ("--optimizer.muon_ns_dtype=float16", "optimizer.muon_ns_dtype"),
-    ("--training.mixed_precision_impl=master_weights", "has no master-weight path"),
 ])
 def test_config_errors(flag, words):
     with pytest.raises(ConfigError) as e:

@@ -181,9 +181,6 @@ def _check_numbers(cfg: JobConfig, errors: list[str]) -> None:
         errors.append(f"optimizer.muon_momentum={opt.muon_momentum} must be in [0, 1), e.g. 0.95")
     if not 1 <= opt.muon_ns_steps < 100:
         errors.append(f"optimizer.muon_ns_steps={opt.muon_ns_steps} must be in [1, 99] (5 as the reference)")
-    if opt.name == "Muon" and cfg.training.mixed_precision_impl == "master_weights":
-        errors.append("optimizer.name=\"Muon\" has no master-weight path: set training.mixed_precision_impl to "
-                      "\"autocast\" or \"auto\"")
 
 
 def _check_features(cfg: JobConfig, errors: list[str]) -> None:

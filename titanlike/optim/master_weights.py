@@ -38,13 +38,12 @@ from titanlike.config.validate import check_mixed_precision
 from titanlike.optim.adamw import clip_with_norm_, param_groups
 
 
-def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool,
-                         master_ok: bool = True) -> str:
+def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool
+                         ) -> str:
     """What casts the weights to the compute dtype: "fsdp" (its MixedPrecisionPolicy; fp32 on CPU), "autocast",
     "master_weights" (this file) or "none" (fp32 throughout). training.mixed_precision_impl picks among the last
-    three on one device ("auto": master weights when the update compiles and the optimizer has a master-weight path,
-    `master_ok`; else autocast); ValueError naming the key when the choice cannot be honoured. fault_tolerant:
-    fault_tolerance.enable (torchft's replica groups)."""
+    three on one device ("auto": master weights when the update compiles, else autocast); ValueError naming the key
+    when the choice cannot be honoured. fault_tolerant: fault_tolerance.enable (torchft's replica groups)."""
     errors: list[str] = []
     check_mixed_precision(t, fault_tolerant, dims.world_size, errors)  # the config rule, for configs built in code
     if errors:
@@ -58,7 +57,7 @@ def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.
     if device.type != "cuda" or t.mixed_precision_param == "float32":
         return "none"
     compiled = compile_cfg.enable and "optimizer" in compile_cfg.components
-    if (t.mixed_precision_impl == "auto" and compiled and master_ok
+    if (t.mixed_precision_impl == "auto" and compiled
             and t.mixed_precision_param in ("bfloat16", "float16")):
         return "master_weights"
     return "autocast"
@@ -166,11 +165,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas, eps: float,
                  compile: bool = False, accumulate_fp32: bool = False, overlap: bool = False,
-                 stable_state_dict: bool = False, dtype: torch.dtype = torch.bfloat16):
+                 stable_state_dict: bool = False, dtype: torch.dtype = torch.bfloat16, defaults: dict | None = None):
         # torch AdamW's group keys (amsgrad, fused, ...): flattened optimizer checkpoints then hold the same keys in
-        # both, and load into either.
-        adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-        super().__init__(groups, {**adamw_keys, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
+        # both, and load into either. (A subclass passes its own: master_muon.py, MuonWithAdamW's.)
+        if defaults is None:
+            adamw_keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+            defaults = {**adamw_keys, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
+        super().__init__(groups, defaults)
         self.low_bits: dict[nn.Parameter, torch.Tensor] = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             hi, self.low_bits[p] = split_master(p.detach().float(), dtype)
@@ -238,6 +239,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._adamw_step(*self._begin_step())
+        return loss
+
+    def _begin_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Join the last step, load the LRs into their device tensors, create missing state; (grad_scale,
+        found_inf) of this step as device tensors."""
         self.join()  # the last step's updates are done before its LRs and state are touched again
         for lr_t, group in zip(self._group_lrs, self.param_groups):
             if torch.is_tensor(group["lr"]):
@@ -246,19 +253,27 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 lr_t.fill_(group["lr"])  # a kernel argument: no host-to-device copy, no sync
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        scale = self._one if scale is None else scale
-        found_inf = self._zero if found_inf is None else found_inf
-        for p in self.low_bits:  # first use: AdamW's keys, so checkpoints interchange with torch's AdamW
+        for p in self.low_bits:  # on first use
             if not self.state[p] and self.grad(p) is not None:
-                self.state[p] = {"step": torch.zeros((), device=p.device),
-                                 "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+                self.state[p] = self._new_state(p)
+        return (self._one if scale is None else scale), (self._zero if found_inf is None else found_inf)
+
+    def _new_state(self, p: nn.Parameter) -> dict:
+        """AdamW's keys, so checkpoints interchange with torch's AdamW."""
+        return {"step": torch.zeros((), device=p.device), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+
+    def _takes_adamw(self, p: nn.Parameter) -> bool:
+        return True
+
+    def _adamw_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """The AdamW update of every bucket, in forward order (on the side stream with the forward overlap)."""
         side = self._overlap
         if side is not None:  # after everything the update reads was written on this stream: the new state's
             side.stream.wait_stream(torch.cuda.current_stream())  # zeros, gradients, clip factor, found_inf, LRs
             side.held += [scale, found_inf]
         for key, bucket in self._buckets:
-            ps = [p for p in bucket if self.grad(p) is not None]
+            ps = [p for p in bucket if self.grad(p) is not None and self._takes_adamw(p)]
             if not ps:
                 continue
             groups = [self.param_groups[self._group_of[p]] for p in ps]
@@ -273,7 +288,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     side.events[key].record()
             if side is not None:
                 side.held += grads
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -332,7 +346,7 @@ def build_master_weight_adamw(model: nn.Module, opt: Optimizer, compile: bool, a
                               overlap: bool = False, stable_state_dict: bool = False,
                               dtype: torch.dtype = torch.bfloat16) -> MasterWeightAdamW:
     """Call after the model is materialised and initialised in fp32: its parameters become bf16 here.
-    (optimizer.name is AdamW: config validation allows nothing else.) stable_state_dict: see _expose_masters."""
+    (optimizer.name="Muon": titanlike/optim/master_muon.py.) stable_state_dict: see _expose_masters."""
     return MasterWeightAdamW(model, param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                              compile=compile, accumulate_fp32=accumulate_fp32, overlap=overlap,
                              stable_state_dict=stable_state_dict, dtype=dtype)

@@ -142,6 +142,16 @@ def _whole_matrices(u: DTensor) -> bool:
                                for p in u.placements)
 
 
+def muon_defaults(lr: float, betas, eps: float, momentum: float, nesterov: bool, ns_steps: int, lr_scale: str,
+                  ns_dtype: str) -> dict:
+    """The param-group defaults of MuonWithAdamW and of the master-weight Muon (titanlike/optim/master_muon.py):
+    one set of keys, so checkpoints move between the two."""
+    if lr_scale not in LR_SCALES or ns_dtype not in NS_DTYPES:
+        raise ValueError(f"Muon: lr_scale={lr_scale!r} ns_dtype={ns_dtype!r}: use one of {LR_SCALES}, {NS_DTYPES}")
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, use_muon=False, momentum=momentum,
+                nesterov=nesterov, ns_steps=ns_steps, lr_scale=lr_scale, ns_dtype=ns_dtype)
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Param groups carry "use_muon"; Muon groups follow the module docstring, the others are AdamW (torch's
     arithmetic and state keys: step, exp_avg, exp_avg_sq). Muon's state is one fp32 "momentum_buffer" per matrix,
@@ -150,11 +160,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, lr_scale: str = "match_rms_adamw",
                  ns_dtype: str = "bfloat16", distribute: str = "owner"):
-        if lr_scale not in LR_SCALES or ns_dtype not in NS_DTYPES or distribute not in ("owner", "replicated"):
-            raise ValueError(f"Muon: lr_scale={lr_scale!r} ns_dtype={ns_dtype!r} distribute={distribute!r}: "
-                             f"use one of {LR_SCALES}, {NS_DTYPES}, ('owner', 'replicated')")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, use_muon=False, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, lr_scale=lr_scale, ns_dtype=ns_dtype)
+        if distribute not in ("owner", "replicated"):
+            raise ValueError(f"Muon: distribute={distribute!r}: use 'owner' or 'replicated'")
+        defaults = muon_defaults(lr, betas, eps, momentum, nesterov, ns_steps, lr_scale, ns_dtype)
         super().__init__(groups, defaults)
         self.distribute = distribute
 
@@ -208,10 +216,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         p.sub_(state["exp_avg"] / denom * (lr / (1 - b1 ** step)))
 
 
-def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str, ...] = (),
-               distribute: str = "owner") -> MuonWithAdamW:
-    """The optimizer for optimizer.name="Muon": `groups` are AdamW's weight-decay groups (adamw.param_groups), each
-    split here into its Muon and AdamW parameters."""
+def muon_groups(model: nn.Module, groups: list[dict], io_modules: tuple[str, ...] = ()) -> list[dict]:
+    """AdamW's weight-decay `groups` (adamw.param_groups), each split into its Muon and AdamW parameters
+    ("use_muon")."""
     names = muon_names(model, io_modules)
     to_muon = {id(p) for n, p in model.named_parameters() if n in names}
     split = []
@@ -220,6 +227,12 @@ def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str,
             ps = [p for p in g["params"] if (id(p) in to_muon) == use]
             if ps:
                 split.append({**g, "params": ps, "use_muon": use})
-    return MuonWithAdamW(split, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, momentum=cfg.muon_momentum,
-                         nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, lr_scale=cfg.muon_lr_scale,
-                         ns_dtype=cfg.muon_ns_dtype, distribute=distribute)
+    return split
+
+
+def build_muon(model: nn.Module, cfg, groups: list[dict], io_modules: tuple[str, ...] = (),
+               distribute: str = "owner") -> MuonWithAdamW:
+    """The optimizer for optimizer.name="Muon": `groups` are AdamW's weight-decay groups (adamw.param_groups)."""
+    return MuonWithAdamW(muon_groups(model, groups, io_modules), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                         momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                         lr_scale=cfg.muon_lr_scale, ns_dtype=cfg.muon_ns_dtype, distribute=distribute)

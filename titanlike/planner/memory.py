@@ -169,8 +169,8 @@ def estimate_memory(cfg: JobConfig, world_size: int, device_kind: str = "cuda") 
     if cfg.compile.enable:  # compiled regions do not run under the trackers' dispatch modes (nor on fake tensors)
         t = run_cfg.training
         if (world_size == 1 and gpu and t.mixed_precision_impl == "auto" and t.mixed_precision_param != "float32"
-                and "optimizer" in cfg.compile.components and cfg.optimizer.name != "Muon"):
-            # the precision the compiled run picks (one GPU; Muon has no master-weight path: autocast)
+                and "optimizer" in cfg.compile.components):
+            # the precision the compiled run picks (one GPU)
             master = dataclasses.replace(t, mixed_precision_impl="master_weights")
             run_cfg = dataclasses.replace(run_cfg, training=master)
         run_cfg = dataclasses.replace(run_cfg, compile=dataclasses.replace(run_cfg.compile, enable=False))

@@ -18,6 +18,7 @@ from titanlike.optim.adamw import build_optimizer, clip_grad_norm_, fused_clip_o
 from titanlike.optim.container import OptimizersContainer, optimizers_of
 from titanlike.optim.loss_scale import LossScaler, SkipAwareLR
 from titanlike.optim.lr import build_lr_scheduler
+from titanlike.optim.master_muon import build_master_weight_muon
 from titanlike.optim.master_weights import build_master_weight_adamw, mixed_precision_mode
 from titanlike.resilience.nonfinite import NonFiniteGuard, skips_on_device
 
@@ -46,21 +47,18 @@ class Updater:
         to AdamW)."""
         t, opt, comp, ckpt = sections.training, sections.optimizer, sections.compile, sections.checkpoint
         self.max_norm = t.max_norm
-        # Who casts weights to the compute dtype: FSDP's policy, autocast, or bf16/fp16 weights + fp32 masters.
-        # Muon has no master-weight path: "auto" then means autocast (an explicit master_weights is refused below)
-        self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable,
-                                              master_ok=opt.name != "Muon")
-        if self.precision == "master_weights" and opt.name == "Muon":
-            raise ValueError("optimizer.name=\"Muon\" has no master-weight path: set "
-                             "training.mixed_precision_impl=\"autocast\" or leave \"optimizer\" out of "
-                             "compile.components")
+        # Who casts weights to the compute dtype: FSDP's policy, autocast, or bf16/fp16 weights + fp32 masters
+        self.precision = mixed_precision_mode(t, comp, dims, device, fault_tolerant=sections.fault_tolerance.enable)
         if self.precision == "master_weights":
-            self.optimizer = build_master_weight_adamw(
-                model_parts[0], opt, accumulate_fp32=t.global_batch_size > t.local_batch_size,
-                compile=comp.enable and "optimizer" in comp.components and device.type == "cuda",
-                overlap=opt.overlap_with_forward,
-                stable_state_dict=ckpt.enable and ckpt.async_mode == "async_with_pinned_mem",
-                dtype=getattr(torch, t.mixed_precision_param))
+            compiled = comp.enable and "optimizer" in comp.components and device.type == "cuda"
+            common = dict(accumulate_fp32=t.global_batch_size > t.local_batch_size, compile=compiled,
+                          stable_state_dict=ckpt.enable and ckpt.async_mode == "async_with_pinned_mem",
+                          dtype=getattr(torch, t.mixed_precision_param))
+            if opt.name == "Muon":
+                self.optimizer = build_master_weight_muon(model_parts[0], opt, io_modules=io_modules, **common)
+            else:
+                self.optimizer = build_master_weight_adamw(model_parts[0], opt, overlap=opt.overlap_with_forward,
+                                                           **common)
         else:  # one optimizer per model part: each (part, optimizer) pair maps to the full model's FQNs
             optimizers = [build_optimizer(part, opt, device, io_modules) for part in model_parts]
             self.optimizer = optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
