@@ -181,7 +181,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, max_position_embeddings: int 
 
 def preprocessor_config(args: ModelArgs) -> dict:
     """The image processor's settings (preprocessor_config.json beside an export): the normalisation training used
-    (models/llava/objective.py: (x / 255 - 0.5) / 0.5) at the tower's size, with the resampling of the tower's HF
+    (the tower's pixel_stats, models/vit/args.py) at the tower's size, with the resampling of the tower's HF
     processor (ViT: bilinear, SigLIP and CLIP: bicubic). titanlike/infer/images.py reads the same file of an HF
     folder. CLIP's processor center-crops by default: off here (the resize already gives the tower's size)."""
     v = args.vision
@@ -189,5 +189,5 @@ def preprocessor_config(args: ModelArgs) -> dict:
     proc = "ViTImageProcessor" if vit else "CLIPImageProcessor" if v.class_token else "SiglipImageProcessor"
     out = {"image_processor_type": proc, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
            "resample": 2 if vit else 3, "do_rescale": True, "rescale_factor": 1 / 255,
-           "do_normalize": True, "image_mean": [0.5] * v.channels, "image_std": [0.5] * v.channels}
+           "do_normalize": True, "image_mean": list(v.mean_std[0]), "image_std": list(v.mean_std[1])}
     return out if proc != "CLIPImageProcessor" else {**out, "do_center_crop": False, "do_convert_rgb": True}

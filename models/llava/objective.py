@@ -3,7 +3,7 @@
 placeholders per image. The k-th run of a row is its k-th slot's image; unused slots are ignored (a row may hold 0
 to images_per_row images). The Batch keeps every slot ([B, K, C, H, W]: rows stay rows for a pipeline's
 micro-batches) and each placeholder's feature index (image_pos, cut with the tokens by context parallel). The
-pixels are normalised as HF's ViTImageProcessor does ((x/255 - 0.5) / 0.5).
+pixels are normalised by the tower's model.args.pixel_stats (models/vit/args.py: (x/255 - mean) / std).
 
 Targets: the loader's next-token labels of the token part (already IGNORE_INDEX where an SFT loader masks prompts:
 loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets.
@@ -55,7 +55,7 @@ class ImageText:
         labels = labels.masked_fill(labels == a.image_token, IGNORE_INDEX)
         # Every slot, per row (the model ignores unused ones), and each placeholder's feature index: both follow the
         # rows through a pipeline's micro-batches, and image_pos is cut with the tokens under context parallel.
-        inputs = {"tokens": tokens, "pixels": slots.to(torch.float32) / 127.5 - 1.0,
+        inputs = {"tokens": tokens, "pixels": v.normalise(slots),
                   "image_pos": image_positions(tokens, a.image_token)}
         return Batch(inputs=inputs, labels=labels, sequence=("tokens", "labels", "image_pos"))
 

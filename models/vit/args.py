@@ -3,6 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+# Per-channel (mean, std) of the pixels after scaling to 0..1, by name (model.args.pixel_stats): what the tower's HF
+# image processor normalises with. "half": HF's ViT and SigLIP processors (0.5, 0.5); "clip": OpenAI CLIP's
+# (CLIPImageProcessor's defaults, LLaVA-1.5's); "imagenet": torchvision's / timm's ImageNet statistics.
+PIXEL_STATS = {
+    "half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
 
 @dataclass
 class ModelArgs:
@@ -34,12 +45,18 @@ class ModelArgs:
     # "cls" only the pooled class token (CLIP's post_layernorm: last_hidden_state is the last block's output,
     # pooler_output = norm(its class token); CLIPForImageClassification's classifier reads unnormed tokens).
     final_norm: str = "tokens"
+    # How pixel bytes become the tower's input (PIXEL_STATS): a pretrained tower wants its processor's statistics
+    # (CLIP's flavors and CLIP imports set "clip"); the HF export's preprocessor_config.json writes the same numbers.
+    pixel_stats: str = "half"
     # Run fields the trainer sets for every family. A ViT reads neither: images come as pixel bytes (0..255), so the
     # "vocabulary" is 256 values, and a loader row of max_seq_len (= training.seq_len) values holds one image.
     vocab_size: int = 256
     max_seq_len: int = 3 * 224 * 224
 
     def __post_init__(self) -> None:
+        if self.pixel_stats not in PIXEL_STATS or (self.pixel_stats != "half" and self.channels != 3):
+            raise ValueError(f"model.args.pixel_stats={self.pixel_stats!r} for {self.channels} channels: use one of "
+                             f"{list(PIXEL_STATS)} ('half' for other than 3 channels)")
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.act not in ("gelu", "gelu_pytorch_tanh", "quick_gelu"):
@@ -63,6 +80,22 @@ class ModelArgs:
             # outside the sequence-parallel token layout (parallelize/vit.py), which is not written
             raise ValueError(f"model.args.pool={self.pool!r} with final_norm='cls': a CLIP classifier reads the "
                              f"patch average (HF's CLIPForImageClassification); set model.args.pool='mean_patches'")
+
+    @property
+    def mean_std(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The per-channel mean and std (of pixels scaled to 0..1) the tower's input is normalised with."""
+        mean, std = PIXEL_STATS[self.pixel_stats]
+        if self.channels != 3:  # "half" only (checked above): its one value per channel
+            return (mean[0],) * self.channels, (std[0],) * self.channels
+        return mean, std
+
+    def normalise(self, pixel_bytes: torch.Tensor) -> torch.Tensor:
+        """Pixel values 0..255 [..., C, H, W] -> the tower's fp32 input ((x / 255 - mean) / std per channel)."""
+        x = pixel_bytes.to(torch.float32)
+        if self.pixel_stats == "half":
+            return x / 127.5 - 1.0  # (x / 255 - 0.5) / 0.5, as the runs before pixel_stats computed it
+        mean, std = (torch.tensor(v, device=x.device).view(-1, 1, 1) for v in self.mean_std)
+        return (x / 255.0 - mean) / std
 
     @property
     def head_dim(self) -> int:

@@ -24,7 +24,7 @@ def _clip(dim: int, n_layers: int, n_heads: int, ffn_dim: int, image: int, patch
     pre_layrnorm, post_layernorm on the class token. Without classes (n_classes=0): the bare tower (CLIPVisionModel)."""
     return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim, image_size=image, patch_size=patch,
                      norm_eps=1e-5, act="quick_gelu", patch_bias=False, pre_norm=True, final_norm="cls",
-                     pool="mean_patches", max_seq_len=3 * image * image, **kw)
+                     pool="mean_patches", pixel_stats="clip", max_seq_len=3 * image * image, **kw)
 
 
 vit_flavors: dict[str, ModelArgs] = {

@@ -81,7 +81,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if act not in ("quick_gelu", "gelu"):
         raise ValueError(f"CLIP config hidden_act={act!r}: titanlike's CLIP tower runs 'quick_gelu' or 'gelu'")
     return ModelArgs(**fields, init_std=vision.get("initializer_range", 0.02), act=act, patch_bias=False,
-                     pre_norm=True, final_norm="cls", pool="mean_patches")
+                     pre_norm=True, final_norm="cls", pool="mean_patches", pixel_stats="clip")
 
 
 def supports(args: ModelArgs) -> bool:

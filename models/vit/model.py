@@ -104,7 +104,7 @@ def _init_attention_mlp(norm1: nn.LayerNorm, norm2: nn.LayerNorm, attention: Enc
 
 
 class ViT(nn.Module):
-    """pixels [B, C, H, W] (normalised: HF's ViTImageProcessor gives (x / 255 - 0.5) / 0.5) -> logits
+    """pixels [B, C, H, W] (normalised: args.normalise, (x / 255 - mean) / std) -> logits
     [B, n_classes]; with n_classes = 0 there is no head and the forward returns the final hidden states [B, T, D]
     (HF's last_hidden_state: normed for ViT and SigLIP, the last block's output for CLIP; `pooled` gives HF's
     pooler_output: SigLIP's MAP head, CLIP's normed class token)."""

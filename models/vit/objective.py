@@ -3,9 +3,9 @@
 Image datasets (titanlike/data/images.py: data.dataset = "shapes" or "image_folder") yield `(input_ids [B, S],
 labels [B, S])` int64 like every loader, so the sampler, resume and resharding are the token loaders': a row's first
 C * H * W values are the image's bytes (0..255, channel-major: [C, H, W] flattened), the rest zero; every label of
-the row is its class. The objective reshapes the bytes to pixels normalised as HF's ViTImageProcessor does ((x/255 -
-0.5) / 0.5) and keeps one label per image, so the loss is a mean over the step's images on any layout. Nothing is
-drawn: a resumed run and any layout see the same batch. Nothing in the Batch is a sequence context parallel could cut.
+the row is its class. The objective reshapes the bytes to pixels normalised by model.args.pixel_stats ((x/255 -
+mean) / std per channel; ViT's 0.5 / 0.5 by default, CLIP's statistics for CLIP towers) and keeps one label per
+image, so the loss is a mean over the step's images on any layout. Nothing is drawn: a resumed run and any layout see the same batch. Nothing in the Batch is a sequence context parallel could cut.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Images:
             raise ValueError(f"training.seq_len={input_ids.shape[-1]}: a vit row holds one {a.channels}x"
                              f"{a.image_size}x{a.image_size} image; set training.seq_len={a.pixels}")
         pixels = input_ids[:, :a.pixels].reshape(-1, a.channels, a.image_size, a.image_size)
-        pixels = pixels.to(torch.float32) / 127.5 - 1.0
+        pixels = a.normalise(pixels)
         return Batch(inputs={"pixels": pixels}, labels=labels[:, 0] % max(a.n_classes, 1), primary="pixels",
                      sequence=())
 

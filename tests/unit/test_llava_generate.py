@@ -5,6 +5,7 @@ image processors, and the script's one-line refusals."""
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from tests.unit.test_llava import SPEC, VOCAB, build, hf_model, tiny
 from titanlike.infer import generate, load_for_inference
-from titanlike.infer.images import ImagePrep, expand_placeholders, load_pixels
+from titanlike.infer.images import ImagePrep, expand_placeholders, image_prep, load_pixels
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -78,17 +79,22 @@ def test_pixels_equal_transformers_image_processor(processor, resample, tmp_path
 
 def test_clip_preprocessor_config_loads_as_clip_image_processor(tmp_path):
     """A CLIP tower's export writes a CLIPImageProcessor config without its default center crop (which would cut a
-    224 crop out of any size): transformers' AutoImageProcessor reads it and gives our pixels (bicubic, 0.5/0.5)."""
-    import json
-
+    224 crop out of any size) and with CLIP's statistics, the ones the tower trains with: transformers'
+    AutoImageProcessor reads it and gives the pixels generate's default loading gives (bicubic) and the training
+    objective makes from the same bytes."""
     args = tiny("debug-clip")
+    assert args.vision.pixel_stats == "clip"
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(SPEC.hf.preprocessor_config(args)))
     proc = transformers.AutoImageProcessor.from_pretrained(str(tmp_path))
     assert "CLIPImageProcessor" in type(proc).__name__
-    path = write_png(tmp_path / "x.png", 45, 0)
-    got = load_pixels([path], ImagePrep(32, 3, (0.5,) * 3, (0.5,) * 3, 3, "test"))
+    assert tuple(proc.image_mean) == args.vision.mean_std[0] and tuple(proc.image_std) == args.vision.mean_std[1]
+    path = write_png(tmp_path / "x.png", 32, 0)  # at the tower's size: no resize, so the bytes are the image's
+    loaded = types.SimpleNamespace(args=args, source=str(tmp_path / "none"), spec=SPEC, model=None)
+    got = load_pixels([path], image_prep(loaded))
     want = proc(images=[Image.open(path).convert("RGB")], return_tensors="pt")["pixel_values"]
     assert got.shape == want.shape == (1, 3, 32, 32) and (got - want).abs().max().item() <= 1e-5
+    raw = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+    assert (args.vision.normalise(raw) - want[0]).abs().max().item() <= 1e-5
 
 
 def test_expand_placeholders():

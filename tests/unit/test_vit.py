@@ -422,3 +422,23 @@ def test_clip_plan_shards_on_fake_ranks_and_keeps_fqns():
         model = get_plan("vit", "default")(model, dims, PlanSections.of(cfg))
         params = dict(model.named_parameters())
         assert list(params) == names and all(type(p).__name__ == "DTensor" for p in params.values())
+
+
+def test_pixel_stats_normalise_as_the_processors_and_refuse_bad_names():
+    """"half" keeps the bytes / 127.5 - 1 the runs always computed; "clip" and "imagenet" are (x / 255 - mean) / std
+    per channel; CLIP's flavors and CLIP imports carry "clip"; an unknown name, or CLIP's 3-channel statistics on a
+    1-channel tower, is one line."""
+    from models.vit.args import PIXEL_STATS, ModelArgs
+    from models.vit.hf_clip import args_from_hf_config
+
+    x = torch.randint(0, 256, (2, 3, 4, 4))
+    assert torch.equal(ModelArgs().normalise(x), x.float() / 127.5 - 1.0)
+    for name in ("clip", "imagenet"):
+        mean, std = (torch.tensor(v).view(3, 1, 1) for v in PIXEL_STATS[name])
+        torch.testing.assert_close(ModelArgs(pixel_stats=name).normalise(x), (x / 255.0 - mean) / std)
+    assert SPEC.flavors["L/14-336-clip"].pixel_stats == "clip" == SPEC.flavors["debug-clip"].pixel_stats
+    assert args_from_hf_config({"hidden_size": 64, "num_attention_heads": 4}).pixel_stats == "clip"
+    assert ModelArgs(channels=1).mean_std == ((0.5,), (0.5,))
+    for bad in (dict(pixel_stats="openai"), dict(pixel_stats="clip", channels=1)):
+        with pytest.raises(ValueError, match="model.args.pixel_stats="):
+            ModelArgs(**bad)

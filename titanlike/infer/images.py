@@ -41,8 +41,8 @@ def takes_images(args) -> bool:
 
 def image_prep(loaded) -> ImagePrep:
     """An HF folder's preprocessor_config.json (image_mean / image_std / resample, as its export or the hub wrote
-    them), else the tower's defaults: mean = std = 0.5, what HF's ViT and SigLIP processors use and what
-    models/llava/objective.py trains with ((x / 255 - 0.5) / 0.5); bilinear (ViT's processor) or bicubic (SigLIP's,
+    them), else the tower's: the mean and std it trains with (model.args.pixel_stats: 0.5 / 0.5 as HF's ViT and
+    SigLIP processors, CLIP's statistics for CLIP towers); bilinear (ViT's processor) or bicubic (SigLIP's,
     CLIP's)."""
     args = loaded.args
     if not takes_images(args):
@@ -50,7 +50,7 @@ def image_prep(loaded) -> ImagePrep:
         raise ValueError(f"--image: the {name} model at {loaded.source} takes no images (only an image-text family "
                          f"such as llava does); drop --image")
     v = args.vision
-    prep = ImagePrep(v.image_size, v.channels, (0.5,) * v.channels, (0.5,) * v.channels,
+    prep = ImagePrep(v.image_size, v.channels, *v.mean_std,
                      2 if v.class_token and getattr(v, "final_norm", "tokens") != "cls" else 3,  # CLIP's: bicubic
                      "the tower's defaults")
     path = os.path.join(loaded.source, "preprocessor_config.json")
