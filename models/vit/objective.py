@@ -5,7 +5,8 @@ labels [B, S])` int64 like every loader, so the sampler, resume and resharding a
 C * H * W values are the image's bytes (0..255, channel-major: [C, H, W] flattened), the rest zero; every label of
 the row is its class. The objective reshapes the bytes to pixels normalised by model.args.pixel_stats ((x/255 -
 mean) / std per channel; ViT's 0.5 / 0.5 by default, CLIP's statistics for CLIP towers) and keeps one label per
-image, so the loss is a mean over the step's images on any layout. Nothing is drawn: a resumed run and any layout see the same batch. Nothing in the Batch is a sequence context parallel could cut.
+image, so the loss is a mean over the step's images on any layout. Nothing is drawn: a resumed run and any layout
+see the same batch. Nothing in the Batch is a sequence context parallel could cut.
 """
 from __future__ import annotations
 
