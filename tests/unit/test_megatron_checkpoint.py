@@ -186,8 +186,7 @@ def mcore(tmp_path_factory):
                                                 "megatron-core psutil)")
     pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil")
     out = str(tmp_path_factory.mktemp("mcore"))
-    _run_worker("build", out)
-    _run_worker("reshard", out)
+    _run_worker("build_and_reshard", out)  # one interpreter for both (megatron-core's import costs ~4 s)
     return out
 
 
@@ -281,4 +280,9 @@ def test_bad_inputs_exit_2(mcore, tmp_path, capsys):
 
 
 if __name__ == "__main__":
-    {"build": worker_build, "reshard": worker_reshard, "load": worker_load}[sys.argv[1]](*sys.argv[2:])
+    def worker_build_and_reshard(out: str) -> None:
+        worker_build(out)
+        worker_reshard(out)  # fresh spawned processes: the build's one-process group is not theirs
+
+    {"build": worker_build, "reshard": worker_reshard, "build_and_reshard": worker_build_and_reshard,
+     "load": worker_load}[sys.argv[1]](*sys.argv[2:])
