@@ -48,14 +48,14 @@ def _cpu_shims() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings under PP move the output copy "to the GPU"
 
 
-def _init(rank: int, world: int, tp: int, pp: int, port: int) -> None:
+def _init(rank: int, world: int, tp: int, pp: int, store: str) -> None:
+    """`store`: a file the ranks of one launch meet at (no TCP port, so tests running in parallel never collide)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -119,7 +119,7 @@ def worker_build(out: str) -> None:
     from megatron.core import dist_checkpointing
 
     _cpu_shims()
-    _init(0, 1, 1, 1, 29611)
+    _init(0, 1, 1, 1, os.path.join(out, ".store_build"))
     for i, name in enumerate(CONFIGS):
         torch.manual_seed(i)
         model = _megatron_model(name)
@@ -137,12 +137,12 @@ def worker_build(out: str) -> None:
         _save_legacy(model, os.path.join(out, name, "tp1"), name, 1, 1)
 
 
-def _reshard_rank(rank: int, out: str) -> None:
+def _reshard_rank(rank: int, out: str, store: str) -> None:
     from megatron.core import dist_checkpointing
 
     _cpu_shims()
     for tp, pp, tag in ((2, 1, "tp2"), (1, 2, "pp2")):
-        _init(rank, 2, tp, pp, 29612)
+        _init(rank, 2, tp, pp, store)
         for name in RESHARDED:
             model = _megatron_model(name, pre=_ps().is_pipeline_first_stage(), post=_ps().is_pipeline_last_stage())
             dist_checkpointing.load(model.sharded_state_dict(), os.path.join(out, name, "td", f"iter_{ITER:07d}"))
@@ -151,7 +151,7 @@ def _reshard_rank(rank: int, out: str) -> None:
 
 def worker_reshard(out: str) -> None:
     """Two processes: legacy TP2 and PP2 shards, as Megatron shards the torch_dist checkpoint."""
-    torch.multiprocessing.spawn(_reshard_rank, args=(out,), nprocs=2)
+    torch.multiprocessing.spawn(_reshard_rank, args=(out, os.path.join(out, ".store_reshard")), nprocs=2)
 
 
 def worker_load(out: str, pairs: str) -> None:
@@ -159,7 +159,7 @@ def worker_load(out: str, pairs: str) -> None:
     from megatron.core import dist_checkpointing
 
     _cpu_shims()
-    _init(0, 1, 1, 1, 29613)
+    _init(0, 1, 1, 1, os.path.join(out, f".store_load_{os.getpid()}"))
     for pair in pairs.split(","):
         name, path = pair.split("=")
         torch.manual_seed(123)
@@ -186,8 +186,7 @@ def mcore(tmp_path_factory):
                                                 "megatron-core psutil)")
     pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil")
     out = str(tmp_path_factory.mktemp("mcore"))
-    _run_worker("build", out)
-    _run_worker("reshard", out)
+    _run_worker("build_and_reshard", out)  # one interpreter for both (megatron-core's import costs ~4 s)
     return out
 
 
@@ -281,4 +280,9 @@ def test_bad_inputs_exit_2(mcore, tmp_path, capsys):
 
 
 if __name__ == "__main__":
-    {"build": worker_build, "reshard": worker_reshard, "load": worker_load}[sys.argv[1]](*sys.argv[2:])
+    def worker_build_and_reshard(out: str) -> None:
+        worker_build(out)
+        worker_reshard(out)  # fresh spawned processes: the build's one-process group is not theirs
+
+    {"build": worker_build, "reshard": worker_reshard, "build_and_reshard": worker_build_and_reshard,
+     "load": worker_load}[sys.argv[1]](*sys.argv[2:])

@@ -34,15 +34,15 @@ CONFIGS = ("bert_binary", "bert_plain", "t5")
 
 
 # ------------------------------------------------------------------------------ Megatron side (worker process)
-def _setup() -> None:
+def _setup(store: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # a file rendezvous, not a fixed TCP port: tests running in parallel never collide
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
@@ -100,7 +100,7 @@ def megatron_outputs(name: str, model) -> dict:
 def worker_build(out: str) -> None:
     from megatron.core import dist_checkpointing
 
-    _setup()
+    _setup(os.path.join(out, ".store_build"))
     for i, name in enumerate(CONFIGS):
         torch.manual_seed(i)
         model = _megatron_model(name)

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST_CMD = "OMP_NUM_THREADS=1 python -m pytest -q tests"
+TEST_CMD = "OMP_NUM_THREADS=1 python -m pytest -q -n 2 tests"
 
 
 def test_readme_starts_with_train_and_test_commands():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -55,9 +54,10 @@ def test_megatron_variant_builds_counts_and_refuses_hf_export():
         SPEC.hf.to_hf(model.state_dict(), ARGS)
 
 
-def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
+    # a file rendezvous in the test's folder: no TCP port to race for with tests running in parallel
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -84,12 +84,9 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_megatron_variant_tp2_sp_matches_one_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "tp.pt")
     # fork: the children need not import torch again (a CPU-only parent has started no CUDA or gloo)
-    mp.start_processes(_tp_worker, args=(2, port, out), nprocs=2, start_method="fork")
+    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, start_method="fork")
     r = torch.load(out)
     # fp32 rounding of a different summation order, relative to the largest logit / gradient
     torch.testing.assert_close(r["got"], r["want"], atol=1e-5 * r["want"].abs().max().item(), rtol=0)
