@@ -21,6 +21,23 @@ def _stack(seed):
     return torch.nn.ModuleDict({"layers": layers, "output": torch.nn.Linear(512, 128)}).cuda()
 
 
+def step_masters(models, opts, ref, step: int) -> dict:
+    """One step of each master-weight optimizer on the same random bf16 gradients (the shapes of `ref`'s
+    parameters), clipped to norm 1; step 2's hold a NaN (a non-finite step: skipped on the device). Returns the
+    fp32 gradients drawn, for the reference."""
+    torch.manual_seed(100 + step)
+    grads = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
+    if step == 2:
+        grads["output.weight"][0, 0] = float("nan")
+    for m, opt in zip(models, opts):
+        for n, p in m.named_parameters():
+            p.grad = grads[n].to(torch.bfloat16)
+        total = opt.clip_grad_norm_(1.0)
+        opt.found_inf = (~torch.isfinite(total)).float()
+        opt.step()
+    return grads
+
+
 def test_compiled_update_equals_eager_and_fused_adamw():
     cfg = Optimizer(lr=1e-3, weight_decay=0.1)
     ref = _stack(0)
@@ -31,16 +48,7 @@ def test_compiled_update_equals_eager_and_fused_adamw():
         models.append(m)
         opts.append(build_master_weight_adamw(m, cfg, compile=compiled, accumulate_fp32=False))
     for step in range(4):
-        torch.manual_seed(100 + step)
-        grads = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
-        if step == 2:
-            grads["output.weight"][0, 0] = float("nan")  # a non-finite step: skipped everywhere
-        for m, opt in zip(models, opts):
-            for n, p in m.named_parameters():
-                p.grad = grads[n].to(torch.bfloat16)
-            total = opt.clip_grad_norm_(1.0)
-            opt.found_inf = (~torch.isfinite(total)).float()
-            opt.step()
+        grads = step_masters(models, opts, ref, step)
         for n, p in ref.named_parameters():
             p.grad = grads[n].to(torch.bfloat16).float()
         total = grad_norm([p.grad for p in ref.parameters()])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_float8 import _losses
-from tests.gpu.test_gpu_master_weights import _stack
+from tests.gpu.test_gpu_master_weights import _stack, step_masters
 from titanlike.config.sections import Optimizer
 from titanlike.optim.adamw import build_optimizer, grad_norm
 from titanlike.optim.master_muon import build_master_weight_muon
@@ -27,16 +27,7 @@ def test_compiled_master_muon_equals_eager_and_fp32_muon():
         models.append(m)
         opts.append(build_master_weight_muon(m, cfg, compile=compiled, accumulate_fp32=False, io_modules=io))
     for step in range(4):
-        torch.manual_seed(100 + step)
-        grads = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
-        if step == 2:
-            grads["output.weight"][0, 0] = float("nan")
-        for m, opt in zip(models, opts):
-            for n, p in m.named_parameters():
-                p.grad = grads[n].to(torch.bfloat16)
-            total = opt.clip_grad_norm_(1.0)
-            opt.found_inf = (~torch.isfinite(total)).float()
-            opt.step()
+        grads = step_masters(models, opts, ref, step)
         if step != 2:  # the reference (host-side skip) is simply not stepped
             for n, p in ref.named_parameters():
                 p.grad = grads[n].to(torch.bfloat16).float()

@@ -1,8 +1,7 @@
 """Muon on fp32 master weights (titanlike/optim/master_muon.py): the update equals MuonWithAdamW on fp32 weights fed
 the same gradients (Muon's matrices and AdamW's rest), skipped steps change nothing, checkpoints move between it and
-MuonWithAdamW, the trainer picks it for an explicit master-weight Muon run that learns and resumes exactly, and the
-memory estimate counts its state."""
-import math
+MuonWithAdamW, and the memory estimate counts its state. (The trainer's master-weight Muon run, resumed exactly:
+tests/unit/test_master_weights.py, parametrised over both optimizers.)"""
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,13 +10,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 import models
 from titanlike.checkpoint.states import FLAT_OPTIM
-from titanlike.config.load import config_from_dict
 from titanlike.config.sections import Optimizer
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_
-from titanlike.optim.master_muon import MasterWeightMuon, build_master_weight_muon
+from titanlike.optim.master_muon import build_master_weight_muon
 from titanlike.optim.master_weights import split_master
 from titanlike.optim.muon import MuonWithAdamW
-from tests.unit.test_master_weights import _backward, _model, _run
+from tests.unit.test_master_weights import _backward, _model
 
 SPEC = models.get_spec("llama3")
 IO = (*SPEC.input_modules, *SPEC.output_modules)
@@ -109,43 +107,6 @@ def test_checkpoint_moves_between_master_and_fp32_muon(tmp_path):
             assert torch.equal(w, opt.master(p)), n
             for key, value in opt.state[p].items():
                 assert torch.equal(t_opt.state[q][key].to(value.device).float(), value.float()), (n, key)
-
-
-def _muon_cfg(tmp_path, name, **training):
-    return config_from_dict({
-        "job": {"dump_folder": str(tmp_path), "run_name": name},
-        "model": {"flavor": "debugmodel"},
-        "training": {"steps": 8, "seq_len": 32, "local_batch_size": 4, "device": "cpu", "max_norm": 1.0,
-                     **training},
-        "data": {"dataset": "stdlib"},
-        "optimizer": {"name": "Muon", "lr": 4e-3},
-        "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"log_freq": 1, "enable_tensorboard": False},
-        "checkpoint": {"interval": 4},
-    })
-
-
-def test_trainer_master_weight_muon_learns_and_resumes_exactly(tmp_path):
-    """optimizer.name="Muon" with mixed_precision_impl="master_weights" (the one-GPU default, forced on CPU): the
-    debug model's loss follows the fp32 Muon run's within 1%; resumed from its step-4 checkpoint it repeats steps 5-8
-    exactly; that checkpoint also resumes an fp32 Muon run."""
-    fp32, _, kind32 = _run(_muon_cfg(tmp_path, "fp32"))
-    full, sd_full, kind = _run(_muon_cfg(tmp_path, "mw", mixed_precision_impl="master_weights"))
-    assert kind is MasterWeightMuon and kind32 is MuonWithAdamW
-    assert full[-1] < full[0] - 0.3 and all(math.isfinite(x) for x in full)
-    assert max(abs(a - b) / b for a, b in zip(full, fp32)) < 0.01, (full, fp32)
-    ck = _muon_cfg(tmp_path, "resume", mixed_precision_impl="master_weights")
-    ck.checkpoint.enable = True
-    assert _run(ck)[0] == full
-    ck.checkpoint.load_step = 4
-    resumed, sd_resumed, _ = _run(ck)
-    assert resumed == full[4:]
-    for k in sd_full:
-        assert torch.equal(sd_full[k], sd_resumed[k]), k
-    cross = _muon_cfg(tmp_path, "resume")
-    cross.checkpoint.enable, cross.checkpoint.load_step = True, 4
-    cross_loss, _, _ = _run(cross)
-    assert max(abs(a - b) / b for a, b in zip(cross_loss, full[4:])) < 0.01, (cross_loss, full[4:])
 
 
 def test_memory_estimate_counts_master_muon_state(tmp_path):

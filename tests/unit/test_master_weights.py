@@ -17,6 +17,8 @@ from titanlike.optim.master_weights import (
     MasterWeightAdamW, build_master_weight_adamw, join_master, mixed_precision_mode, split_master,
 )
 from titanlike.optim.adamw import build_optimizer, clip_grad_norm_
+from titanlike.optim.master_muon import MasterWeightMuon
+from titanlike.optim.muon import MuonWithAdamW
 from titanlike.checkpoint.states import FLAT_OPTIM
 from titanlike.train.trainer import Trainer
 
@@ -208,14 +210,14 @@ def test_mode_choice_and_errors():
         mode(cfg(mixed_precision_impl="master_weights", mixed_precision_param="float32"), one, cuda)
 
 
-def _trainer_cfg(tmp_path, name, **training):
+def _trainer_cfg(tmp_path, name, optimizer=None, **training):
     return config_from_dict({
         "job": {"dump_folder": str(tmp_path), "run_name": name},
         "model": {"flavor": "debugmodel"},
         "training": {"steps": 8, "seq_len": 32, "local_batch_size": 4, "device": "cpu", "max_norm": 1.0,
                      **training},
         "data": {"dataset": "stdlib"},  # real text (the builtin tokenizer): the loss falls within 8 steps
-        "optimizer": {"lr": 3e-3},
+        "optimizer": optimizer or {"lr": 3e-3},
         "lr_scheduler": {"warmup_steps": 2},
         "metrics": {"log_freq": 1, "enable_tensorboard": False},
         "checkpoint": {"interval": 4},
@@ -233,16 +235,25 @@ def _run(cfg):
     return [h["loss"] for h in history], sd, kind
 
 
-def test_trainer_master_weights_tracks_fp32_and_resumes_exactly(tmp_path):
+# (optimizer section, the master-weight optimizer, the fp32 run's optimizer, how far the loss falls in 8 steps). Muon's
+# lr 4e-3: match_rms_adamw sizes its steps like a settled AdamW's, smaller than AdamW's first sign-like ones.
+OPTIMIZERS = {"AdamW": ({"lr": 3e-3}, MasterWeightAdamW, torch.optim.AdamW, 0.5),
+              "Muon": ({"name": "Muon", "lr": 4e-3}, MasterWeightMuon, MuonWithAdamW, 0.3)}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_trainer_master_weights_tracks_fp32_and_resumes_exactly(tmp_path, name):
     """The debug model with bf16 weights (on CPU) follows the fp32 run's loss within 1%; resumed from its step-4
-    checkpoint it ends with the uninterrupted run's weights, bit for bit; that checkpoint also resumes an fp32 run."""
-    fp32, _, kind32 = _run(_trainer_cfg(tmp_path, "fp32"))
-    full, sd_full, kind = _run(_trainer_cfg(tmp_path, "mw", mixed_precision_impl="master_weights"))
-    assert kind is MasterWeightAdamW and kind32 is not MasterWeightAdamW
-    assert full[-1] < full[0] - 0.5
+    checkpoint it ends with the uninterrupted run's weights, bit for bit; that checkpoint also resumes an fp32 run.
+    For AdamW and for Muon (titanlike/optim/master_muon.py)."""
+    opt, master_kind, fp32_kind, fall = OPTIMIZERS[name]
+    fp32, _, kind32 = _run(_trainer_cfg(tmp_path, "fp32", opt))
+    full, sd_full, kind = _run(_trainer_cfg(tmp_path, "mw", opt, mixed_precision_impl="master_weights"))
+    assert kind is master_kind and issubclass(kind32, fp32_kind) and not issubclass(kind32, MasterWeightAdamW)
+    assert full[-1] < full[0] - fall and all(math.isfinite(x) for x in full)
     assert max(abs(a - b) / b for a, b in zip(full, fp32)) < 0.01, (full, fp32)
     # the same run with checkpoints (every 4 steps), then again from step 4's: steps 5-8 repeat exactly
-    ck = _trainer_cfg(tmp_path, "resume", mixed_precision_impl="master_weights")
+    ck = _trainer_cfg(tmp_path, "resume", opt, mixed_precision_impl="master_weights")
     ck.checkpoint.enable = True
     assert _run(ck)[0] == full
     ck.checkpoint.load_step = 4
@@ -251,7 +262,7 @@ def test_trainer_master_weights_tracks_fp32_and_resumes_exactly(tmp_path):
     for k in sd_full:
         assert torch.equal(sd_full[k], sd_resumed[k]), k
     # the master-weight checkpoint (fp32 masters, fp32 moments) also resumes an fp32 run (autocast's, FSDP's)
-    cross = _trainer_cfg(tmp_path, "resume")
+    cross = _trainer_cfg(tmp_path, "resume", opt)
     cross.checkpoint.enable, cross.checkpoint.load_step = True, 4
     cross_loss, _, _ = _run(cross)
     assert max(abs(a - b) / b for a, b in zip(cross_loss, full[4:])) < 0.01, (cross_loss, full[4:])

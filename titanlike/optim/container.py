@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def run_closure(closure):
+    """torch.optim's closure convention, for the optimizers written here: re-evaluate the loss with gradients on,
+    before the update."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers behind `optimizer`: a container's (one per pipeline stage), or the one optimizer itself."""
     return list(getattr(optimizer, "optimizers", [optimizer]))

@@ -25,6 +25,7 @@ from torch import nn
 
 from titanlike.config.sections import Optimizer
 from titanlike.optim.adamw import param_groups
+from titanlike.optim.container import run_closure
 from titanlike.optim.master_weights import MasterWeightAdamW, join_master, split_master
 from titanlike.optim.muon import lr_scale, muon_defaults, muon_groups, orthogonalise
 
@@ -78,10 +79,7 @@ class MasterWeightMuon(MasterWeightAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         scale, found_inf = self._begin_step()
         self._adamw_step(scale, found_inf)
         work = [[p for p in bucket if p in self._muon and self.grad(p) is not None] for _, bucket in self._buckets]

@@ -36,6 +36,7 @@ from torch import nn
 from titanlike.config.sections import Compile, Optimizer, Training
 from titanlike.config.validate import check_mixed_precision
 from titanlike.optim.adamw import clip_with_norm_, param_groups
+from titanlike.optim.container import run_closure
 
 
 def mixed_precision_mode(t: Training, compile_cfg: Compile, dims, device: torch.device, *, fault_tolerant: bool
@@ -235,10 +236,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._adamw_step(*self._begin_step())
         return loss
 

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlike.config.validate import CHOICES
+from titanlike.optim.container import run_closure
 from titanlike.optim.muon_dist import owner_orthogonalise
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
@@ -168,10 +169,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         muon_work = []  # (param, group, update) over all Muon groups: orthogonalised together, then applied
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
