@@ -38,6 +38,17 @@ def step_masters(models, opts, ref, step: int) -> dict:
     return grads
 
 
+def assert_masters_agree(models, opts, ref):
+    """The compiled optimizer's masters equal the eager one's (rounding) and the fp32 reference's weights (1e-5), and
+    the bf16 weights are the masters rounded. Returns the compiled (model, optimizer)."""
+    (mc, oc), (me, oe) = zip(models, opts)
+    for (n, pr), pc, pe in zip(ref.named_parameters(), mc.parameters(), me.parameters()):
+        torch.testing.assert_close(oc.master(pc), oe.master(pe), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(oc.master(pc), pr.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(pc.detach(), split_master(oc.master(pc))[0]), n
+    return mc, oc
+
+
 def test_compiled_update_equals_eager_and_fused_adamw():
     cfg = Optimizer(lr=1e-3, weight_decay=0.1)
     ref = _stack(0)
@@ -55,11 +66,8 @@ def test_compiled_update_equals_eager_and_fused_adamw():
         ref_opt.grad_scale = torch.clamp((total + 1e-6) / 1.0, min=1.0)
         ref_opt.found_inf = (~torch.isfinite(total)).float()
         ref_opt.step()
-    (mc, oc), (me, oe) = zip(models, opts)
-    for (n, pr), pc, pe in zip(ref.named_parameters(), mc.parameters(), me.parameters()):
-        torch.testing.assert_close(oc.master(pc), oe.master(pe), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(oc.master(pc), pr.detach(), rtol=1e-5, atol=1e-6)
-        assert torch.equal(pc.detach(), split_master(oc.master(pc))[0]), n
+    mc, oc = assert_masters_agree(models, opts, ref)
+    for pc in mc.parameters():
         assert float(oc.state[pc]["step"]) == 3  # 4 steps, one skipped
 
 

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_float8 import _losses
-from tests.gpu.test_gpu_master_weights import _stack, step_masters
+from tests.gpu.test_gpu_master_weights import _stack, assert_masters_agree, step_masters
 from titanlike.config.sections import Optimizer
 from titanlike.optim.adamw import build_optimizer, grad_norm
 from titanlike.optim.master_muon import build_master_weight_muon
-from titanlike.optim.master_weights import split_master
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,11 +34,7 @@ def test_compiled_master_muon_equals_eager_and_fp32_muon():
             for p in ref.parameters():
                 p.grad.mul_(torch.clamp(1.0 / (total + 1e-6), max=1.0))
             ref_opt.step()
-    (mc, oc), (me, oe) = zip(models, opts)
-    for (n, pr), pc, pe in zip(ref.named_parameters(), mc.parameters(), me.parameters()):
-        torch.testing.assert_close(oc.master(pc), oe.master(pe), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(oc.master(pc), pr.detach(), rtol=1e-5, atol=1e-6)
-        assert torch.equal(pc.detach(), split_master(oc.master(pc))[0]), n
+    mc, oc = assert_masters_agree(models, opts, ref)
     assert any("momentum_buffer" in oc.state[p] for p in mc.parameters())
 
 

@@ -1,7 +1,7 @@
 """Muon on fp32 master weights (titanlike/optim/master_muon.py): the update equals MuonWithAdamW on fp32 weights fed
-the same gradients (Muon's matrices and AdamW's rest), skipped steps change nothing, checkpoints move between it and
-MuonWithAdamW, and the memory estimate counts its state. (The trainer's master-weight Muon run, resumed exactly:
-tests/unit/test_master_weights.py, parametrised over both optimizers.)"""
+the same gradients (Muon's matrices and AdamW's rest), checkpoints move between it and
+MuonWithAdamW, and the memory estimate counts its state. (Skipped steps and the folded grad scale, and the trainer's
+master-weight Muon run resumed exactly: tests/unit/test_master_weights.py, parametrised over both optimizers.)"""
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,7 +15,7 @@ from titanlike.optim.adamw import build_optimizer, clip_grad_norm_
 from titanlike.optim.master_muon import build_master_weight_muon
 from titanlike.optim.master_weights import split_master
 from titanlike.optim.muon import MuonWithAdamW
-from tests.unit.test_master_weights import _backward, _model
+from tests.unit.test_master_weights import _backward, _model, _train
 
 SPEC = models.get_spec("llama3")
 IO = (*SPEC.input_modules, *SPEC.output_modules)
@@ -60,37 +60,11 @@ def test_update_matches_muon_on_fp32_weights():
         assert kinds == {True, False}  # both halves took part
 
 
-def test_found_inf_skips_and_grad_scale_divides():
-    _, _, m, opt = _pair()
-    _backward(m, 0)
-    before = {p: opt.master(p) for p in m.parameters()}
-    opt.found_inf = torch.ones(())
-    opt.step()
-    assert all(torch.equal(opt.master(p), w) for p, w in before.items())
-    muon = [p for p in m.parameters() if "momentum_buffer" in opt.state[p]]
-    assert muon and all(not opt.state[p]["momentum_buffer"].any() for p in muon)
-    # grad_scale = 2 gives the update of gradients halved
-    _, _, m2, opt2 = _pair()
-    _backward(m2, 0)
-    for p in m2.parameters():
-        p.grad = p.grad * 0.5
-    opt.found_inf = torch.zeros(())
-    opt.grad_scale = torch.full((), 2.0)
-    opt.step()
-    opt2.step()
-    for p, p2 in zip(m.parameters(), m2.parameters()):
-        torch.testing.assert_close(opt.master(p), opt2.master(p2), rtol=1e-6, atol=0)
-
-
 def test_checkpoint_moves_between_master_and_fp32_muon(tmp_path):
     """DCP save from master-weight Muon; load into a fresh one and into MuonWithAdamW on fp32 weights: the same
     weights, momentum buffers and moments."""
     _, _, m, opt = _pair()
-    for step in range(2):
-        _backward(m, step)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+    _train(m, opt, steps=2)
     dcp.save({"model": get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, opt, options=FLAT_OPTIM)},
              checkpoint_id=str(tmp_path), no_dist=True)
     cfg = Optimizer(name="Muon", lr=1e-2, weight_decay=0.1)

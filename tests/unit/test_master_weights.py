@@ -45,6 +45,15 @@ def _backward(model, seed):
     torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
 
 
+def _train(model, opt, steps: int) -> None:
+    """`steps` clipped optimizer steps on _backward's batches."""
+    for step in range(steps):
+        _backward(model, step)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
 def _pair(cfg=Optimizer(lr=1e-2, weight_decay=0.1)):
     ref = _model()
     ref_opt = build_optimizer(ref, cfg, torch.device("cpu"))  # foreach AdamW over fp32
@@ -93,16 +102,24 @@ def test_master_split_is_exact():
     assert hi[-2].item() == 1.0 + 2**-7 and hi[-1].item() == -(1.0 + 2**-7)  # the ties: away from zero
 
 
-def test_found_inf_skips_and_grad_scale_divides():
-    _, _, m, opt = _pair()
+def _muon_pair():
+    from tests.unit.test_master_muon import _pair as muon_pair
+    return muon_pair()
+
+
+@pytest.mark.parametrize("pair", [_pair, _muon_pair], ids=["adamw", "muon"])
+def test_found_inf_skips_and_grad_scale_divides(pair):
+    """found_inf = 1: no weight, master or optimizer state moves; grad_scale = 2 gives the step of halved gradients.
+    For master-weight AdamW and Muon (its matrices' momentum and Newton-Schulz, AdamW for the rest)."""
+    _, _, m, opt = pair()
     _backward(m, 0)
     before = {p: (opt.master(p), p.detach().clone()) for p in m.parameters()}
     opt.found_inf = torch.ones(())
     opt.step()
     assert all(torch.equal(opt.master(p), w) and torch.equal(p.detach(), b) for p, (w, b) in before.items())
-    assert all(float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in m.parameters())
-    # grad_scale = 2 gives the update of gradients halved
-    _, _, m2, opt2 = _pair()
+    for p in m.parameters():
+        assert all(not v.any() for v in opt.state[p].values()), [k for k, v in opt.state[p].items() if v.any()]
+    _, _, m2, opt2 = pair()
     _backward(m2, 0)
     for p in m2.parameters():
         p.grad = p.grad * 0.5
@@ -111,7 +128,9 @@ def test_found_inf_skips_and_grad_scale_divides():
     opt.step()
     opt2.step()
     for p, p2 in zip(m.parameters(), m2.parameters()):
-        torch.testing.assert_close(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(opt.master(p), opt2.master(p2), rtol=1e-6, atol=0)
+        for key, value in opt.state[p].items():
+            torch.testing.assert_close(value, opt2.state[p2][key], rtol=1e-6, atol=0)
 
 
 def test_accumulation_sums_in_fp32():
@@ -141,11 +160,7 @@ def test_accumulation_sums_in_fp32():
 def test_checkpoint_holds_masters_and_moves_between_layouts(tmp_path):
     """DCP save from master weights; load into a fresh master-weight model and into an fp32 AdamW model."""
     _, _, m, opt = _pair()
-    for step in range(2):
-        _backward(m, step)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+    _train(m, opt, steps=2)
     sd = get_model_state_dict(m)
     assert all(v.dtype == torch.float32 for v in sd.values())
     assert all(torch.equal(sd[n], opt.master(p)) for n, p in m.named_parameters())
