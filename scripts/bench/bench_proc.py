@@ -6,44 +6,69 @@ import datetime
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
-_CHILDREN: list[subprocess.Popen] = []  # the run in flight, for stop_runs
+_CHILDREN: list[tuple[subprocess.Popen, str]] = []  # the run in flight and the file its output goes to, for stop_runs
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
 
 
 def stop_runs(signum, frame) -> None:
     """SIGTERM/SIGINT to this script (an outer `timeout`, Ctrl-C): the run in flight lives in its own session, so
-    take its whole group down first; left alone it would keep the GPU (and its memory) through whatever runs next."""
-    for p in _CHILDREN:
+    take its whole group down first; left alone it would keep the GPU (and its memory) through whatever runs next.
+    Then say which run it was and show the end of its output (kept in its log file, written as it ran), so a call
+    cut short by an outer limit still shows how far the run got."""
+    for p, path in _CHILDREN:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        print(f"stopped by signal {signum} during the run above; its output so far ({path}):\n{_tail(path)}",
+              flush=True)
     raise SystemExit(128 + signum)
 
 
 def run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> tuple[str, int, float]:
+    """Run `cmd` to its end or `timeout` (then exit 124); (its output, exit status, seconds). The command is printed
+    first and the output goes to `log_path` (a temporary file without one) while it runs, not at the end: a run
+    killed from outside still names itself and leaves its log."""
     t0 = time.time()
-    # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
-    # holding GPU memory through the next case).
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    _CHILDREN[:] = [p]
-    try:
-        text, _ = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        text, rc = p.communicate()[0], 124
-    wall = time.time() - t0
     if log_path:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)  # --log may name a new folder
-        with open(log_path, "w") as f:
-            f.write(text)
-    print(f"$ {' '.join(cmd)}\n  exit {rc} in {wall:.0f}s", flush=True)
+        path = log_path
+    else:
+        fd, path = tempfile.mkstemp(prefix="titanlike_bench_", suffix=".log")
+        os.close(fd)
+    print(f"$ {' '.join(cmd)}", flush=True)
+    with open(path, "w") as out:
+        # Own session: past the timeout the whole group goes (torchrun's workers too, which would otherwise keep
+        # holding GPU memory through the next case).
+        p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        _CHILDREN[:] = [(p, path)]
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = 124
+    _CHILDREN.clear()
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if not log_path:
+        os.remove(path)
+    wall = time.time() - t0
+    print(f"  exit {rc} in {wall:.0f}s", flush=True)
     if rc != 0:
         print(text[-4000:], flush=True)
     return text, rc, wall

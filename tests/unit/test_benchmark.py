@@ -456,3 +456,30 @@ def test_llava_against_transformers_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     r = _vision_run(tmp_path, "llava", "debug-siglip", "hf", "--seq", "48", "--images", "2", "--vocab", "64")
     assert r["flops_per_token"] > 0 and r["titanlike"]["tflops"] > 0
+
+
+def test_a_run_killed_from_outside_names_itself_and_keeps_its_log(tmp_path):
+    """An outer `timeout` stopping the benchmark mid-run: the command was printed when the run started, the run's
+    output so far is printed and kept in its --log file (written as the run goes), and the run's process is gone."""
+    import signal
+    import time
+
+    log, pid_file = tmp_path / "case.0.titanlike.log", tmp_path / "child.pid"
+    child = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+             "print('step 1 loss 9.0', flush=True); time.sleep(120)")
+    driver = (f"import signal, sys; sys.path.insert(0, {str(ROOT / 'scripts' / 'bench')!r}); import bench_proc; "
+              "[signal.signal(s, bench_proc.stop_runs) for s in (signal.SIGTERM, signal.SIGINT)]; "
+              f"bench_proc.run([sys.executable, '-c', {child!r}], {{}}, {str(log)!r}, None)")
+    p = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not (log.exists() and "step 1" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert out.startswith("$ ") and "stopped by signal 15 during the run above" in out and "step 1 loss 9.0" in out
+    assert "step 1 loss 9.0" in log.read_text()
+    child_pid = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)
