@@ -17,15 +17,15 @@ every layer).
 A carried or returned state (generation's prefill and decode) stays on the PyTorch scans.
 
 Hopper with Triton 3.4 to 3.7.0 (torch 2.8 to 2.12.0 pin these): fla-core refuses its gated backward kernel there
-(`chunk_bwd_dqkwg`, fla issue 640), because Triton miscompiles it at a key block of 64, i.e. key sizes 33 to 64 (fla
-picks the block as the key size's next power of two, at most 128 on Hopper). At a block of 128 the kernel is
-correct (the issue's own bisection; tests/gpu/test_gpu_mixers.py compares every gradient with the PyTorch scan), so
-for key sizes above 64 (the published shapes: state 128, key head 128) the wrappers lift that refusal around their
-backward call (`_hopper_guard`); smaller key sizes stay on PyTorch there (`kernel_refuses`).
+(`chunk_bwd_dqkwg`, fla issue 640: Triton miscompiles it), and so does titanlike: every mixer keeps the PyTorch scan
+there, with the reason in the log (`kernel_refuses`; model.mixer_kernel = "fla" is refused in one line). titanlike
+once lifted the refusal for key sizes above 64, on the issue's report that a key block of 128 compiles correctly;
+on an H100 with Triton 3.6 the lifted kernel gave Mamba-2's bf16 gradients far from the PyTorch scan's (dt_bias off
+by 3x its largest entry) while the same wrappers under Triton's interpreter on CPU equal fla's own autograd bit for
+bit and the PyTorch scan to bf16 rounding (docs/hybrid.md). Triton 3.7.1 and later take the kernels again.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 
@@ -36,7 +36,6 @@ from models.common.ssd import _discretize, ssd_chunk_scan
 
 CHUNK = 64  # fla's chunk length for both kernels (a choice inside the kernel: the result does not depend on it)
 MAX_HEAD_DIM = 256  # the largest key/value (state, head) size the kernels are given; larger stays on PyTorch
-SAFE_KEY = 64  # on Hopper with Triton in [3.4, 3.7.1): key sizes above this only (the module docstring says why)
 
 
 def fla_unavailable(device: torch.device) -> str | None:
@@ -57,22 +56,6 @@ def _hopper_miscompiles() -> bool:
 
     version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
     return torch.cuda.get_device_capability()[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
-
-
-@contextlib.contextmanager
-def _hopper_guard(key_dim: int):
-    """Lift fla's refusal of its gated backward kernel for a key size that compiles correctly (module docstring)."""
-    if key_dim <= SAFE_KEY or not _hopper_miscompiles():
-        yield
-        return
-    import fla.ops.common.chunk_o as chunk_o
-
-    before = chunk_o.TRITON_ABOVE_3_7_1
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    try:
-        yield
-    finally:
-        chunk_o.TRITON_ABOVE_3_7_1 = before
 
 
 class _Ctx(types.SimpleNamespace):
@@ -165,8 +148,7 @@ def _ssd_bwd(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (fdy, fq, fk, fv, fg), cu = _flat(seq_idx, dy, q, k, v, g_cum)
     ctx = _backward_ctx(saved_tensors=(fq, fk, fv, fg, None, None, _chunk_indices(cu)), chunk_size=CHUNK,
                         scale=1.0, cu_seqlens=cu, state_v_first=False)
-    with _hopper_guard(k.shape[-1]):
-        dq, dk, dv, dg = ChunkSimpleGLAFunction.backward(ctx, fdy, None)[:4]
+    dq, dk, dv, dg = ChunkSimpleGLAFunction.backward(ctx, fdy, None)[:4]
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g_cum.shape)
 
 
@@ -245,8 +227,7 @@ def _gdn_bwd(do: torch.Tensor, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch
     ctx = _backward_ctx(saved_tensors=saved, scale=scale, chunk_size=CHUNK, use_qk_l2norm_in_kernel=True,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cp_context=None,
                         state_v_first=False, use_gate_in_kernel=False)
-    with _hopper_guard(kn.shape[-1]):
-        dq, dk, dv, dg, db = ChunkGatedDeltaRuleFunction.backward(ctx, fdo, None)[:5]
+    dq, dk, dv, dg, db = ChunkGatedDeltaRuleFunction.backward(ctx, fdo, None)[:5]
     return dq.view(qn.shape), dk.view(kn.shape), dv.view(v.shape), dg.view(g_cum.shape), db.view(beta.shape)
 
 
@@ -305,9 +286,9 @@ def kernel_refuses(module: torch.nn.Module) -> str | None:
     sizes = tuple(module.state_dims)
     if any(s > MAX_HEAD_DIM for s in sizes):
         return f"{type(module).__name__} head/state sizes {sizes} exceed {MAX_HEAD_DIM}"
-    if key_dim(module) <= SAFE_KEY and _hopper_miscompiles():
-        return (f"{type(module).__name__} key size {key_dim(module)} <= {SAFE_KEY}: Triton before 3.7.1 miscompiles "
-                f"fla's gated backward on Hopper at that size (fla issue 640)")
+    if _hopper_miscompiles():
+        return (f"{type(module).__name__}: Triton before 3.7.1 miscompiles fla's gated backward on Hopper (fla issue "
+                f"640; its bf16 gradients were wrong on an H100, docs/hybrid.md); the PyTorch scan runs instead")
     return None
 
 

@@ -36,8 +36,9 @@ flash-linear-attention's Triton kernels in the same shape: fla's `chunk_simple_g
 fallback: the run stops if fla-core is missing.
 
 fla-core 0.6 refuses its gated backward kernel on Hopper with the Triton that torch 2.11 pins (fla issue 640: Triton
-miscompiles it at key sizes 33 to 64); at the key sizes of these shapes (128) it is correct, and the peer lifts the
-refusal as titanlike does (models/common/fla_kernels.py, checked against PyTorch in tests/gpu/test_gpu_mixers.py).
+miscompiles it). The peer lifts that refusal, as a user of transformers with fla on such a GPU would have to: its
+speed is the kernels', but on an H100 the lifted kernel's bf16 gradients were found wrong (docs/hybrid.md), which is
+why titanlike no longer lifts it.
 
 LLaVA (`--model llava --images K`): transformers' LlavaForConditionalGeneration with K images per row, in
 scripts/bench/peer_hf_vlm.py (its docstring has the details).
@@ -101,7 +102,7 @@ def patch_fla(model_type: str) -> list[str]:
 
     import fla.ops.common.chunk_o as chunk_o
 
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # key sizes 128 here: the kernel is correct (module docstring)
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # lifted for speed only: its gradients may be wrong (module docstring)
     mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     patched = []
     for name, fn in (("causal_conv1d_fn", _fla_conv), ("mamba2_chunk_scan", _fla_ssd),
