@@ -84,8 +84,8 @@ def compare_to_bf16(results: list[dict]) -> list[str]:
         twin = next((r for r in results if r["case"] == {**case, "float8": "none"}), None)
         if twin is None:
             continue
-        a = dict(map(tuple, twin["titanlike"].get("loss_curve", [])))
-        b = dict(map(tuple, res["titanlike"].get("loss_curve", [])))
+        a = dict(map(tuple, twin.get("titanlike", {}).get("loss_curve", [])))
+        b = dict(map(tuple, res.get("titanlike", {}).get("loss_curve", [])))
         rel = [abs(b[s] - a[s]) / abs(a[s]) for s in sorted(set(a) & set(b)) if a[s]]
         if rel:
             res["loss_vs_bf16"] = {"max_rel": max(rel), "last20_mean_rel": statistics.fmean(rel[-20:]),
@@ -111,7 +111,7 @@ def format_table(results: list[dict]) -> str:
                 continue
             ratio = res.get("ratio") if who == "titanlike" else None
             loss = f"{r['loss_first']:.3f}→{r['loss_last']:.3f}" if "loss_first" in r else "failed"
-            case = res["label"] if who == "titanlike" else ""
+            case = res["label"] if who == "titanlike" or "titanlike" not in res else ""
             lines.append(f"{case:<44} {who:<9} {_fmt(r.get('tps'), ',.0f'):>10} "
                          f"{_fmt(r.get('pairs_s'), ',.2f'):>8} {_fmt(r.get('mfu'), '.1f'):>6} "
                          f"{_fmt(r.get('tflops'), '.4g'):>8} "

@@ -8,7 +8,9 @@
 
 The peer's launcher is scripts/bench/peer_torchtitan.sh (`--peer auto` names the one in this checkout; it needs
 torchtitan 0.2.2's wheels, see docs/benchmarks.md "How to reproduce"); --peer takes any other launcher's path too,
-called as `bash PATH FLAVOR [torchtitan flags]` with NPROC set; without --peer, titanlike runs alone.
+called as `bash PATH FLAVOR [torchtitan flags]` with NPROC set; without --peer, titanlike runs alone. `--only
+titanlike` / `--only peer` runs one side with exactly the flags the pair would get: for a case whose cold first steps
+need a machine call each (the two halves' JSONs then compare as one run would).
 
 Every axis option takes a comma-separated list; the matrix is their product. A TOML matrix has an optional
 `[defaults]` table and `[[case]]` tables (axis = value or list; lists expand). Precedence: built-in defaults <
@@ -314,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "and TRL's pairs), or a path; empty (default) = titanlike only")
     p.add_argument("--post-data", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "titanlike_post"),
                    help="post-training cases: the folder of scripts/bench/post_training_data.py (written when missing)")
+    p.add_argument("--only", choices=("titanlike", "peer"), default=None,
+                   help="run one side only, with the flags, vocabulary and data both sides would get (a side whose "
+                        "cold first step needs a call of its own); --only peer needs --peer")
     p.add_argument("--peer-extra", default="", help="extra arguments for the peer (one string, split on spaces)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (a run past it counts as failed)")
     p.add_argument("--compile-cache", choices=("fresh", "shared"), default="fresh",
@@ -332,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.peer.startswith("trl-"):  # trl-sft: --peer trl --post sft
         a.peer, a.post = "trl", a.post or a.peer[len("trl-"):]
     a.peer = resolve_peer(a.peer)
+    if a.only == "peer" and not a.peer:
+        p.error("--only peer needs --peer (auto, hf, trl or a launcher's path)")
     toml_text = open(a.matrix).read() if a.matrix else None
     cases = expand_matrix({k: getattr(a, k) for k in AXES}, toml_text)
     if any(c["post"] for c in cases):
@@ -351,17 +358,18 @@ def main(argv: list[str] | None = None) -> dict:
                 return vision.scale_ours(parse_ours(text), case)
         res = {"label": label(case), "case": case, "flops_per_token": fpt, "vocab": vocab_of(case, a)}
         log = a.log and f"{a.log}.{i}"
-        text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},
-                             log and log + ".titanlike.log", a.timeout)
-        res["titanlike"] = {**summarize(ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall,
-                            "compile_cache": a.compile_cache}
-        if a.warm and a.compile_cache == "fresh" and rc == 0:
-            res["titanlike"]["first_step_warm_s"] = warm_first_step(titanlike_cmd, ours, case, a, env,
-                                                                    "titanlike", tokens, fpt)
-        fill = pack_fill(text) if case["post"] in ("sft", "lora") else None
-        if fill is not None:  # the peer counts only real tokens (padding-free): compare on those
-            res["titanlike"]["pack_fill"] = fill
-        cmd = peer_cmd(case, a) if a.peer else None
+        if a.only != "peer":
+            text, rc, wall = run(titanlike_cmd(case, a), {**env, **cache_env(a, case, "titanlike", keep=False)},
+                                 log and log + ".titanlike.log", a.timeout)
+            res["titanlike"] = {**summarize(ours(text), a.warmup, tokens, fpt), "rc": rc, "wall_s": wall,
+                                "compile_cache": a.compile_cache}
+            if a.warm and a.compile_cache == "fresh" and rc == 0:
+                res["titanlike"]["first_step_warm_s"] = warm_first_step(titanlike_cmd, ours, case, a, env,
+                                                                        "titanlike", tokens, fpt)
+            fill = pack_fill(text) if case["post"] in ("sft", "lora") else None
+            if fill is not None:  # the peer counts only real tokens (padding-free): compare on those
+                res["titanlike"]["pack_fill"] = fill
+        cmd = peer_cmd(case, a) if a.peer and a.only != "titanlike" else None
         if cmd and tuple(cmd) in peer_runs:  # the same peer run for cases that differ only in titanlike's levers
             res["peer"] = peer_runs[tuple(cmd)]
         elif cmd:
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             if a.warm and a.compile_cache == "fresh" and rc == 0:
                 res["peer"]["first_step_warm_s"] = warm_first_step(peer_cmd, parse_peer, case, a, peer_env, "peer",
                                                                     peer_tokens, fpt)
-        if "peer" in res:
+        if "peer" in res and "titanlike" in res:
             res.update(post_training_ratio(case, res["titanlike"], res["peer"]))
         results.append(res)
         print("\n".join(format_table([res]).splitlines()[2:]), flush=True)
@@ -395,5 +403,5 @@ if __name__ == "__main__":
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_runs)
     res = main()
-    failed = [r["label"] for r in res["results"] if r["titanlike"].get("rc")]
+    failed = [r["label"] for r in res["results"] for who in ("titanlike", "peer") if r.get(who, {}).get("rc")]
     sys.exit(1 if failed else 0)

@@ -483,3 +483,22 @@ def test_a_run_killed_from_outside_names_itself_and_keeps_its_log(tmp_path):
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(child_pid, 0)
+
+
+def test_only_one_side_runs_with_the_shared_flags(tmp_path, capsys):
+    """--only peer: the peer alone, with the command line both sides would get (its vocabulary included), no ratio;
+    --only peer without --peer is refused in one line."""
+    peer = tmp_path / "peer.sh"
+    peer.write_text("#!/bin/bash\necho \"$@\" > \"$(dirname \"$0\")/args.txt\"\nfor s in 1 2 3; do echo \"step: $s  "
+                    "loss: 5.0  grad_norm: 1.0  memory: 1.00GiB(1.00%)  tps: 500  tflops: 0.01  mfu: 0.10%\"; done\n")
+    res = bench.main(["--flavor", "debugmodel", "--vocab", "256", "--data", "mock", "--seq", "8", "--batch", "1",
+                      "--steps", "3", "--warmup", "1", "--peer", str(peer), "--only", "peer",
+                      "--dump-folder", str(tmp_path / "runs")])
+    (r,) = res["results"]
+    assert "titanlike" not in r and "ratio" not in r and r["peer"]["tps"] == 500 and r["peer"]["rc"] == 0
+    assert "debugmodel" in (tmp_path / "args.txt").read_text()
+    table = capsys.readouterr().out
+    assert any(line.startswith(r["label"]) and "peer" in line for line in table.splitlines())
+    with pytest.raises(SystemExit):
+        bench.main(["--flavor", "debugmodel", "--only", "peer"])
+    assert "--only peer needs --peer" in capsys.readouterr().err
