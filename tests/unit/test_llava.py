@@ -144,6 +144,21 @@ def test_objective_splits_images_and_ignores_placeholders():
     assert "\n" not in str(e.value)
 
 
+def test_objective_normalises_a_clip_tower_with_clips_statistics():
+    """A CLIP tower's slots are normalised with CLIP's mean and std (model.args.pixel_stats = "clip"), what
+    CLIPImageProcessor gives the pretrained tower, not the ViT/SigLIP 0.5 / 0.5."""
+    args = tiny("debug-clip", images_per_row=1)
+    v = args.vision
+    tokens, _ = batch(args, (1,), seq=40)
+    bytes_ = torch.randint(0, 256, (1, args.pixels))
+    rows = torch.cat([bytes_, tokens], 1)
+    b = build_objective(SPEC.objective, args)(rows[:, :-1], rows[:, 1:], StepContext(0, 0))
+    mean, std = (torch.tensor(x).view(3, 1, 1) for x in v.mean_std)
+    want = (bytes_[0].reshape(v.channels, v.image_size, v.image_size) / 255.0 - mean) / std
+    assert v.pixel_stats == "clip"
+    torch.testing.assert_close(b.inputs["pixels"][0, 0], want)
+
+
 @pytest.mark.parametrize("freeze", [["vision", "language"], ["vision"]])
 def test_freeze_stages_train_only_the_rest(freeze):
     from titanlike.config.sections import Optimizer
