@@ -59,7 +59,8 @@ class Training:
     mixed_precision_reduce: str = "float32"
     # One device only (FSDP casts sharded weights itself): auto (master_weights when compile.components has
     # "optimizer", else autocast) | autocast (fp32 weights, bf16 matmuls) | master_weights (bf16 weights, fp32
-    # master weights and moments in the optimizer, as Megatron's --bf16; titanlike/optim/master_weights.py)
+    # master weights and moments in the optimizer, as Megatron's --bf16; titanlike/optim/master_weights.py, and
+    # master_muon.py for optimizer.name="Muon")
     mixed_precision_impl: str = "auto"
     gc_freq: int = 50  # python gc.collect() every N steps (automatic gc is disabled); 0 = leave gc automatic
     skip_nonfinite_steps: bool = True  # a NaN/Inf gradient norm skips that update (counted, logged)
@@ -97,7 +98,8 @@ class Optimizer:
     decay_embeddings: bool = False
     fused: str = "auto"  # auto (fused on CUDA) | true | false
     # training.mixed_precision_impl=master_weights on CUDA: each block's update runs on a side stream while the next
-    # forward computes the blocks before it (the forward waits per block, never for the whole step)
+    # forward computes the blocks before it (the forward waits per block, never for the whole step). AdamW only:
+    # Muon's Newton-Schulz matmuls would compete with the forward's
     overlap_with_forward: bool = True
     # name="Muon" (titanlike/optim/muon.py): momentum, Nesterov, Newton-Schulz steps and the dtype they run in
     # (bfloat16 as the reference; float32 for exact comparisons), and how lr scales per matrix: match_rms_adamw
