@@ -149,6 +149,10 @@ def _mixer_kernels(model, name: str, device: torch.device) -> None:
             logger.info(f"recurrent mixers: PyTorch chunked scans, not fla's kernels ({why_not})")
         return
     n, skipped = use_fla(model, strict=name == "fla")
+    if n == 0:  # every mixer refused here (e.g. Hopper with a Triton that miscompiles fla's backward)
+        logger.info(f"recurrent mixers: PyTorch chunked scans in {len(skipped)} modules, not fla's kernels "
+                    f"({skipped[0]})")
+        return
     logger.info(f"recurrent mixers: flash-linear-attention's kernels in {n} modules (model.mixer_kernel)"
                 + (f"; PyTorch in {len(skipped)}: {skipped[0]}" if skipped else ""))
 
