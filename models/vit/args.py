@@ -91,11 +91,12 @@ class ModelArgs:
 
     def normalise(self, pixel_bytes: torch.Tensor) -> torch.Tensor:
         """Pixel values 0..255 [..., C, H, W] -> the tower's fp32 input ((x / 255 - mean) / std per channel)."""
-        x = pixel_bytes.to(torch.float32)
         if self.pixel_stats == "half":
-            return x / 127.5 - 1.0  # (x / 255 - 0.5) / 0.5, as the runs before pixel_stats computed it
-        mean, std = (torch.tensor(v, device=x.device).view(-1, 1, 1) for v in self.mean_std)
-        return (x / 255.0 - mean) / std
+            return pixel_bytes.to(torch.float32) / 127.5 - 1.0  # (x / 255 - 0.5) / 0.5, as before pixel_stats
+        x = pixel_bytes.to(torch.float32, copy=True)
+        for c, (mean, std) in enumerate(zip(*self.mean_std)):  # per channel, in place: no statistics tensor to
+            x[..., c, :, :].div_(255.0).sub_(mean).div_(std)  # copy to the device at every batch
+        return x
 
     @property
     def head_dim(self) -> int:
