@@ -41,34 +41,29 @@ def takes_images(args) -> bool:
 
 def image_prep(loaded) -> ImagePrep:
     """An HF folder's preprocessor_config.json (image_mean / image_std / resample, as its export or the hub wrote
-    them), else the tower's: the mean and std it trains with (model.args.pixel_stats: 0.5 / 0.5 as HF's ViT and
-    SigLIP processors, CLIP's statistics for CLIP towers); bilinear (ViT's processor) or bicubic (SigLIP's,
-    CLIP's)."""
+    them), over the tower's own settings: what the family's HF adapter exports (`preprocessor_config(args)`: the
+    mean and std training used, model.args.pixel_stats, and the resampling of the tower's HF processor)."""
     args = loaded.args
     if not takes_images(args):
         name = getattr(loaded.spec, "name", type(loaded.model).__name__)
         raise ValueError(f"--image: the {name} model at {loaded.source} takes no images (only an image-text family "
                          f"such as llava does); drop --image")
     v = args.vision
-    prep = ImagePrep(v.image_size, v.channels, *v.mean_std,
-                     2 if v.class_token and getattr(v, "final_norm", "tokens") != "cls" else 3,  # CLIP's: bicubic
-                     "the tower's defaults")
+    cfg, source = loaded.spec.hf.preprocessor_config(args), "the tower's defaults"
     path = os.path.join(loaded.source, "preprocessor_config.json")
-    if not os.path.isfile(path):
-        return prep
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({e}); fix or remove it to use the tower's defaults") from None
-    mean, std = tuple(cfg.get("image_mean", prep.mean)), tuple(cfg.get("image_std", prep.std))
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                cfg, source = {**cfg, **json.load(f)}, path
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} cannot be read ({e}); fix or remove it to use the tower's defaults") from None
+    mean, std = tuple(cfg["image_mean"]), tuple(cfg["image_std"])
     if len(mean) != v.channels or len(std) != v.channels:
         raise ValueError(f"{path}: image_mean / image_std have {len(mean)} / {len(std)} values for a tower of "
                          f"{v.channels} channels; fix them or remove the file")
     # the tower's size wins: its position table has one row per patch of image_size (a crop_size / size that differ
     # would only make the forward refuse the images)
-    return dataclasses.replace(prep, mean=mean, std=std, resample=int(cfg.get("resample", prep.resample)),
-                               source=path)
+    return ImagePrep(v.image_size, v.channels, mean, std, int(cfg["resample"]), source)
 
 
 def load_pixels(paths: list[str], prep: ImagePrep) -> torch.Tensor:
