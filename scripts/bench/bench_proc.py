@@ -31,7 +31,10 @@ def stop_runs(signum, frame) -> None:
     for p, path in _CHILDREN:
         try:
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            # Reaped here, so it is gone (not a zombie) when this script exits. Not p.wait(): this handler runs inside
+            # run()'s p.wait, which holds the Popen's wait lock.
+            os.waitpid(p.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
             pass
         print(f"stopped by signal {signum} during the run above; its output so far ({path}):\n{_tail(path)}",
               flush=True)
