@@ -7,9 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S, H, D] q, [B, Skv, H, D] k/v -> [B, S, H, D], every query over every key `mask` allows (bool
+    [B, 1, S|1, Skv], True = may attend; None: all), on SDPA."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
 class EncoderAttention(nn.Module):
     """Bidirectional multi-head attention with biased projections (HF's BERT and ViT layout); `mask` (bool
-    [B, 1, S|1, S], True = may attend) or None."""
+    [B, 1, S|1, S], True = may attend) or None. The kernel is `bidirectional_fn` (bidirectional_attention's
+    contract): SDPA, or FlashAttention-4 where model.attn_backend picks it (models/common/fa4.py)."""
 
     def __init__(self, dim: int, head_dim: int):
         super().__init__()
@@ -18,6 +27,7 @@ class EncoderAttention(nn.Module):
         self.wk = nn.Linear(dim, dim)
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
+        self.bidirectional_fn = bidirectional_attention
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 kv: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,10 +35,9 @@ class EncoderAttention(nn.Module):
         kv = x if kv is None else kv
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
-        k, v = (w(kv).view(bs, kv.shape[1], -1, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k, v = (w(kv).view(bs, kv.shape[1], -1, self.head_dim) for w in (self.wk, self.wv))
+        return self.wo(self.bidirectional_fn(q, k, v, mask).reshape(bs, seqlen, -1))
 
 
 class GeluFeedForward(nn.Module):

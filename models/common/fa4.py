@@ -26,41 +26,42 @@ def fa4_unavailable(device: torch.device) -> str | None:
     return None
 
 
-@torch.library.custom_op("titanlike::fa4_causal_fwd", mutates_args=(), device_types="cuda")
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("titanlike::fa4_fwd", mutates_args=(), device_types="cuda")
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)[:2]
+    out, lse = _flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]
     return out, lse
 
 
 @_fwd.register_fake
-def _(q, k, v):
+def _(q, k, v, causal):
     b, s, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
 
 
-@torch.library.custom_op("titanlike::fa4_causal_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("titanlike::fa4_bwd", mutates_args=(), device_types="cuda")
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-         lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, causal=True)[:3]
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)[:3]
     return dq, dk, dv
 
 
 @_bwd.register_fake
-def _(dout, q, k, v, out, lse):
+def _(dout, q, k, v, out, lse, causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, *output)
+    q, k, v, ctx.causal = inputs
+    ctx.save_for_backward(q, k, v, *output)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    return _bwd(dout.contiguous(), q, k, v, out, lse)
+    return *_bwd(dout.contiguous(), q, k, v, out, lse, ctx.causal), None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -68,7 +69,11 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def fa4_forward_op():
     """The forward op (for per-op activation checkpointing's list of outputs to keep)."""
-    return torch.ops.titanlike.fa4_causal_fwd.default
+    return torch.ops.titanlike.fa4_fwd.default
+
+
+def _fa4_takes(q: torch.Tensor) -> bool:
+    return q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def fa4_causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
@@ -76,18 +81,31 @@ def fa4_causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
     """models.common.causal_attention's contract ([B, S, H, D] q, [B, S, Hkv, D] k/v -> [B, S, H, D]) on FA4.
     Grouped KV heads are read as they are (repeat_kv_heads is moot); a head dim or dtype FA4 is not given here, or a
     mask (documents, context parallel), goes to SDPA."""
-    if mask is not None or xq.shape[-1] not in HEAD_DIMS or xq.dtype not in (torch.bfloat16, torch.float16):
+    if mask is not None or not _fa4_takes(xq):
         from models.common.attention import causal_attention
 
         return causal_attention(xq, xk, xv, repeat_kv_heads, mask)
-    return _fwd(xq.contiguous(), xk.contiguous(), xv.contiguous())[0]
+    return _fwd(xq.contiguous(), xk.contiguous(), xv.contiguous(), True)[0]
+
+
+def fa4_bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """models.common.encoder.bidirectional_attention's contract ([B, S, H, D] q, [B, Skv, H, D] k/v -> [B, S, H, D])
+    on FA4, not causal (BERT, ViT and the vision towers). A padding mask, queries over other tokens (SigLIP's pooling
+    probe), or a head dim or dtype FA4 is not given here, go to SDPA."""
+    if mask is not None or q.shape[1] != k.shape[1] or not _fa4_takes(q):
+        from models.common.encoder import bidirectional_attention
+
+        return bidirectional_attention(q, k, v, mask)
+    return _fwd(q.contiguous(), k.contiguous(), v.contiguous(), False)[0]
 
 
 def use_fa4(model: torch.nn.Module) -> int:
-    """Point every attention module's kernel (its `attention_fn`) at FA4; returns how many."""
+    """Point every attention module's kernel at FA4 (a causal one's `attention_fn`, a bidirectional one's
+    `bidirectional_fn`); returns how many."""
     n = 0
     for module in model.modules():
-        if hasattr(module, "attention_fn"):
-            module.attention_fn = fa4_causal_attention
-            n += 1
+        for attr, fn in (("attention_fn", fa4_causal_attention), ("bidirectional_fn", fa4_bidirectional_attention)):
+            if hasattr(module, attr):
+                setattr(module, attr, fn)
+                n += 1
     return n

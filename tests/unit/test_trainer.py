@@ -84,6 +84,30 @@ def test_fa4_choice_off_cuda():
         wants_fa4("fa4", cpu)
 
 
+def test_fa4_takes_each_attention_kind_by_its_own_kernel():
+    """use_fa4 points causal modules (`attention_fn`) at the causal kernel and the encoders' (`bidirectional_fn`) at
+    the bidirectional one; off CUDA (and with a padding mask) both keep SDPA's numbers."""
+    import models
+    from models.common.encoder import bidirectional_attention
+    from models.common.fa4 import fa4_bidirectional_attention, fa4_causal_attention, use_fa4
+
+    for name, flavor, attr, fn in (("bert", "debugmodel", "bidirectional_fn", fa4_bidirectional_attention),
+                                   ("vit", "debugmodel", "bidirectional_fn", fa4_bidirectional_attention),
+                                   ("llama3", "debugmodel", "attention_fn", fa4_causal_attention)):
+        spec = models.get_spec(name)
+        with torch.device("meta"):
+            model = spec.model_cls(spec.flavors[flavor])
+        n_layers = len(model.layers)
+        assert use_fa4(model) >= n_layers
+        assert all(getattr(layer.attention, attr) is fn for layer in model.layers.values()), name
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 5, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (None, mask):  # fp32 on CPU: not FA4's, so SDPA's result
+        torch.testing.assert_close(fa4_bidirectional_attention(q, k, v, m), bidirectional_attention(q, k, v, m))
+
+
 def test_kv_heads_repeated_only_for_kernels_without_gqa():
     """The memory-efficient kernel takes no grouped KV heads: the model repeats them for it, and only for it."""
     from models.common.backends import repeats_kv_heads
