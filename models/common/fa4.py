@@ -99,12 +99,16 @@ def fa4_bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return _fwd(q.contiguous(), k.contiguous(), v.contiguous(), False)[0]
 
 
-def use_fa4(model: torch.nn.Module) -> int:
-    """Point every attention module's kernel at FA4 (a causal one's `attention_fn`, a bidirectional one's
-    `bidirectional_fn`); returns how many."""
+def use_fa4(model: torch.nn.Module, encoders: bool = True) -> int:
+    """Point every attention module's kernel at FA4 (a causal one's `attention_fn`; with `encoders`, a bidirectional
+    one's `bidirectional_fn` too); returns how many. model.attn_backend = "auto" leaves the encoders on cuDNN's SDPA:
+    FA4's non-causal kernels have not yet run on a GPU here (tests/gpu/test_gpu_fa4.py checks them against cuDNN)."""
+    kinds = [("attention_fn", fa4_causal_attention)]
+    if encoders:
+        kinds.append(("bidirectional_fn", fa4_bidirectional_attention))
     n = 0
     for module in model.modules():
-        for attr, fn in (("attention_fn", fa4_causal_attention), ("bidirectional_fn", fa4_bidirectional_attention)):
+        for attr, fn in kinds:
             if hasattr(module, attr):
                 setattr(module, attr, fn)
                 n += 1

@@ -85,8 +85,8 @@ def test_fa4_choice_off_cuda():
 
 
 def test_fa4_takes_each_attention_kind_by_its_own_kernel():
-    """use_fa4 points causal modules (`attention_fn`) at the causal kernel and the encoders' (`bidirectional_fn`) at
-    the bidirectional one; off CUDA (and with a padding mask) both keep SDPA's numbers."""
+    """use_fa4 points causal modules (`attention_fn`) at the causal kernel and, for model.attn_backend = "fa4" only,
+    the encoders' (`bidirectional_fn`) at the bidirectional one; off CUDA (and with a padding mask) SDPA's numbers."""
     import models
     from models.common.encoder import bidirectional_attention
     from models.common.fa4 import fa4_bidirectional_attention, fa4_causal_attention, use_fa4
@@ -97,8 +97,8 @@ def test_fa4_takes_each_attention_kind_by_its_own_kernel():
         spec = models.get_spec(name)
         with torch.device("meta"):
             model = spec.model_cls(spec.flavors[flavor])
-        n_layers = len(model.layers)
-        assert use_fa4(model) >= n_layers
+        assert use_fa4(model, encoders=False) == (len(model.layers) if name == "llama3" else 0)  # "auto"
+        assert use_fa4(model) == len(model.layers)  # "fa4"
         assert all(getattr(layer.attention, attr) is fn for layer in model.layers.values()), name
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))

@@ -35,7 +35,8 @@ class Model:
     # a shape no named flavor has, e.g. args = {dim = 1280, n_heads = 16} (scripts/from_megatron.py writes these)
     args: dict = field(default_factory=dict)
     # auto (FlashAttention-4 where installed on Hopper+, else cuDNN first, then flash; else torch's choice) | sdpa
-    # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error)
+    # (torch's choice: flash first on CUDA) | flash | cudnn | efficient | math (reference) | fa4 (flash-attn-4 or error;
+    # also the encoders' bidirectional attention, which "auto" keeps on SDPA)
     attn_backend: str = "auto"
     # Masked attention (data.document_masking, parallelism.cp > 1): auto (FlexAttention on a GPU, else SDPA) | sdpa
     # (SDPA with a dense boolean mask: CPU and short sequences) | flex (GPU only)

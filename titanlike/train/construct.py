@@ -94,7 +94,8 @@ def build_model(sections: BuildSections, dims, device: torch.device, vocab: int,
     if wants_fa4(m.attn_backend, device):  # before compile traces the attention modules
         from models.common.fa4 import use_fa4
 
-        logger.info(f"attention: FlashAttention-4 in {use_fa4(model)} modules (model.attn_backend)")
+        n = use_fa4(model, encoders=m.attn_backend == "fa4")
+        logger.info(f"attention: FlashAttention-4 in {n} modules (model.attn_backend)")
     _mixer_kernels(model, m.mixer_kernel, device)
     # Module swaps before the plan wraps the modules; both keep every FQN (checkpoints don't notice).
     f8 = float8.convert(model, sections.float8, fsdp_enabled=dims.fsdp_enabled, model_keep=spec.float8_keep)
