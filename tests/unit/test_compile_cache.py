@@ -58,8 +58,10 @@ def test_second_process_warm_starts_from_the_artifacts_alone(tmp_path):
     split = cold["first"]["split"]  # where the cold first step's compile went (logged as "compile split: ...")
     assert split["graphs"] >= 1 and split["forward"] > 0 and split["backward"] > 0 and split["codegen"] > 0, split
     assert split["forward"] + split["dynamo"] <= cold["first"]["seconds"], split
-    files = os.listdir(cache / "artifacts")
-    assert len(files) == 1 and files[0].endswith("-rank0.bin"), files  # torch version + layout + rank
+    files = sorted(os.listdir(cache / "artifacts"))
+    assert len(files) == 2 and files[0].endswith("-rank0.bin"), files  # torch version + layout + rank
+    record = json.loads((cache / "artifacts" / files[1]).read_text())  # what a later miss is compared with
+    assert record["model"]["n_layers"] == 1 and record["training"]["seq_len"] == 16 and "torch" in record["versions"]
     # Only the portable artifact file travels: the on-disk Inductor/Triton caches are gone, so hits come from it.
     for sub in ("inductor", "triton"):
         shutil.rmtree(cache / sub, ignore_errors=True)
@@ -98,3 +100,45 @@ def test_start_points_every_cache_into_the_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")  # the user's choice wins
     CompileCache(str(tmp_path / "cc"), 0, "cpu-world1").start()
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"
+
+
+def test_misses_say_why_in_one_line(tmp_path, monkeypatch, caplog):
+    """A warm start that still misses names the recorded fields that changed since the save (or that none did); a
+    start without artifacts for its key names the keys the folder has."""
+    import logging
+
+    import titanlike.train.compile_cache as cc
+
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    folder = tmp_path / "cc"
+    (folder / "artifacts").mkdir(parents=True)
+    (folder / "artifacts" / "torch2.99-cpu-w1-rank0.bin").write_bytes(b"")
+    fp = cc.graph_fingerprint(load_config(["--config", str(REPO_ROOT / "configs/debug_model.toml")]))
+    cache = cc.CompileCache(str(folder), 0, "cpu-w1", fp)
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        cache.start()
+    (line,) = [r.message for r in caplog.records if r.message.startswith("compile cache:")]
+    assert "no artifacts yet" in line and "the folder has torch2.99-cpu-w1-rank0" in line, line
+
+    # the record a save leaves, from a run with 2 more layers and another sequence length
+    saved = json.loads(json.dumps(cache.fingerprint, default=str))
+    saved["model"]["n_layers"], saved["training"]["seq_len"] = 4, 512
+    (folder / "artifacts" / f"{cache.key}.json").write_text(json.dumps(saved))
+    cache._read_record()
+    assert cache.miss_reason() == "changed since the save: model.n_layers 4 -> -1; training.seq_len 512 -> 128"
+    # the first step's line, as after loading artifacts that still missed
+    cache.loaded, cache._t0, cache._c0, cache._times0 = 5, 0.0, dict.fromkeys(cc._counters(), 0), {}
+    monkeypatch.setattr(cc, "_counters", lambda: {"fx_hit": 1, "fx_miss": 2, "fx_bypass": 0, "aot_hit": 1,
+                                                  "aot_miss": 1, "aot_bypass": 0})
+    monkeypatch.setattr(cc.CompileCache, "_save", lambda self: None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        cache.first_step_done()
+    (why,) = [r.message for r in caplog.records if "misses after loading" in r.message]
+    assert why == ("compile cache: 3 misses after loading 5 artifacts; changed since the save: model.n_layers 4 -> "
+                   "-1; training.seq_len 512 -> 128"), why
+    (folder / "artifacts" / f"{cache.key}.json").write_text(json.dumps(cache.fingerprint, default=str))
+    cache._read_record()
+    assert cache.miss_reason().startswith("nothing recorded changed")

@@ -13,10 +13,15 @@ Triton caches under the node's /tmp. With compile.cache_dir set, before anything
     file). Per rank, not rank 0 alone: pipeline stages compile different graphs, and the graphs' cache keys may name
     the rank's device, so rank 0's file could miss elsewhere. The key names torch's version and the world layout; a
     changed model or config only misses (the caches key on the graphs), it never loads a wrong kernel.
+Misses say why, in one line: beside each artifact file a small record (`<key>.json`) keeps the versions and the
+config fields that shape the compiled graphs (the Trainer's `fingerprint`). A start that finds no file for its key
+names the keys the folder has (another torch or layout); a warm first step that still misses names the fields or
+versions that changed since the save, or says none did (then the code itself changed).
 Only the Trainer calls this: the memory estimate (titanlike/planner) builds through construct.py and writes no cache.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -74,9 +79,13 @@ class CompileCache:
     """The run's compile cache (module docstring): `start()` before anything compiles, `first_step_done()` after the
     first step. With folder None (compile.cache_dir = "") it only reports the first step's compile time and hits."""
 
-    def __init__(self, folder: str | None, rank: int, layout: str):
+    def __init__(self, folder: str | None, rank: int, layout: str, fingerprint: dict | None = None):
         self.folder = folder
         self.rank = rank
+        # what shapes the compiled graphs ({section: {field: value}}) and the versions that build them: saved beside
+        # the artifacts, compared on a warm start that misses
+        self.fingerprint = {"versions": _versions(), **(fingerprint or {})}
+        self.saved_fingerprint: dict | None = None
         # torch's version and the world layout: another torch or another layout never loads these artifacts
         self.key = f"torch{torch.__version__.replace('+', '_')}-{layout}-rank{rank}"
         self.loaded = 0  # artifact entries loaded at start (the warm-restart test reads it)
@@ -89,6 +98,35 @@ class CompileCache:
     @property
     def artifacts_path(self) -> str:
         return os.path.join(self.folder, "artifacts", f"{self.key}.bin")
+
+    @property
+    def record_path(self) -> str:
+        return os.path.join(self.folder, "artifacts", f"{self.key}.json")
+
+    def _read_record(self) -> None:
+        try:
+            with open(self.record_path) as f:
+                self.saved_fingerprint = json.load(f)
+        except (OSError, ValueError):  # none yet (or written by an older titanlike): no reason can be named
+            self.saved_fingerprint = None
+
+    def _other_keys(self) -> str:
+        """Artifact files in the folder for other keys (another torch version, layout or rank), for the cold-start
+        line."""
+        names = sorted(f[:-4] for f in os.listdir(os.path.dirname(self.artifacts_path)) if f.endswith(".bin"))
+        return "" if not names else f" (the folder has {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}: " \
+            f"another torch version or layout compiles its own)"
+
+    def miss_reason(self) -> str:
+        """Why a warm start still missed: the recorded fields that differ from this run's, in one line."""
+        if self.saved_fingerprint is None:
+            return "no record of the run that saved the artifacts"
+        diffs = _diff(self.saved_fingerprint, self.fingerprint)
+        if not diffs:
+            return ("nothing recorded changed (versions and graph-shaping config are the same): the model or "
+                    "titanlike code changed, or TORCH_LOGS=+inductor says why")
+        return "changed since the save: " + "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4
+                                                                     else "")
 
     def start(self) -> None:
         if self.folder is None:
@@ -109,7 +147,8 @@ class CompileCache:
         for module, name in ((inductor_config, "fx_graph_cache"), (aot_config, "enable_autograd_cache")):
             if hasattr(module, name):
                 setattr(module, name, True)
-        how = "no artifacts yet (cold start)"
+        how = "no artifacts yet (cold start)" + self._other_keys()
+        self._read_record()
         if not hasattr(torch.compiler, "load_cache_artifacts"):  # (guarded: the on-disk caches alone then)
             how = "this torch has no portable cache artifacts"
         elif os.path.exists(self.artifacts_path):
@@ -144,6 +183,9 @@ class CompileCache:
             saved = f"; saved {self.saved} artifacts" if self.saved else ""
             logger.info(f"compile: first step {seconds:.1f} s; FX-graph cache {c['fx_hit']} hits / {c['fx_miss']} "
                         f"misses, AOTAutograd cache {c['aot_hit']} hits / {c['aot_miss']} misses{bypass}{saved}")
+            if self.loaded and c["fx_miss"] + c["aot_miss"]:
+                logger.info(f"compile cache: {c['fx_miss'] + c['aot_miss']} misses after loading {self.loaded} "
+                            f"artifacts; {self.miss_reason()}")
             if times.get("graphs"):
                 logger.info(split_line(times))
 
@@ -160,6 +202,54 @@ class CompileCache:
             f.write(data)
         os.replace(tmp, self.artifacts_path)
         self.saved = sum(len(v) for v in info.artifacts.values())
+        tmp = f"{self.record_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.fingerprint, f, indent=1, sort_keys=True, default=str)
+        os.replace(tmp, self.record_path)
+
+
+def _versions() -> dict:
+    """What builds the kernels besides the graphs: torch, Triton and the device."""
+    out = {"torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name()
+    return out
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The dotted fields whose values differ between two records ("model.n_layers 2 -> 4")."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
+            out.append(f"{prefix}{k} {a!r} -> {b!r}")
+    return out
+
+
+# The training fields that change a compiled graph (shapes, dtypes, what the loss and update compute); the rest of
+# [training] (steps, seeds, fault handling) never does, so a change there is not named as a miss's reason.
+_TRAINING_GRAPH_FIELDS = ("seq_len", "local_batch_size", "mixed_precision_param", "mixed_precision_reduce",
+                          "mixed_precision_impl", "max_norm", "loss_chunk_tokens", "skip_nonfinite_steps")
+
+
+def graph_fingerprint(cfg) -> dict:
+    """The config fields that shape the compiled graphs, as plain values, for the record beside the artifacts."""
+    import dataclasses
+
+    sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in
+                ("model", "parallelism", "activation_checkpoint", "float8", "lora", "compile")}
+    sections["compile"].pop("cache_dir", None)  # where the cache lives is not what it holds
+    sections["training"] = {k: getattr(cfg.training, k) for k in _TRAINING_GRAPH_FIELDS if hasattr(cfg.training, k)}
+    sections["optimizer"] = {"name": cfg.optimizer.name}
+    return sections
 
 
 def world_layout(dims, device_type: str) -> str:
@@ -169,4 +259,4 @@ def world_layout(dims, device_type: str) -> str:
     return f"{device_type}-w{dims.world_size}-{degrees}"
 
 
-__all__ = ["CompileCache", "resolve_cache_dir", "world_layout"]
+__all__ = ["CompileCache", "graph_fingerprint", "resolve_cache_dir", "world_layout"]

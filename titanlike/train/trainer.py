@@ -31,7 +31,7 @@ from titanlike.resilience.nonfinite import NonFiniteError, SpikeDetector
 from titanlike.resilience.runlock import acquire_run_lock
 from titanlike.resilience.signals import RunSignals
 from titanlike.train.batch import per_sample_scale
-from titanlike.train.compile_cache import CompileCache, resolve_cache_dir, world_layout
+from titanlike.train.compile_cache import CompileCache, graph_fingerprint, resolve_cache_dir, world_layout
 from titanlike.train.construct import BuildSections, build_model, lora_checkpointing, materialise, run_vocab
 from titanlike.train.dpo import PreferenceTuning
 from titanlike.train.evaluate import maybe_evaluate, validation_loss
@@ -69,7 +69,7 @@ class Trainer:
         # compile.cache_dir: torch's compile caches where a requeued job on any node finds them, set before anything
         # compiles (titanlike/train/compile_cache.py); the first step reports its compile time and cache hits
         self.compile_cache = CompileCache(resolve_cache_dir(cfg.compile.cache_dir, self.run_dir), self.rank,
-                                          world_layout(self.dims, self.device.type))
+                                          world_layout(self.dims, self.device.type), graph_fingerprint(cfg))
         self.compile_cache.start()
 
         # Model: built on meta (no memory), parallelized, then materialised on the device and initialised.
