@@ -502,3 +502,28 @@ def test_only_one_side_runs_with_the_shared_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--flavor", "debugmodel", "--only", "peer"])
     assert "--only peer needs --peer" in capsys.readouterr().err
+
+
+def test_each_side_compiles_cold_in_its_own_caches_and_warm_reruns_on_them(tmp_path, monkeypatch):
+    """--compile-cache fresh (the default): a run's Inductor/Triton caches are its own folder under the dump folder,
+    emptied before the cold run (a second benchmark starts cold again) and kept for the --warm rerun; shared: torch's
+    own caches (the benchmark sets none)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    peer = tmp_path / "peer.sh"
+    peer.write_text("#!/bin/bash\nd=\"$TORCHINDUCTOR_CACHE_DIR\"; here=\"$(dirname \"$0\")\"\n"
+                    "echo \"dir=$d seen=$( [ -n \"$d\" ] && ls \"$d\" 2>/dev/null | tr '\\n' ,)\" >> \"$here/runs.txt\"\n"
+                    "case $d in */compile_caches/*) mkdir -p \"$d\" && touch \"$d/compiled\";; esac\n"
+                    "for s in 1 2 3; do echo \"step: $s  loss: 5.0  grad_norm: 1.0  memory: 1.00GiB(1.00%)  tps: 500  "
+                    "tflops: 0.01  mfu: 0.10%\"; done\n")
+    common = ["--flavor", "debugmodel", "--vocab", "256", "--data", "mock", "--seq", "8", "--batch", "1", "--steps",
+              "3", "--warmup", "1", "--peer", str(peer), "--only", "peer", "--dump-folder", str(tmp_path / "runs")]
+    bench.main(common + ["--warm"])
+    bench.main(common)
+    bench.main(common + ["--compile-cache", "shared"])
+    runs = (tmp_path / "runs.txt").read_text().splitlines()
+    cold, warm, again, shared = runs
+    folder = str(tmp_path / "runs" / "compile_caches")
+    assert cold.startswith(f"dir={folder}/") and cold.endswith("/peer/inductor seen="), cold
+    assert warm == cold.replace("seen=", "seen=compiled,"), (cold, warm)  # the rerun found what the cold run left
+    assert again == cold, again  # emptied again for the next cold run
+    assert folder not in shared, shared  # whatever this process has (torch's default)
