@@ -306,6 +306,8 @@ def sentencepiece_to_hf(tok, add_bos: bool):
                                    ([decoders.Strip(content=" ", left=1)] if norm.add_dummy_prefix else []))
     hf.add_tokens([AddedToken(p.piece, special=p.type != 4, normalized=False)
                    for p in proto.pieces if p.type in (2, 3, 4)])  # unknown, control, user-defined: never split
+    # data.vocab_extra_ids' T5 sentinels, appended after the pieces in id order: the ids come out the run's
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tok.added_tokens])
     if add_bos:
         bos = pieces[tok.bos_id][0]
         hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
