@@ -191,3 +191,22 @@ def preprocessor_config(args: ModelArgs) -> dict:
            "resample": 2 if vit else 3, "do_rescale": True, "rescale_factor": 1 / 255,
            "do_normalize": True, "image_mean": list(v.mean_std[0]), "image_std": list(v.mean_std[1])}
     return out if proc != "CLIPImageProcessor" else {**out, "do_center_crop": False, "do_convert_rgb": True}
+
+
+IMAGE_TEXT = "<image>"  # the placeholder's text in llava-hf tokenizers and LlavaProcessor's default
+
+
+def tokenizer_tokens(args: ModelArgs) -> dict[str, int]:
+    """Special tokens an export's tokenizer must hold at the model's ids: LlavaProcessor finds the placeholder id by
+    encoding "<image>"."""
+    return {IMAGE_TEXT: args.image_token}
+
+
+def processor_config(args: ModelArgs) -> dict:
+    """processor_config.json: LlavaProcessor expands each "<image>" to (size / patch)^2 + num_additional_image_tokens
+    placeholders, less one with strategy "default": args.image_tokens (the class token counts as the additional
+    one)."""
+    v = args.vision
+    return {"processor_class": "LlavaProcessor", "image_token": IMAGE_TEXT, "patch_size": v.patch_size,
+            "num_additional_image_tokens": int(v.class_token),
+            "vision_feature_select_strategy": args.vision_feature_select_strategy}

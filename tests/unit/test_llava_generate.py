@@ -201,3 +201,49 @@ def test_text_prompt_placeholders_split_the_encoding():
     encode = lambda piece, first: ([1] if first else []) + [10 + len(piece)]  # noqa: E731 (a stand-in tokenizer)
     got = _script()._encode_pieces(encode, loaded, "ab<image>cde<image>")
     assert got == [1, 12, args.image_token, 13, args.image_token, 10]
+
+
+def _word_tokenizer(path, more=0):
+    """A tiny word-level tokenizer.json (ids 0..8, and `more` words after them) for a model of VOCAB rows: the export
+    adds <image> at the model's placeholder id (the last row) and fills the rows between."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "describe", "the", "cat", "on", "mat", ":"] + [f"w{i}" for i in range(more)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debug-siglip"])
+def test_export_with_tokenizer_loads_as_llava_processor(flavor, tmp_path):
+    """An export with the run's tokenizer loads with transformers' AutoProcessor (LlavaProcessor): a prompt with
+    <image> and an image gives titanlike's own ids (placeholders expanded to the tower's features: with and without
+    a class token) and the pixels image_prep + load_pixels give."""
+    from titanlike.checkpoint.hf import export_hf, write_model_step
+
+    args = tiny(flavor)
+    step = write_model_step(str(tmp_path / "ck"), "llava", args, build(args).state_dict(), {}, "t", "t", "t")
+    out = export_hf(step, str(tmp_path / "hf"), dtype="float32", progress=False,
+                    tokenizer=_word_tokenizer(tmp_path / "tokenizer.json"))
+    proc = transformers.AutoProcessor.from_pretrained(out)
+    assert type(proc).__name__ == "LlavaProcessor" and proc.image_token_id == args.image_token == VOCAB - 1
+    png = write_png(tmp_path / "x.png", 40, 5)  # resized to the tower's 32
+    text = "describe the cat <image> on the mat :"
+    got = proc(text=text, images=[Image.open(png).convert("RGB")], return_tensors="pt")
+    loaded = load_for_inference(out)
+    ours = expand_placeholders([_script()._encode_pieces(lambda p, first: loaded.encode(p), loaded, text)],
+                               args.image_token, args.image_tokens, 1)[0]
+    ids = got["input_ids"][0].tolist()
+    assert ids.count(args.image_token) == args.image_tokens == 16 and ids == ours
+    assert ours[:5] == [3, 4, 5, *[args.image_token] * 2] and ours[-4:] == [6, 4, 7, 8]
+    pixels = load_pixels([png], image_prep(loaded))
+    assert got["pixel_values"].shape == pixels.shape == (1, 3, 32, 32)
+    assert (got["pixel_values"] - pixels).abs().max().item() <= 1e-5
+    if flavor == "debugmodel":  # the placeholder's row is a word of this tokenizer: no tokenizer, no processor files
+        again = export_hf(step, str(tmp_path / "hf2"), dtype="float32", progress=False,
+                          tokenizer=_word_tokenizer(tmp_path / "full.json", more=VOCAB - 9))
+        files = sorted(p.name for p in (tmp_path / "hf2").iterdir())
+        assert "tokenizer.json" not in files and "processor_config.json" not in files
+        assert "preprocessor_config.json" in files and again == str(tmp_path / "hf2")

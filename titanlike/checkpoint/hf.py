@@ -281,8 +281,12 @@ def export_hf(ckpt_path: str, out_dir: str, dtype: str = "bfloat16", tokenizer: 
     if hasattr(spec.hf, "preprocessor_config"):  # an image family: how its pixels were normalised (HF processors)
         with open(os.path.join(tmp, "preprocessor_config.json"), "w") as f:
             json.dump(spec.hf.preprocessor_config(args), f, indent=1)
-    if tok is not None:
-        write_tokenizer(*tok, tmp)
+    # A family whose HF processor pairs the tokenizer with its image processor (llava's LlavaProcessor: the
+    # placeholder's text and count) names the tokens it reads at fixed ids and the processor's settings.
+    tokens = spec.hf.tokenizer_tokens(args) if hasattr(spec.hf, "tokenizer_tokens") else None
+    if tok is not None and write_tokenizer(*tok, tmp, tokens=tokens) and hasattr(spec.hf, "processor_config"):
+        with open(os.path.join(tmp, "processor_config.json"), "w") as f:
+            json.dump(spec.hf.processor_config(args), f, indent=1)
     if os.path.exists(out_dir):
         os.rmdir(out_dir)  # empty (checked above)
     os.rename(tmp, out_dir)

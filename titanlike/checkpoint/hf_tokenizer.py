@@ -135,10 +135,12 @@ def _chat_differs(hf, template, tok) -> str:
     return ""
 
 
-def write_tokenizer(tok, data, out: str) -> None:
+def write_tokenizer(tok, data, out: str, tokens: dict[str, int] | None = None) -> bool:
     """The HF tokenizer files for `tok` in `out` (beside config.json), checked against it with transformers'
     AutoTokenizer on PROBE when transformers is installed; files that do not load or encode differently are removed
-    again (with a warning): no tokenizer is better than a wrong one."""
+    again (with a warning): no tokenizer is better than a wrong one. `tokens`: special tokens the model's family
+    reads at fixed ids (llava's "<image>": its processor finds the placeholder id through the tokenizer), added at
+    those ids. True when tokenizer.json was written and kept."""
     from titanlike.data.tokenizers.hf import HFTokenizer
     from titanlike.data.tokenizers.sentencepiece_model import SentencePieceTokenizer
     from titanlike.data.tokenizers.tiktoken_bpe import TiktokenTokenizer
@@ -161,9 +163,11 @@ def write_tokenizer(tok, data, out: str) -> None:
     else:
         logger.info(f"export: {type(tok).__name__} has no Hugging Face equivalent: no tokenizer files; "
                     f"config.json and generation_config.json carry its ids (bos {tok.bos_id}, eos {tok.eos_id})")
-        return
+        return False
     if hf_tok is None:
-        return
+        return False
+    if tokens and (hf_tok := _with_tokens(hf_tok, tokens)) is None:
+        return False
     hf_tok.save(os.path.join(out, "tokenizer.json"))
     files = ["tokenizer.json", "tokenizer_config.json"]
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -175,11 +179,13 @@ def write_tokenizer(tok, data, out: str) -> None:
         from transformers import AutoTokenizer
     except ImportError:
         logger.info("export: transformers is not installed: the tokenizer files were not checked")
-        return
+        return True
     try:
         hf = AutoTokenizer.from_pretrained(out)
         ok = hf.encode(PROBE, add_special_tokens=False) == tok.encode(PROBE)
         why = "" if ok else "encodes text differently than the run's tokenizer"
+        if ok and any(hf.encode(t, add_special_tokens=False) != [i] for t, i in (tokens or {}).items()):
+            why = f"does not read {sorted(tokens)} as the model's ids {sorted(tokens.values())}"
     except Exception as e:  # noqa: BLE001 - whatever fails to load is not usable as written
         why = f"cannot load them ({type(e).__name__}: {str(e)[:200]})"
     if not why and template is not None and (chat_why := _chat_differs(hf, template, tok)):
@@ -192,6 +198,28 @@ def write_tokenizer(tok, data, out: str) -> None:
                 os.remove(os.path.join(out, n))
         logger.warning(f"export: transformers' AutoTokenizer {why}: the {type(tok).__name__} files are left out; "
                        f"config.json and generation_config.json still carry its ids")
+    return not why
+
+
+def _with_tokens(hf_tok, tokens: dict[str, int]):
+    """A copy of hf_tok holding each of `tokens` as a special token at its id; ids between the tokenizer's end and
+    one of them become placeholder specials "<|unused_N|>" (the model's spare rows). None (with a warning) when an id
+    is already another token of the tokenizer."""
+    from tokenizers import AddedToken, Tokenizer
+
+    copy = Tokenizer.from_str(hf_tok.to_str())  # the run's own tokenizer stays as it was
+    for name, tid in sorted(tokens.items(), key=lambda kv: kv[1]):
+        have, size = copy.token_to_id(name), copy.get_vocab_size(with_added_tokens=True)
+        if have == tid:
+            continue
+        if have is not None or tid < size:
+            logger.warning(f"export: the model reads {name} as id {tid}, which the tokenizer holds as "
+                           f"{copy.id_to_token(tid)!r}{f' ({name} is {have})' if have is not None else ''}: no "
+                           f"tokenizer or processor files; config.json carries the id")
+            return None
+        copy.add_special_tokens([AddedToken(f"<|unused_{i}|>", special=True, normalized=False)
+                                 for i in range(size, tid)] + [AddedToken(name, special=True, normalized=False)])
+    return copy
 
 
 def adds_bos(hf_tok, bos_id: int) -> bool:
@@ -306,6 +334,8 @@ def sentencepiece_to_hf(tok, add_bos: bool):
                                    ([decoders.Strip(content=" ", left=1)] if norm.add_dummy_prefix else []))
     hf.add_tokens([AddedToken(p.piece, special=p.type != 4, normalized=False)
                    for p in proto.pieces if p.type in (2, 3, 4)])  # unknown, control, user-defined: never split
+    # data.vocab_extra_ids' T5 sentinels, appended after the pieces in id order: the ids come out the run's
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tok.added_tokens])
     if add_bos:
         bos = pieces[tok.bos_id][0]
         hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",

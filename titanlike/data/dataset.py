@@ -158,9 +158,11 @@ def _build_masked(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size, path
 
     name = data_cfg.dataset
     if not hasattr(tokenizer, "require"):
+        t5 = (" or, for t5, SentencePieceTokenizer with data.tokenizer_model=<spiece.model> and "
+              "data.vocab_extra_ids=100") if name == "t5" else ""
         raise ValueError(f"data.dataset={name!r} needs a BERT WordPiece vocabulary ([CLS] [SEP] [MASK] [PAD]"
                          f"{', sentinels' if name == 't5' else ''}), not {tokenizer!r}: set data.tokenizer_type="
-                         "BertWordPieceLowerCase (or BertWordPieceCase) and data.vocab_file=<vocab.txt>")
+                         f"BertWordPieceLowerCase (or BertWordPieceCase) and data.vocab_file=<vocab.txt>{t5}")
     prefixes, weights = parse_blend(data_cfg.paths, paths_key)
     mixture = {}
     if name == "t5" and data_cfg.t5_denoisers == "ul2":  # UL2's mixture of denoisers (t5_dataset.py)

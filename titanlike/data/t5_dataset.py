@@ -4,7 +4,8 @@ A sample is a group of consecutive sentences of one document (titanlike/data/sen
 seq_len - 2), cut to that length. Spans covering data.noise_density of the tokens are chosen (titanlike/data/masking.py:
 span lengths geometric with p = 1 / data.mean_span_length, at most 10 tokens; Megatron's T5 uses p = 0.2, the default
 mean 5, and --mask-prob as the density; whole words with data.whole_word_masking). Each span becomes one sentinel
-(the vocabulary's <extra_id_0>, <extra_id_1>, ... in order) in the encoder input; the decoder input is [BOS] then
+(the vocabulary's <extra_id_0>, <extra_id_1>, ... in order) in the encoder input; the decoder input is [BOS] (PAD for
+a sentencepiece model without BOS, as HF's T5) then
 each sentinel followed by its span's tokens, the decoder target the same shifted by one and ended by [EOS]. A span
 that would overflow data.decoder_seq_length is left unmasked (Megatron would stop with an assertion mid-run).
 
@@ -81,7 +82,9 @@ class T5Dataset(SentenceSamples):
         self.seq_len, self.dec_len = int(seq_len), int(decoder_seq_length)
         self.noise_density, self.whole_word = float(noise_density), bool(whole_word)
         self.sentinels = np.asarray(tokenizer.sentinel_ids, dtype=np.int64)
-        self.bos_id, self.eos_id, self.pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        # The decoder's start token: [BOS] (Megatron's); a sentencepiece model without BOS starts with PAD, as HF's T5.
+        self.bos_id = getattr(tokenizer, "decoder_start_id", tokenizer.bos_id)
+        self.eos_id, self.pad_id = tokenizer.eos_id, tokenizer.pad_id
         self.continuation, self.vocab_size = tokenizer.continuation, tokenizer.vocab_size
         # One denoiser (plain T5: no mode token, no draw, samples as before) or UL2's mixture, drawn per sample.
         self.denoisers = denoisers or [Denoiser("R", float(mean_span_length), float(noise_density))]

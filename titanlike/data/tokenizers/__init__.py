@@ -7,8 +7,8 @@
   * GPT2BPETokenizer: GPT-2 `vocab.json` + `merges.txt` (data.vocab_file / data.merge_file), as Megatron uses.
   * TikTokenizer / Llama3Tokenizer: a tiktoken BPE rank file (a `tokenizer.model` of base64 ranks) with its 256
     special tokens (titanlike/data/tokenizers/tiktoken_bpe.py).
-  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model`
-    (titanlike/data/tokenizers/sentencepiece_model.py).
+  * SentencePieceTokenizer / Llama2Tokenizer: a sentencepiece `.model`, with data.vocab_extra_ids T5 sentinels
+    appended as HF's T5Tokenizer does (titanlike/data/tokenizers/sentencepiece_model.py).
   * BertWordPieceLowerCase / BertWordPieceCase: a BERT `vocab.txt` (data.vocab_file), as Megatron's BERT and T5
     read it, with [CLS] [SEP] [MASK] [PAD] and data.vocab_extra_ids T5 sentinels
     (titanlike/data/tokenizers/bert_wordpiece.py).
@@ -140,7 +140,7 @@ def _load(kind: str, path: Path | None, data_cfg, max_train_bytes: int | None) -
     elif kind == "sentencepiece":
         from titanlike.data.tokenizers.sentencepiece_model import SentencePieceTokenizer
 
-        tok = SentencePieceTokenizer(path)
+        tok = SentencePieceTokenizer(path, vocab_extra_ids=getattr(data_cfg, "vocab_extra_ids", 0))
     else:
         from titanlike.data.tokenizers.null import NullTokenizer
 
