@@ -511,7 +511,8 @@ def test_each_side_compiles_cold_in_its_own_caches_and_warm_reruns_on_them(tmp_p
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     peer = tmp_path / "peer.sh"
     peer.write_text("#!/bin/bash\nd=\"$TORCHINDUCTOR_CACHE_DIR\"; here=\"$(dirname \"$0\")\"\n"
-                    "echo \"dir=$d seen=$( [ -n \"$d\" ] && ls \"$d\" 2>/dev/null | tr '\\n' ,)\" >> \"$here/runs.txt\"\n"
+                    "echo \"dir=$d seen=$( [ -n \"$d\" ] && ls \"$d\" 2>/dev/null | tr '\\n' ,)\" \\\n"
+                    "  >> \"$here/runs.txt\"\n"
                     "case $d in */compile_caches/*) mkdir -p \"$d\" && touch \"$d/compiled\";; esac\n"
                     "for s in 1 2 3; do echo \"step: $s  loss: 5.0  grad_norm: 1.0  memory: 1.00GiB(1.00%)  tps: 500  "
                     "tflops: 0.01  mfu: 0.10%\"; done\n")
