@@ -31,6 +31,8 @@ WORLD_SIZES = {
     "nemotron_h_debug.toml": [1, 2],
     "mamba2_debug.toml": [1, 2],
     "nemotron_h_8b.toml": [8],
+    "nemotron_h_56b.toml": [32],
+    "mamba2_2.7b.toml": [8],
     "nemotron_h_nano3_30b_a3b.toml": [8],
     "qwen3_30b_a3b.toml": [8, 16],
     "qwen3_next_debug.toml": [1, 2],
