@@ -122,6 +122,10 @@ class ModelSpec:
     # float8.keep_model_heads): FQN patterns of Linears whose outputs feed a loss directly. `output`, the LM head or
     # tied decoder, is kept by float8.filter_fqns' default in every family.
     float8_keep: tuple[str, ...] = ()
+    # The recurrent mixers' per-head sizes that model.mixer_kernel's fla kernels receive, by config key (args ->
+    # {"model.args.<field>": size}; empty where the model has no such mixer): config validation refuses
+    # mixer_kernel = "fla" for a size above models.common.fla_kernels.MAX_HEAD_DIM before any process group exists.
+    mixer_sizes: Callable[[Any], dict[str, int]] | None = None
 
     def flavor_args(self, flavor: str, changes: dict | None = None) -> Any:
         """The flavor's args with `changes` (model.args: {field: value}) applied; ValueError naming the field."""

@@ -84,8 +84,8 @@ MIXER_KERNELS = ("auto", "torch", "fla")
 def wants_fla(name: str, device: torch.device) -> tuple[bool, str | None]:
     """(whether the recurrent mixers run on flash-linear-attention's kernels, why not where "auto" could have):
     always for "fla" (a ValueError naming the key and the fix where they cannot run), for "auto" on a CUDA GPU where
-    fla-core imports; PyTorch's chunked scans otherwise."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    fla-core imports; PyTorch's chunked scans otherwise ("auto" says why: the trainer logs it once)."""
+    if name == "torch":
         return False, None
     from models.common.fla_kernels import fla_unavailable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from models.mamba2 import hf, megatron
 from models.mamba2.args import Mamba2Args
 from models.mamba2.flavors import mamba2_flavors
-from models.nemotron_h import INPUT_MODULES, OUTPUT_MODULES, hybrid_checks
+from models.nemotron_h import INPUT_MODULES, OUTPUT_MODULES, hybrid_checks, mixer_sizes
 from models.nemotron_h.cache import HybridCache
 from models.nemotron_h.counts import flops_per_token, param_counts, pp_costs, shape
 from models.nemotron_h.model import HybridModel
@@ -36,6 +36,7 @@ SPEC = ModelSpec(
     hf=hf,
     megatron=megatron,
     cache=HybridCache.for_model,
+    mixer_sizes=mixer_sizes,
 )
 
 __all__ = ["SPEC", "Mamba2Args", "Mamba2Model", "mamba2_flavors"]

@@ -76,6 +76,13 @@ def moe_checks(args: NemotronHArgs, par, flavor: str) -> list[str]:
     return problems
 
 
+def mixer_sizes(args: HybridArgs) -> dict[str, int]:
+    """The Mamba-2 mixers' head and state sizes, which fla's kernels take as value and key sizes (ModelSpec)."""
+    if MAMBA not in args.pattern():
+        return {}
+    return {"model.args.mamba_head_dim": args.mamba_head_dim, "model.args.ssm_state_size": args.ssm_state_size}
+
+
 def check(args: NemotronHArgs, par, flavor: str) -> list[str]:
     has_moe = MOE in args.pattern() and args.moe is not None
     problems = hybrid_checks(args, par, flavor, "nemotron_h", experts=has_moe)
@@ -105,7 +112,8 @@ SPEC = ModelSpec(
     megatron=megatron,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
     cache=HybridCache.for_model,
+    mixer_sizes=mixer_sizes,
 )
 
 __all__ = ["SPEC", "HybridBlock", "HybridModel", "NemotronHArgs", "NemotronHModel", "check", "hybrid_checks",
-           "nemotron_h_flavors"]
+           "mixer_sizes", "nemotron_h_flavors"]

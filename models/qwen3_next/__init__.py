@@ -48,6 +48,14 @@ def cp_problems(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
             f"each TP rank holds (linear_n_k_heads={args.linear_n_k_heads} / tp={par.tp}); use cp in {{{fits}}}"]
 
 
+def mixer_sizes(args: Qwen3NextArgs) -> dict[str, int]:
+    """The Gated DeltaNet's key and value head sizes, which fla's kernels take (ModelSpec)."""
+    if all(args.is_full_attention(i) for i in range(args.n_layers)):
+        return {}
+    return {"model.args.linear_head_k_dim": args.linear_head_k_dim,
+            "model.args.linear_head_v_dim": args.linear_head_v_dim}
+
+
 def check(args: Qwen3NextArgs, par, flavor: str) -> list[str]:
     """What the parallel degrees of `par` require: TP by whole heads and hidden units (tp_problems), CP by whole
     DeltaNet key heads per TP rank (cp_problems), experts divisible by EP; a dense flavor refuses EP. The routed
@@ -79,6 +87,7 @@ SPEC = ModelSpec(
     hf=hf,
     run_fields=("vocab_size", "max_seq_len", "repeat_kv_heads"),
     cache=HybridCache.for_model,
+    mixer_sizes=mixer_sizes,
 )
 
 __all__ = ["SPEC", "Block", "Qwen3NextArgs", "SharedExpertMoE", "Transformer", "qwen3_next_flavors"]

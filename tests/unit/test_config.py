@@ -31,6 +31,8 @@ WORLD_SIZES = {
     "nemotron_h_debug.toml": [1, 2],
     "mamba2_debug.toml": [1, 2],
     "nemotron_h_8b.toml": [8],
+    "nemotron_h_56b.toml": [32],
+    "mamba2_2.7b.toml": [8],
     "nemotron_h_nano3_30b_a3b.toml": [8],
     "qwen3_30b_a3b.toml": [8, 16],
     "qwen3_next_debug.toml": [1, 2],
@@ -263,6 +265,34 @@ def test_mixer_kernel_rules(monkeypatch):
         validate(with_changes(model={"mixer_kernel": "fla"}, training={"device": "cuda"}), world_size=1)
     with pytest.raises(ConfigError, match=r"model.mixer_kernel"):
         validate(with_changes(model={"mixer_kernel": "mamba_ssm"}), world_size=1)
+
+
+@pytest.mark.parametrize("name, big, other", [
+    ("mamba2", "ssm_state_size", {}), ("mamba2", "mamba_head_dim", {"mamba_n_heads": 2}),
+    ("nemotron_h", "ssm_state_size", {}), ("nemotron_h", "mamba_head_dim", {"mamba_n_heads": 2}),
+    ("qwen3_next", "linear_head_k_dim", {}), ("qwen3_next", "linear_head_v_dim", {}),
+])
+def test_mixer_kernel_fla_refuses_large_heads(monkeypatch, name, big, other):
+    """A recurrent mixer size above fla's MAX_HEAD_DIM: "fla" is one line at validation naming both keys and the fix;
+    "auto" and "torch" keep the PyTorch scans, so the same sizes validate; MAX_HEAD_DIM itself is taken."""
+    import importlib.util
+
+    from models.common.fla_kernels import MAX_HEAD_DIM
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: object() if mod == "fla" else real(mod, *a))
+    for size in (MAX_HEAD_DIM, MAX_HEAD_DIM + 64):
+        model = {"name": name, "flavor": "debugmodel", "args": {big: size, **other}}
+        for kernel in ("fla", "auto", "torch"):
+            cfg = with_changes(model={**model, "mixer_kernel": kernel}, training={"device": "cuda"})
+            if kernel == "fla" and size > MAX_HEAD_DIM:
+                with pytest.raises(ConfigError) as e:
+                    validate(cfg, world_size=1)
+                assert str(e.value) == (f"model.mixer_kernel=\"fla\": model.args.{big}={size} is above "
+                                        f"{MAX_HEAD_DIM}, the largest head size fla's kernels take; use "
+                                        f"mixer_kernel=\"auto\" or \"torch\" (the PyTorch scans)")
+            else:
+                validate(cfg, world_size=1)
 
 
 @pytest.mark.parametrize("key, value", [

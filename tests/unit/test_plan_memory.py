@@ -17,7 +17,10 @@ def _debug_cfg(tmp_path, *extra, world_size=1, config="configs/debug_model.toml"
                         "--metrics.enable_tensorboard=false", "--training.device=cpu", *extra], world_size=world_size)
 
 
-@pytest.mark.parametrize("config", ["configs/debug_model.toml", "configs/qwen3_debug_moe.toml"])
+# nemotron_h_debug: a hybrid (Mamba-2 scans, attention, MLP), 2 s. qwen3_next_debug also matches (peak within 0.01%)
+# but costs 7 s on 2 cores: left out.
+@pytest.mark.parametrize("config", ["configs/debug_model.toml", "configs/qwen3_debug_moe.toml",
+                                    "configs/nemotron_h_debug.toml"])
 def test_debug_model_matches_real_trainer(tmp_path, config):
     """Parameter/gradient/optimizer bytes exactly what a real Trainer allocates; the traced peak within 15% of the
     peak the same tracker (MemTracker) measures on real CPU tensors for a real second train_step (the optimizer

@@ -391,6 +391,12 @@ def _check_model(cfg: JobConfig, errors: list[str]) -> None:
     # the run's seq_len, as the trainer sets it (checks such as MTP's depth against the sequence read it)
     args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     errors.extend(spec.check(args, cfg.parallelism, cfg.model.flavor))
+    if cfg.model.mixer_kernel == "fla" and spec.mixer_sizes is not None:  # "auto" keeps such mixers on PyTorch
+        from models.common.fla_kernels import MAX_HEAD_DIM
+
+        errors.extend(f"model.mixer_kernel=\"fla\": {key}={size} is above {MAX_HEAD_DIM}, the largest head size "
+                      f"fla's kernels take; use mixer_kernel=\"auto\" or \"torch\" (the PyTorch scans)"
+                      for key, size in spec.mixer_sizes(args).items() if size > MAX_HEAD_DIM)
     from models.batch import build_objective
 
     # the objective as the trainer builds it (titanlike/train/construct.py): max_seq_len is the run's seq_len

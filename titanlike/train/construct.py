@@ -146,7 +146,7 @@ def _mixer_kernels(model, name: str, device: torch.device) -> None:
         return
     fla, why_not = wants_fla(name, device)
     if not fla:
-        if why_not is not None:  # "auto" on a GPU without fla-core: say so once, with the fix
+        if why_not is not None:  # "auto" without a GPU or fla-core: say so once (with the fix where there is one)
             logger.info(f"recurrent mixers: PyTorch chunked scans, not fla's kernels ({why_not})")
         return
     n, skipped = use_fla(model, strict=name == "fla")
