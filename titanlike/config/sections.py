@@ -309,6 +309,9 @@ class Data:
     image_size: int = 0  # webdataset txt/json rows: the llava tower's image side (cls: 0 = from training.seq_len)
     image_tokens: int = 0  # webdataset txt/json rows: placeholders per image (the llava model's image_tokens)
     images_per_row: int = 1  # mock_image_text / webdataset txt/json rows: image slots per row (the model's)
+    # webdataset txt/json rows: pad (one sample a row) | pack (samples end to end, images in the row's slots in order;
+    # with document_masking and reset_position_ids each attends only to itself: titanlike/data/webdataset_pack.py)
+    wds_layout: str = "pad"
     # webdataset / image_folder: an image that does not decode, a bad class or conversation, a truncated shard:
     # error (stop, naming the shard and member) | skip (the next good sample instead, logged with a count)
     bad_samples: str = "error"

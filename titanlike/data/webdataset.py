@@ -215,20 +215,31 @@ class WebDatasetShards(Dataset):
         f.seek(offset)
         return f.read(size)
 
-    def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shard, key, members, tgt_off, tgt_size = self.samples[i]
-        where = f"shard {self.shards[shard]}"
+    def target_text(self, i: int) -> bytes:
+        shard, _, _, tgt_off, tgt_size = self.samples[i]
+        return self._read(shard, tgt_off, tgt_size)
+
+    def naming(self, i: int, e: BadImage) -> BadImage:
+        """A problem of sample i's target member, naming its shard, member and key."""
+        shard, key = self.samples[i][:2]
+        return BadImage(f"shard {self.shards[shard]} member {f'{key}.{self.target}'!r} of sample {key!r}: {e}")
+
+    def images(self, i: int) -> list:
+        shard, _, members = self.samples[i][:3]
         images = []
         for name, offset, size in members:
             try:
                 images.append(decode_square(io.BytesIO(self._read(shard, offset, size)), self.rows.side))
             except BadImage as e:
-                raise BadImage(f"{where} member {name!r}: {e}") from None
-        raw = self._read(shard, tgt_off, tgt_size)
+                raise BadImage(f"shard {self.shards[shard]} member {name!r}: {e}") from None
+        return images
+
+    def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.images(i)
         try:
-            return self.rows(images, raw)
+            return self.rows(images, self.target_text(i))
         except BadImage as e:
-            raise BadImage(f"{where} member {f'{key}.{self.target}'!r} of sample {key!r}: {e}") from None
+            raise self.naming(i, e) from None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return first_good(self, i, self._load, "rewrite the shard")
@@ -243,7 +254,7 @@ class WebDatasetShards(Dataset):
                 f"{self.rows.layout}{run}{out}"]
 
 
-def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, paths_key="data.paths", **_):
+def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, paths_key="data.paths", seed=0, **_):
     try:
         import PIL  # noqa: F401
     except ImportError:
@@ -264,5 +275,13 @@ def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, pa
         rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key,
                         data_cfg.images_per_row)
     # no split: training and validation read their own shards (validation.paths), as streaming text does
-    return WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
-                            bad_samples=data_cfg.bad_samples, paths_key=paths_key)
+    shards = WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
+                              bad_samples=data_cfg.bad_samples, paths_key=paths_key)
+    if getattr(data_cfg, "wds_layout", "pad") != "pack":
+        return shards
+    if target == "cls":
+        raise ConfigError("data.wds_layout='pack' packs caption / conversation rows (llava); a vit row is one image: "
+                          "set data.wds_layout=\"pad\"")
+    from titanlike.data.webdataset_pack import PackedShards
+
+    return PackedShards(shards, seed=seed)

@@ -132,28 +132,48 @@ class TextRows:
                            f"each image needs one {MARKER} where it belongs in the text")
         return out
 
-    def __call__(self, images: list[np.ndarray], raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, images: int, raw: bytes) -> tuple[list[int], list[bool]]:
+        """(tokens, trained per token) of one sample's text, placeholder runs included, before any cut."""
         tokens, trained = [], []
-        for ids, train in self.turns(raw, len(images)):
+        for ids, train in self.turns(raw, images):
             tokens += ids
             trained += [train] * len(ids)
+        return tokens, trained
+
+    def __call__(self, images: list[np.ndarray], raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row([(images, *self.sample(len(images), raw))])
+
+    def row(self, parts: list[tuple[list[np.ndarray], list[int], list[bool]]], packed: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row of one sample, or of several end to end (data.wds_layout = "pack": the caller checked that they
+        fit). Their images fill the slots in order, so the row's k-th placeholder run is still slot k. Each sample's
+        labels are its own next tokens: its last token predicts nothing (the next sample is another document).
+        Packed rows carry each sample's token count in labels[:n] (the pixel part's labels, otherwise unused), from
+        which the objective numbers the documents (models/llava/objective.py)."""
         room = self.seq_len - self.head
-        if len(tokens) > room:
+        if len(parts) == 1 and len(parts[0][1]) > room:
+            images, tokens, trained = parts[0]
             # too long: the end is cut, never inside a placeholder run (the objective refuses a partial run); the
             # images whose runs fall past the cut leave their slots empty, so run k still pairs with slot k
             marks = [p for p, t in enumerate(tokens) if t == self.image_token]
             before = sum(p < room for p in marks)
             whole = before - before % self.image_tokens
             cut = room if whole == before else marks[whole]  # a partial run: cut at its start
-            tokens, trained = tokens[:cut], trained[:cut]
-        kept = sum(t == self.image_token for t in tokens) // self.image_tokens
+            parts = [(images, tokens[:cut], trained[:cut])]
         ids = torch.zeros(self.seq_len, dtype=torch.int64)
-        for k, image in enumerate(images[:kept]):
-            ids[k * self.pixels:(k + 1) * self.pixels] = torch.from_numpy(image.astype(np.int64).reshape(-1))
-        ids[self.head:self.head + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         labels = torch.full_like(ids, IGNORE_INDEX)
-        # position p predicts token p + 1: a target only where that token belongs to a trained turn
-        nxt = torch.tensor(tokens[1:], dtype=torch.int64)
-        keep = torch.tensor(trained[1:], dtype=torch.bool)
-        labels[self.head:self.head + len(tokens) - 1] = nxt.masked_fill(~keep, IGNORE_INDEX)
+        slot, at = 0, self.head
+        for d, (images, tokens, trained) in enumerate(parts):
+            kept = sum(t == self.image_token for t in tokens) // self.image_tokens
+            for image in images[:kept]:
+                ids[slot * self.pixels:(slot + 1) * self.pixels] = torch.from_numpy(image.astype(np.int64).reshape(-1))
+                slot += 1
+            ids[at:at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            # position p predicts token p + 1: a target only where that token belongs to a trained turn
+            nxt = torch.tensor(tokens[1:], dtype=torch.int64)
+            keep = torch.tensor(trained[1:], dtype=torch.bool)
+            labels[at:at + len(tokens) - 1] = nxt.masked_fill(~keep, IGNORE_INDEX)
+            if packed:
+                labels[d] = len(tokens)
+            at += len(tokens)
         return ids, labels
