@@ -274,7 +274,7 @@ class Data:
     reset_position_ids: bool = False  # RoPE positions restart at every document (Megatron's --reset-position-ids)
     eod_mask_loss: bool = False  # no loss on predicting from an EOD token (Megatron's --eod-mask-loss)
     # chat (supervised fine-tuning, docs/post_training.md): "" = the tokenizer folder's template (chat_template.jinja
-    # or tokenizer_config.json), else a built-in ("chatml", "header"), a .jinja file or an HF tokenizer folder
+    # or tokenizer_config.json), else a built-in ("chatml", "header", "llava"), a .jinja file or an HF tokenizer folder
     chat_template: str = ""
     sft_layout: str = "pack"  # chat: pack (conversations end to end, EOD between) | pad (one per row, EOD padding)
     sft_truncation: str = "truncate"  # chat: a conversation longer than seq_len+1 tokens: truncate | drop

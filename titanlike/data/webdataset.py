@@ -21,9 +21,11 @@ titanlike/data/webdataset_rows.py:
   (data.image_size; unused slots stay empty), then the text with a run of data.image_tokens placeholders (the
   vocabulary's last id) per image: a caption's runs first, a conversation's where its `<image>` markers stand (one
   per image); labels are the next token on the text only (a caption: all of it; a conversation: the assistant's
-  turns and their end tokens, loss on answers only). Text is encoded by the run's tokenizer (its EOS ends a caption
-  or an answer), or with NullTokenizer by image_text.py's word list, as shapes_captions is (the shards
-  scripts/make_shape_shards.py writes).
+  turns and their end tokens, loss on answers only). Text is encoded by the run's tokenizer (its EOS ends a caption),
+  a conversation rendered through a chat template (data.chat_template, else the tokenizer folder's, else LLaVA-1.5's
+  "USER: ... ASSISTANT: ..."), or with NullTokenizer by image_text.py's word list, turn by turn, as shapes_captions
+  is (the shards scripts/make_shape_shards.py writes). data.wds_layout = "pack" puts several samples in one row
+  (titanlike/data/webdataset_pack.py).
 
 Bad input (data.bad_samples): a sample whose image does not decode, whose class is not an integer, whose JSON is
 not a conversation or whose `<image>` markers do not match its images stops the run in one line naming shard,
@@ -47,7 +49,7 @@ from torch.utils.data import Dataset
 
 from titanlike.config.errors import ConfigError
 from titanlike.data.images import BadImage, decode_square, first_good
-from titanlike.data.webdataset_rows import ClassRows, TextRows
+from titanlike.data.webdataset_rows import ClassRows, TextRows, conversation_template
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +274,10 @@ def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, pa
                               f"caption / conversation rows need both (the llava tower's image size and "
                               "placeholders per image, e.g. 32 and 16 for the debug flavor)")
         vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
+        words = tokenizer is None or type(tokenizer).__name__ == "NullTokenizer"  # shapes shards: word ids, no template
+        template = conversation_template(data_cfg, tokenizer) if target == "json" and not words else None
         rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key,
-                        data_cfg.images_per_row)
+                        data_cfg.images_per_row, template)
     # no split: training and validation read their own shards (validation.paths), as streaming text does
     shards = WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
                               bad_samples=data_cfg.bad_samples, paths_key=paths_key)
