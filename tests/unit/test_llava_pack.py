@@ -1,6 +1,7 @@
 """Packed llava rows (data.wds_layout = "pack", titanlike/data/webdataset_pack.py): a row of several WebDataset
 samples, each with its images in the row's slots, gives each sample the logits, loss and gradients it has alone
-(document masking and per-document positions through the trainer's BatchLayout); the loader resumes exactly."""
+(document masking and per-document positions through the trainer's BatchLayout); the loader resumes exactly; the
+trainer trains on packed rows (and notes packing without document masking)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import models
 from models.batch import IGNORE_INDEX, StepContext, build_objective
+from titanlike.config.errors import ConfigError
 from titanlike.config.sections import Data
 from titanlike.data.image_text import PIXELS
 from titanlike.data.loader import build_dataloader
@@ -33,9 +35,9 @@ def shards(tmp_path_factory):
 
 
 def cfg(paths, **kw):
-    return dataclasses.replace(Data(), dataset="webdataset", paths=[str(p) for p in paths], image_size=32,
-                               image_tokens=16, images_per_row=SLOTS, wds_target="json", document_masking=True,
-                               reset_position_ids=True, **kw)
+    base = dict(dataset="webdataset", paths=[str(p) for p in paths], image_size=32, image_tokens=16,
+                images_per_row=SLOTS, wds_target="json", document_masking=True, reset_position_ids=True)
+    return dataclasses.replace(Data(), **{**base, **kw})
 
 
 def tiny_model():
@@ -107,5 +109,29 @@ def test_packed_loader_resumes_exactly(shards):
         got = iter(again)
         assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in ((next(got), w) for w in want))
     pad = build_dataloader(cfg(shards), None, **kw)
-    with pytest.raises(Exception, match=r"data.wds_layout 'pack' -> 'pad'"):
+    with pytest.raises(ConfigError, match=r"data.wds_layout 'pack' -> 'pad'"):
         pad.load_state_dict(state)
+
+
+def test_trains_from_packed_rows(shards, tmp_path):
+    from titanlike.config.load import load_config
+    from titanlike.config.validate import advise
+    from titanlike.train.trainer import Trainer
+
+    folder = shards[0].rsplit("/", 1)[0]
+    args = ["--config", "configs/llava_wds_debug.toml", "--training.device=cpu", f"--job.dump_folder={tmp_path}",
+            f"--data.paths={folder}", "--data.wds_target=json", f"--data.images_per_row={SLOTS}",
+            f"--model.args={{images_per_row = {SLOTS}}}", f"--training.seq_len={SEQ}", "--data.wds_layout=pack",
+            "--training.steps=6", "--metrics.log_freq=1", "--training.local_batch_size=2", "--data.num_workers=0"]
+    assert any("data.wds_layout='pack' without data.document_masking" in n for n in advise(load_config(args)))
+    c = load_config(args + ["--data.document_masking=true", "--data.reset_position_ids=true"])
+    assert not any("wds_layout" in n for n in advise(c))
+    trainer = Trainer(c)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    print(f"packed rows: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}")
+    assert history[-1]["loss"] < history[0]["loss"] - 1.0, (history[0]["loss"], history[-1]["loss"])
+    with pytest.raises(ConfigError, match=r"data.wds_layout='pack' packs caption / conversation rows"):
+        build_dataset(cfg(shards, wds_layout="pack", wds_target="cls", image_size=0), None, seq_len=PIXELS)
