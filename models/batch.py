@@ -40,6 +40,9 @@ class Batch:
     in the same all-reduce as the target count and hands every micro-batch's loss `extras["aux_scale"]` (per row,
     all equal) = global targets / global samples (titanlike/train/batch.py: per_sample_scale), so that part comes out
     the same on any layout.
+    documents: [B, S] document numbers over `inputs[primary]`, where the objective reads them from its rows (llava's
+    packed image-text rows, whose documents no end-of-document token marks); titanlike/train/batch.py then uses them
+    for data.document_masking / data.reset_position_ids in place of its search for end-of-document tokens.
     """
     inputs: dict[str, torch.Tensor]
     labels: torch.Tensor
@@ -48,6 +51,7 @@ class Batch:
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     row_targets: torch.Tensor | None = None
     row_aux: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor]:
         return (self.inputs[self.primary],)
@@ -74,8 +78,10 @@ class Batch:
         extras = {k: v.tensor_split(n) for k, v in self.extras.items()}
         rows = self.row_targets.tensor_split(n) if self.row_targets is not None else [None] * n
         aux = self.row_aux.tensor_split(n) if self.row_aux is not None else [None] * n
+        docs = self.documents.tensor_split(n) if self.documents is not None else [None] * n
         return [self.replace(inputs={k: p[i] for k, p in parts.items()}, labels=y,
-                             extras={k: p[i] for k, p in extras.items()}, row_targets=rows[i], row_aux=aux[i])
+                             extras={k: p[i] for k, p in extras.items()}, row_targets=rows[i], row_aux=aux[i],
+                             documents=docs[i])
                 for i, y in enumerate(self.labels.tensor_split(n))]
 
 

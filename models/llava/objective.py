@@ -5,6 +5,10 @@ to images_per_row images). The Batch keeps every slot ([B, K, C, H, W]: rows sta
 micro-batches) and each placeholder's feature index (image_pos, cut with the tokens by context parallel). The
 pixels are normalised by the tower's model.args.pixel_stats (models/vit/args.py: (x/255 - mean) / std).
 
+Packed rows (data.wds_layout = "pack"): several samples end to end, their images in the slots in order, each
+sample's token count in the labels of the pixel part; `documents` numbers the samples, which the trainer hands the
+model as doc_ids / positions under data.document_masking / data.reset_position_ids (titanlike/train/batch.py).
+
 Targets: the loader's next-token labels of the token part (already IGNORE_INDEX where an SFT loader masks prompts:
 loss only on answers), with every target that is a placeholder ignored too: text tokens are the only targets.
 
@@ -41,7 +45,7 @@ class ImageText:
         if input_ids.shape[1] <= head:
             raise ValueError(f"training.seq_len={input_ids.shape[1]}: a llava row starts with {a.images_per_row} "
                              f"image slots of {a.pixels} values; set training.seq_len above {head}")
-        tokens, labels = input_ids[:, head:], labels[:, head:]
+        tokens, labels, docs = input_ids[:, head:], labels[:, head:], self.documents(labels, input_ids.shape[1] - head)
         v = a.vision
         slots = input_ids[:, :head].reshape(input_ids.shape[0], a.images_per_row, v.channels, v.image_size,
                                             v.image_size)
@@ -57,7 +61,15 @@ class ImageText:
         # rows through a pipeline's micro-batches, and image_pos is cut with the tokens under context parallel.
         inputs = {"tokens": tokens, "pixels": v.normalise(slots),
                   "image_pos": image_positions(tokens, a.image_token)}
-        return Batch(inputs=inputs, labels=labels, sequence=("tokens", "labels", "image_pos"))
+        return Batch(inputs=inputs, labels=labels, sequence=("tokens", "labels", "image_pos"), documents=docs)
+
+    def documents(self, labels: torch.Tensor, length: int) -> torch.Tensor:
+        """[B, length] document numbers of the token part. A packed row (titanlike/data/webdataset_pack.py) holds each
+        sample's token count in labels[:n] (every sample has an image, so n <= images_per_row); other rows hold
+        IGNORE_INDEX there, so the row is one document. Positions past the last sample (padding) are one more."""
+        ends = labels[:, :self.args.images_per_row].clamp(min=0).cumsum(1)  # [B, K]
+        pos = torch.arange(length, device=labels.device)
+        return (pos[None, :, None] >= ends[:, None, :]).sum(-1)
 
     @staticmethod
     def eval_metrics(output: torch.Tensor, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -216,6 +216,7 @@ def test_config_refusals_name_the_key(shards):
     for overrides, pattern in (
         (["--data.wds_target=png"], r"data.wds_target='png' is not one of txt, json, cls"),
         (["--data.bad_samples=ignore"], r"data.bad_samples='ignore' is not one of error, skip"),
+        (["--data.wds_layout=packed"], r"data.wds_layout='packed' is not one of pad, pack"),
         (["--data.image_tokens=9"], r"set data.image_size=32 and data.image_tokens=16"),
         (["--data.wds_target=cls"], r"llava trains on text"),
         (["--data.images_per_row=2"], r"the model takes 1 image slot\(s\) per row .*set data.images_per_row=1"),

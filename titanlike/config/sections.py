@@ -274,7 +274,7 @@ class Data:
     reset_position_ids: bool = False  # RoPE positions restart at every document (Megatron's --reset-position-ids)
     eod_mask_loss: bool = False  # no loss on predicting from an EOD token (Megatron's --eod-mask-loss)
     # chat (supervised fine-tuning, docs/post_training.md): "" = the tokenizer folder's template (chat_template.jinja
-    # or tokenizer_config.json), else a built-in ("chatml", "header"), a .jinja file or an HF tokenizer folder
+    # or tokenizer_config.json), else a built-in ("chatml", "header", "llava"), a .jinja file or an HF tokenizer folder
     chat_template: str = ""
     sft_layout: str = "pack"  # chat: pack (conversations end to end, EOD between) | pad (one per row, EOD padding)
     sft_truncation: str = "truncate"  # chat: a conversation longer than seq_len+1 tokens: truncate | drop
@@ -309,6 +309,9 @@ class Data:
     image_size: int = 0  # webdataset txt/json rows: the llava tower's image side (cls: 0 = from training.seq_len)
     image_tokens: int = 0  # webdataset txt/json rows: placeholders per image (the llava model's image_tokens)
     images_per_row: int = 1  # mock_image_text / webdataset txt/json rows: image slots per row (the model's)
+    # webdataset txt/json rows: pad (one sample a row) | pack (samples end to end, images in the row's slots in order;
+    # with document_masking and reset_position_ids each attends only to itself: titanlike/data/webdataset_pack.py)
+    wds_layout: str = "pad"
     # webdataset / image_folder: an image that does not decode, a bad class or conversation, a truncated shard:
     # error (stop, naming the shard and member) | skip (the next good sample instead, logged with a count)
     bad_samples: str = "error"

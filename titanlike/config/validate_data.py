@@ -11,6 +11,7 @@ from typing import Any
 DATASET_NAMES = ("stdlib", "mock", "indexed", "text", "chat", "preference", "bert", "t5", "shapes", "image_folder",
                  "shapes_captions", "webdataset", "mock_image_text")
 WDS_TARGETS = ("txt", "json", "cls")  # data.wds_target: titanlike/data/webdataset.py
+WDS_LAYOUTS = ("pad", "pack")  # data.wds_layout: titanlike/data/webdataset_pack.py
 BAD_SAMPLES = ("error", "skip")
 SFT_LAYOUTS = ("pack", "pad")  # chat data: titanlike/data/sft.py
 SFT_TRUNCATION = ("truncate", "drop")
@@ -148,6 +149,9 @@ def _check_images(d: Any, errors: list[str]) -> None:
     for key in ("image_size", "image_tokens"):
         if getattr(d, key) < 0:
             errors.append(f"data.{key}={getattr(d, key)} must be >= 0")
+    if d.wds_layout not in WDS_LAYOUTS:
+        errors.append(f"data.wds_layout={d.wds_layout!r} is not one of {', '.join(WDS_LAYOUTS)} (one sample a row, or "
+                      "samples packed end to end)")
     if d.images_per_row < 1:
         errors.append(f"data.images_per_row={d.images_per_row} must be >= 1 (image slots per row: mock_image_text, "
                       "webdataset llava rows)")
@@ -220,6 +224,10 @@ def _check_ul2(d: Any, errors: list[str]) -> None:
 def advise_data(cfg: Any) -> list[str]:
     """Data settings that work but may not do what was meant (validate.advise prints them)."""
     d = cfg.data
+    if d.dataset == "webdataset" and d.wds_layout == "pack" and not (d.document_masking and d.reset_position_ids):
+        return ["data.wds_layout='pack' without data.document_masking and data.reset_position_ids: packed samples "
+                "attend to the ones before them in their row (their images too) or see shifted positions; set both "
+                "to true to keep each sample alone, as it is at inference"]
     if d.dataset == "chat" and d.sft_layout == "pack" and not d.document_masking:
         return ["data.sft_layout='pack' without data.document_masking: packed conversations attend to the ones "
                 "before them in their row; set data.document_masking=true (and data.reset_position_ids=true) to keep "

@@ -39,7 +39,12 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 HEADER = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
           "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-BUILTIN_TEMPLATES = {"chatml": CHATML, "header": HEADER}
+# LLaVA-1.5's (Vicuna v1) layout: an optional system line, "USER: ... ASSISTANT: ..." turns, eos after each reply.
+LLAVA = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + ' ' }}"
+         "{% elif message['role'] == 'assistant' %}{{ 'ASSISTANT: ' + message['content'] + eos_token }}"
+         "{% else %}{{ 'USER: ' + message['content'] + ' ' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+BUILTIN_TEMPLATES = {"chatml": CHATML, "header": HEADER, "llava": LLAVA}
 # transformers passes its special_tokens_map to the template: these names, where the tokenizer has them.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 KEY = "data.chat_template"

@@ -66,7 +66,9 @@ def identity(data_cfg, dataset, *, split: str, seq_len: int, seed: int, global_b
         keys["data.preference_layout"] = data_cfg.preference_layout  # (samples are pairs, or rows of pairs)
     if data_cfg.dataset == "webdataset":  # what a row is made of (the shards are its sources, by size)
         keys.update({"data.wds_target": data_cfg.wds_target, "data.image_size": int(data_cfg.image_size),
-                     "data.image_tokens": int(data_cfg.image_tokens)})
+                     "data.image_tokens": int(data_cfg.image_tokens), "data.wds_layout": data_cfg.wds_layout})
+        if data_cfg.wds_target == "json":  # conversations render through it
+            keys["data.chat_template"] = data_cfg.chat_template
     if data_cfg.dataset == "text":
         keys.update({"data.text_key": data_cfg.text_key, "data.add_bos": bool(data_cfg.add_bos),
                      "data.add_eod": bool(data_cfg.add_eod)})

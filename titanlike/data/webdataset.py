@@ -21,9 +21,11 @@ titanlike/data/webdataset_rows.py:
   (data.image_size; unused slots stay empty), then the text with a run of data.image_tokens placeholders (the
   vocabulary's last id) per image: a caption's runs first, a conversation's where its `<image>` markers stand (one
   per image); labels are the next token on the text only (a caption: all of it; a conversation: the assistant's
-  turns and their end tokens, loss on answers only). Text is encoded by the run's tokenizer (its EOS ends a caption
-  or an answer), or with NullTokenizer by image_text.py's word list, as shapes_captions is (the shards
-  scripts/make_shape_shards.py writes).
+  turns and their end tokens, loss on answers only). Text is encoded by the run's tokenizer (its EOS ends a caption),
+  a conversation rendered through a chat template (data.chat_template, else the tokenizer folder's, else LLaVA-1.5's
+  "USER: ... ASSISTANT: ..."), or with NullTokenizer by image_text.py's word list, turn by turn, as shapes_captions
+  is (the shards scripts/make_shape_shards.py writes). data.wds_layout = "pack" puts several samples in one row
+  (titanlike/data/webdataset_pack.py).
 
 Bad input (data.bad_samples): a sample whose image does not decode, whose class is not an integer, whose JSON is
 not a conversation or whose `<image>` markers do not match its images stops the run in one line naming shard,
@@ -47,7 +49,7 @@ from torch.utils.data import Dataset
 
 from titanlike.config.errors import ConfigError
 from titanlike.data.images import BadImage, decode_square, first_good
-from titanlike.data.webdataset_rows import ClassRows, TextRows
+from titanlike.data.webdataset_rows import ClassRows, TextRows, conversation_template
 
 logger = logging.getLogger(__name__)
 
@@ -215,20 +217,31 @@ class WebDatasetShards(Dataset):
         f.seek(offset)
         return f.read(size)
 
-    def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shard, key, members, tgt_off, tgt_size = self.samples[i]
-        where = f"shard {self.shards[shard]}"
+    def target_text(self, i: int) -> bytes:
+        shard, _, _, tgt_off, tgt_size = self.samples[i]
+        return self._read(shard, tgt_off, tgt_size)
+
+    def naming(self, i: int, e: BadImage) -> BadImage:
+        """A problem of sample i's target member, naming its shard, member and key."""
+        shard, key = self.samples[i][:2]
+        return BadImage(f"shard {self.shards[shard]} member {f'{key}.{self.target}'!r} of sample {key!r}: {e}")
+
+    def images(self, i: int) -> list:
+        shard, _, members = self.samples[i][:3]
         images = []
         for name, offset, size in members:
             try:
                 images.append(decode_square(io.BytesIO(self._read(shard, offset, size)), self.rows.side))
             except BadImage as e:
-                raise BadImage(f"{where} member {name!r}: {e}") from None
-        raw = self._read(shard, tgt_off, tgt_size)
+                raise BadImage(f"shard {self.shards[shard]} member {name!r}: {e}") from None
+        return images
+
+    def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.images(i)
         try:
-            return self.rows(images, raw)
+            return self.rows(images, self.target_text(i))
         except BadImage as e:
-            raise BadImage(f"{where} member {f'{key}.{self.target}'!r} of sample {key!r}: {e}") from None
+            raise self.naming(i, e) from None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return first_good(self, i, self._load, "rewrite the shard")
@@ -243,7 +256,7 @@ class WebDatasetShards(Dataset):
                 f"{self.rows.layout}{run}{out}"]
 
 
-def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, paths_key="data.paths", **_):
+def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, paths_key="data.paths", seed=0, **_):
     try:
         import PIL  # noqa: F401
     except ImportError:
@@ -261,8 +274,18 @@ def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, pa
                               f"caption / conversation rows need both (the llava tower's image size and "
                               "placeholders per image, e.g. 32 and 16 for the debug flavor)")
         vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
+        words = tokenizer is None or type(tokenizer).__name__ == "NullTokenizer"  # shapes shards: word ids, no template
+        template = conversation_template(data_cfg, tokenizer) if target == "json" and not words else None
         rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key,
-                        data_cfg.images_per_row)
+                        data_cfg.images_per_row, template)
     # no split: training and validation read their own shards (validation.paths), as streaming text does
-    return WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
-                            bad_samples=data_cfg.bad_samples, paths_key=paths_key)
+    shards = WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
+                              bad_samples=data_cfg.bad_samples, paths_key=paths_key)
+    if getattr(data_cfg, "wds_layout", "pad") != "pack":
+        return shards
+    if target == "cls":
+        raise ConfigError("data.wds_layout='pack' packs caption / conversation rows (llava); a vit row is one image: "
+                          "set data.wds_layout=\"pad\"")
+    from titanlike.data.webdataset_pack import PackedShards
+
+    return PackedShards(shards, seed=seed)

@@ -6,11 +6,16 @@
   text, with one run of data.image_tokens placeholders (the vocabulary's last id) per image. A caption puts every
   image's run first, then the caption (trained on, with its end token); a conversation puts image k's run where its
   k-th `<image>` marker stands (LLaVA's and energon's convention: one marker per image, in order), loss on the
-  assistant's turns and their end tokens only. A conversation whose marker count differs from its images is a bad
-  sample (BadImage: data.bad_samples decides), since the pairing of runs with slots would be a guess.
+  assistant's turns and their end tokens only. With a real tokenizer a conversation is rendered through a chat
+  template (conversation_template: data.chat_template, the tokenizer folder's, else the built-in "llava") and the
+  trained tokens are the template's assistant spans (titanlike/data/chat.py, as SFT data); with NullTokenizer (the
+  shapes shards' word ids) its turns are encoded one by one, each answer followed by the end word. A conversation
+  whose marker count differs from its images is a bad sample (BadImage: data.bad_samples decides), since the pairing
+  of runs with slots would be a guess.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -21,7 +26,27 @@ from titanlike.config.errors import ConfigError
 from titanlike.data.images import CHANNELS, BadImage, image_side
 
 ASSISTANT_ROLES = ("gpt", "assistant")  # LLaVA's conversations say "gpt", chat data "assistant"
+ROLES = {"human": "user", "gpt": "assistant"}  # LLaVA's roles as chat templates name them
 MARKER = "<image>"
+
+
+def conversation_template(data_cfg, tokenizer):
+    """The chat template conversations render through: data.chat_template if set, else the tokenizer folder's own
+    (chat_template.jinja / tokenizer_config.json), else the built-in "llava" (LLaVA-1.5's "USER: ... ASSISTANT:
+    ..."). A tokenizer must tell where each token lies in the text (HF tokenizer.json, tiktoken)."""
+    from types import SimpleNamespace
+
+    from titanlike.data.chat import load_chat_template, template_in_folder, tokenizer_folder
+
+    spec = data_cfg.chat_template
+    if not spec:
+        folder = tokenizer_folder(tokenizer)
+        spec = "" if folder is not None and template_in_folder(folder) is not None else "llava"
+    try:
+        tokenizer.encode_with_offsets("a")
+        return load_chat_template(SimpleNamespace(chat_template=spec), tokenizer)
+    except ValueError as e:  # ChatTemplateError, or a tokenizer without offsets: one line naming the key
+        raise ConfigError(f"data.wds_target='json': {e}") from None
 
 
 class ClassRows:
@@ -48,7 +73,8 @@ class TextRows:
     """.txt captions / .json conversations -> LLaVA rows (image slots, then text with placeholder runs)."""
 
     def __init__(self, seq_len: int, side: int, image_tokens: int, vocab_size: int, tokenizer, messages_key: str,
-                 images_per_row: int = 1):
+                 images_per_row: int = 1, template=None):
+        self.template = template  # conversations: a chat template (titanlike/data/chat.py), or turns one by one
         self.seq_len, self.side, self.image_tokens = seq_len, side, image_tokens
         self.images_per_row = images_per_row
         self.pixels = CHANNELS * side * side
@@ -79,6 +105,8 @@ class TextRows:
         slots = f"{side}x{side} images" if images_per_row == 1 else f"{images_per_row} slots of {side}x{side} images"
         self.layout = (f"{slots} + {image_tokens} image tokens, text to {seq_len - self.head} tokens (longer text is "
                        "cut)")
+        if template is not None:  # (by its text: the same template read from another folder is the same rows)
+            self.layout += f", chat template {hashlib.sha256(template.text.encode()).hexdigest()[:8]}"
 
     def encode(self, text: str) -> list[int]:
         if not text.strip():
@@ -100,9 +128,10 @@ class TextRows:
             out += [self.image_token] * self.image_tokens + self.encode(piece)
         return out
 
-    def turns(self, raw: bytes, images: int) -> list[tuple[list[int], bool]]:
+    def turns(self, raw: bytes, images: int) -> list[tuple[list[int], bool | list[bool]]]:
         """[(ids, trained)]: a caption is its images' runs then one trained turn; a conversation's assistant turns
-        are the trained ones (placeholders are never targets: the objective ignores them)."""
+        are the trained ones (placeholders are never targets: the objective ignores them). Through a chat template
+        the conversation is one rendered piece whose `trained` is per token."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -110,6 +139,40 @@ class TextRows:
         if not text.lstrip().startswith(("[", "{")):  # a .txt caption: images first, markers in it dropped
             return [([self.image_token] * (images * self.image_tokens), False),
                     (self.encode(text.replace(MARKER, " ")) + [self.end], True)]
+        value = self._conversation(text)
+        markers = sum(content.count(MARKER) for _, content in value)
+        if markers != images:
+            raise BadImage(f"the conversation holds {markers} {MARKER} marker(s) for the sample's {images} image(s); "
+                           f"each image needs one {MARKER} where it belongs in the text")
+        if self.template is not None:
+            return [self.rendered(value)]
+        return [(self._with_runs(content) + ([self.end] if role in ASSISTANT_ROLES else []),
+                 role in ASSISTANT_ROLES) for role, content in value]
+
+    def rendered(self, turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+        """The conversation through the chat template: (ids, trained per token). The text is cut at each <image>
+        marker and the pieces tokenised one by one (as an HF processor's special <image> token splits it) with a
+        placeholder run between them; trained tokens are those in the template's assistant spans (each answer and
+        its end-of-turn text: titanlike/data/chat.py, the spans SFT data trains on)."""
+        from titanlike.data.chat import ChatTemplateError, token_mask
+
+        messages = [{"role": ROLES.get(role, role), "content": content} for role, content in turns]
+        try:
+            text, spans = self.template.assistant_spans(messages)
+        except ChatTemplateError as e:
+            raise BadImage(str(e)) from None
+        ids, trained, start = [], [], 0
+        for k, piece in enumerate(text.split(MARKER)):
+            if k:
+                ids += [self.image_token] * self.image_tokens
+                trained += [False] * self.image_tokens
+            got, offsets = self.tokenizer.encode_with_offsets(piece)
+            ids += list(got)
+            trained += [bool(m) for m in token_mask([(a + start, b + start) for a, b in offsets], spans)]
+            start += len(piece) + len(MARKER)
+        return ids, trained
+
+    def _conversation(self, text: str) -> list[tuple[str, str]]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
@@ -119,41 +182,56 @@ class TextRows:
         if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
             raise BadImage(f"not a conversation: want a list of turns, or {{\"{self.messages_key}\" or "
                            "\"conversations\": [...]}, each {\"from\"/\"role\", \"value\"/\"content\"}")
-        out, markers = [], 0
+        out = []
         for t in value:
             role, content = t.get("from", t.get("role")), t.get("value", t.get("content"))
             if not isinstance(role, str) or not isinstance(content, str):
                 raise BadImage(f"turn {t!r:.60} has no role and text (\"from\"/\"role\", \"value\"/\"content\")")
-            markers += content.count(MARKER)
-            trained = role in ASSISTANT_ROLES
-            out.append((self._with_runs(content) + ([self.end] if trained else []), trained))
-        if markers != images:
-            raise BadImage(f"the conversation holds {markers} {MARKER} marker(s) for the sample's {images} image(s); "
-                           f"each image needs one {MARKER} where it belongs in the text")
+            out.append((role, content))
         return out
 
-    def __call__(self, images: list[np.ndarray], raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, images: int, raw: bytes) -> tuple[list[int], list[bool]]:
+        """(tokens, trained per token) of one sample's text, placeholder runs included, before any cut."""
         tokens, trained = [], []
-        for ids, train in self.turns(raw, len(images)):
+        for ids, train in self.turns(raw, images):
             tokens += ids
-            trained += [train] * len(ids)
+            trained += train if isinstance(train, list) else [train] * len(ids)
+        return tokens, trained
+
+    def __call__(self, images: list[np.ndarray], raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row([(images, *self.sample(len(images), raw))])
+
+    def row(self, parts: list[tuple[list[np.ndarray], list[int], list[bool]]], packed: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row of one sample, or of several end to end (data.wds_layout = "pack": the caller checked that they
+        fit). Their images fill the slots in order, so the row's k-th placeholder run is still slot k. Each sample's
+        labels are its own next tokens: its last token predicts nothing (the next sample is another document).
+        Packed rows carry each sample's token count in labels[:n] (the pixel part's labels, otherwise unused), from
+        which the objective numbers the documents (models/llava/objective.py)."""
         room = self.seq_len - self.head
-        if len(tokens) > room:
+        if len(parts) == 1 and len(parts[0][1]) > room:
+            images, tokens, trained = parts[0]
             # too long: the end is cut, never inside a placeholder run (the objective refuses a partial run); the
             # images whose runs fall past the cut leave their slots empty, so run k still pairs with slot k
             marks = [p for p, t in enumerate(tokens) if t == self.image_token]
             before = sum(p < room for p in marks)
             whole = before - before % self.image_tokens
             cut = room if whole == before else marks[whole]  # a partial run: cut at its start
-            tokens, trained = tokens[:cut], trained[:cut]
-        kept = sum(t == self.image_token for t in tokens) // self.image_tokens
+            parts = [(images, tokens[:cut], trained[:cut])]
         ids = torch.zeros(self.seq_len, dtype=torch.int64)
-        for k, image in enumerate(images[:kept]):
-            ids[k * self.pixels:(k + 1) * self.pixels] = torch.from_numpy(image.astype(np.int64).reshape(-1))
-        ids[self.head:self.head + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         labels = torch.full_like(ids, IGNORE_INDEX)
-        # position p predicts token p + 1: a target only where that token belongs to a trained turn
-        nxt = torch.tensor(tokens[1:], dtype=torch.int64)
-        keep = torch.tensor(trained[1:], dtype=torch.bool)
-        labels[self.head:self.head + len(tokens) - 1] = nxt.masked_fill(~keep, IGNORE_INDEX)
+        slot, at = 0, self.head
+        for d, (images, tokens, trained) in enumerate(parts):
+            kept = sum(t == self.image_token for t in tokens) // self.image_tokens
+            for image in images[:kept]:
+                ids[slot * self.pixels:(slot + 1) * self.pixels] = torch.from_numpy(image.astype(np.int64).reshape(-1))
+                slot += 1
+            ids[at:at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            # position p predicts token p + 1: a target only where that token belongs to a trained turn
+            nxt = torch.tensor(tokens[1:], dtype=torch.int64)
+            keep = torch.tensor(trained[1:], dtype=torch.bool)
+            labels[at:at + len(tokens) - 1] = nxt.masked_fill(~keep, IGNORE_INDEX)
+            if packed:
+                labels[d] = len(tokens)
+            at += len(tokens)
         return ids, labels

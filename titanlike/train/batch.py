@@ -6,6 +6,8 @@ load-balanced chunks (parallelize/cp.py). With data.document_masking the documen
 model (attention stays inside documents: models/common/masks.py), and with data.reset_position_ids the RoPE positions
 restart at every document, as Megatron's --reset-attention-mask / --reset-position-ids do; data.eod_mask_loss drops
 the loss on the end-of-document positions (their target is the next document's first token), as --eod-mask-loss.
+Documents are found by their end-of-document token, unless the objective numbers them itself (Batch.documents: llava's
+packed image-text rows, titanlike/data/webdataset_pack.py).
 """
 from __future__ import annotations
 
@@ -58,14 +60,15 @@ class BatchLayout:
         if self.eod_mask_loss and labels.shape != tokens.shape:
             raise ValueError(f"data.eod_mask_loss drops per-token targets, and this objective's labels are "
                              f"{tuple(labels.shape)} for tokens {tuple(tokens.shape)}: turn it off for this model")
+        given = batch.documents  # an objective that reads its rows' documents itself (llava's packed rows)
         if not self._checked:  # an EOD before a sequence's last position starts another document in it
-            found = (tokens[:, :-1] == self.eod_id).sum()
+            found = (tokens[:, :-1] == self.eod_id).sum() if given is None else (given[:, 1:] != given[:, :-1]).sum()
             self._boundaries = found if self._boundaries is None else self._boundaries + found
             self._tokens += tokens.numel()
         if self.eod_mask_loss:
             labels = labels.masked_fill(tokens == self.eod_id, IGNORE_INDEX)
         if self.documents or self.reset_positions:
-            docs = document_ids(tokens, self.eod_id)
+            docs = given if given is not None else document_ids(tokens, self.eod_id)
             if self.documents:
                 inputs["doc_ids"] = docs
             if self.reset_positions:
