@@ -63,10 +63,18 @@ def test_bert_no_binary_head(tmp_path: Path) -> None:
 def test_t5_220m(tmp_path: Path) -> None:
     t = translate_text(T5_220M)
     cfg = _load(t, tmp_path)
-    assert cfg.model.name == "t5" and cfg.data.dataset == "t5" and cfg.model.flavor == "t5-base"
+    # Megatron's own T5Model layout, at exactly its 220M shape (examples/t5/train_t5_220m_distributed.sh)
+    assert cfg.model.name == "t5" and cfg.data.dataset == "t5" and cfg.model.flavor == "megatron-t5-220m"
+    assert cfg.model.args == {} and cfg.model.n_layers in (-1, 12), (cfg.model.args, cfg.model.n_layers)
     assert (cfg.training.seq_len, cfg.data.decoder_seq_length, cfg.data.vocab_extra_ids) == (512, 128, 100)
     assert (cfg.training.local_batch_size, cfg.training.global_batch_size) == (64, 512)
     assert cfg.data.tokenizer_type == "BertWordPieceCase"
+    # another shape: the nearest Megatron flavor with the fields that differ (its positions table too)
+    t = translate_text(T5_220M.replace("--hidden-size 768", "--hidden-size 512").replace(
+        "--max-position-embeddings 512", "--max-position-embeddings 1024"))
+    cfg = _load(t, tmp_path)
+    assert cfg.model.flavor == "megatron-t5-220m" and cfg.model.args["dim"] == 512, cfg.model.args
+    assert cfg.model.args["max_position_rows"] == 1024 and "head_dim" not in cfg.model.args, cfg.model.args  # --kv-channels 64
 
 
 @pytest.mark.parametrize("flag", ["--bert-no-binary-head", "--vocab-extra-ids 100"])

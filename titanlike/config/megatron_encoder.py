@@ -19,7 +19,8 @@ from titanlike.config.megatron_shell import MegatronError
 
 SCRIPTS = {"pretrain_bert.py": "bert", "pretrain_t5.py": "t5"}
 FAMILIES = tuple(SCRIPTS.values())
-_BASE = {"bert": "megatron-bert-345m", "t5": "t5-base"}  # Megatron's layouts: pre-LN BERT; the tied, ungated T5
+# Megatron's layouts: pre-LN BERT; T5Model's (learned positions, LayerNorm, biased GELU MLPs, a tied head with a bias)
+_BASE = {"bert": "megatron-bert-345m", "t5": "megatron-t5-220m"}
 VALUED = {"--mask-prob", "--short-seq-prob", "--encoder-seq-length", "--decoder-seq-length", "--vocab-extra-ids",
           "--encoder-num-layers", "--decoder-num-layers"}
 SWITCHES = {"--bert-no-binary-head", "--split-sentences"}
@@ -99,21 +100,23 @@ def build(f: dict[str, list[str]], t, family: str) -> None:
         dec = "--decoder-num-layers"
         new = {"dim": dim, "n_heads": heads, "head_dim": kv or dim // heads, "ffn_dim": ffn, "n_layers": n_layers,
                "n_decoder_layers": number(dec, one(dec), int) if dec in f else n_layers}
+        if "--max-position-embeddings" in f:  # the learned table's rows, shared by encoder and decoder
+            new["max_position_rows"] = number("--max-position-embeddings", one("--max-position-embeddings"), int)
+        if "--decoder-seq-length" in f:  # the longest decoder input the model takes
+            new["max_decoder_len"] = number("--decoder-seq-length", one("--decoder-seq-length"), int)
         for k in ("--init-method-std", "--hidden-dropout", "--attention-dropout"):
             if k in f:
                 t.unmapped.append((k, "titanlike's t5 initialises as HF's T5 (model.args.init_factor) and trains "
                                       "without dropout"))
-        why = ("pretrain_t5.py: the sizes are Megatron's, the layers titanlike's T5 (HF's original T5: RMS norms, "
-               "relative position buckets, no biases, ReLU FFN, tied head), not Megatron's (LayerNorm, learned "
-               "positions, biased GELU MLPs)")
+        why = ("pretrain_t5.py: Megatron's T5Model layout (titanlike's megatron variant: LayerNorm, learned "
+               "positions, biased GELU MLPs, a tied head with its bias), so megatron-core T5 checkpoints import")
     try:
         args = spec.args_cls(**{**base, **new})
     except (ValueError, TypeError) as e:
         raise MegatronError(f"the model flags fit no {family} shape: {e}") from None
     t.said.append(f"family {family}: {why}")
-    if "--max-position-embeddings" in f:
-        t.notes.append(("--max-position-embeddings", "titanlike sizes positions to training.seq_len" if
-                        family == "bert" else "t5's positions are relative buckets: no table to size"))
+    if "--max-position-embeddings" in f and family == "bert":
+        t.notes.append(("--max-position-embeddings", "titanlike sizes positions to training.seq_len"))
     megatron_model._name_shape(family, args, t)
 
 
