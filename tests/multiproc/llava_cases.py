@@ -68,6 +68,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def check_grads(name: str, named_params, ref_grads: dict[str, torch.Tensor], tol: float = TOL) -> tuple[float, float]:
+    """Every parameter's gradient (DTensors gathered whole) within `tol` of the one-process run's, elementwise;
+    returns (the worst difference, the largest reference gradient). A parameter without a gradient (frozen) must
+    have none in the reference either. Shared by the other families' layout checks (toy_family_worker.py)."""
+    worst = scale = 0.0
+    for n, p in named_params:
+        if p.grad is None:
+            assert ref_grads.get(n) is None, f"{name}: {n} has no gradient, the reference has one"
+            continue
+        assert n in ref_grads, f"{name}: {n} has a gradient, the reference has none"
+        d = (_full(p.grad) - ref_grads[n]).abs().max().item()
+        assert d <= tol, f"{name}: the gradient of {n} differs from the reference by {d}"
+        worst, scale = max(worst, d), max(scale, ref_grads[n].abs().max().item())
+    return worst, scale
+
+
 def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "llama3", sp: bool = True,
                lp: bool = True) -> None:
     dims = ParallelDims(**dims_kw, world_size=world)
@@ -136,11 +152,8 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
                 loss = _full(ce_sum(parts[0](*local.args(), **local.kwargs()), local.labels)) * scale
                 loss.backward()
         if step == 0:
-            for part in parts:
-                for n, p in part.named_parameters():
-                    d = (_full(p.grad) - ref_grads[n]).abs().max().item()
-                    assert d <= TOL, f"{name}: the gradient of {n} differs from the reference by {d}"
-                    worst_grad, grad_scale = max(worst_grad, d), max(grad_scale, ref_grads[n].abs().max().item())
+            worst_grad, grad_scale = check_grads(name, [np for part in parts for np in part.named_parameters()],
+                                                 ref_grads)
         norm = runner.clip_grad_norm_(MAX_NORM) if runner is not None else clip_grad_norm_(params, MAX_NORM)
         for o in opts:
             o.step()
