@@ -3,12 +3,15 @@
     toy_family_worker.py ROOT reference   (1 process) seed checkpoints of the toy decoder and the toy vision model,
                                           then a 1-process run of each of the three families
     toy_family_worker.py ROOT fsdp        (2 processes) the same runs under FSDP (dp_shard=-1); the vision run also
-                                          saves its last step and a new Trainer resumes from it
+                                          saves its last step and a new Trainer resumes from it; the library
+                                          families' other layouts, AC and compile (LAYOUT); checkpoints resumed
+                                          under another layout (RESHARD)
 
 The families are registered here, at start, the way a user's launcher could: `models.MODELS["toy"] = SPEC`; nothing in
 models/, parallelize/ or titanlike/ knows them: the decoder (toy_models, next-token), the bidirectional encoder
 (toy_encoder, masked-LM) and the image classifier with a frozen patch projection (toy_vision, its own objective). Checks
-that need the live trainer assert here (a failure exits non-zero); rank 0 writes ROOT/<phase>.json (losses, grad norms,
+that need the live trainer assert here (a failure exits non-zero), every gradient against the reference's among them
+(check_grads_at_steps); rank 0 writes ROOT/<phase>.json (losses, grad norms,
 the logged throughput metrics, the counts the trainer used and its log lines) for the pytest side to compare across
 phases.
 """
