@@ -68,32 +68,57 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def check_grads(name: str, named_params, ref_grads: dict[str, torch.Tensor], tol: float = TOL) -> tuple[float, float]:
+    """Every parameter's gradient (DTensors gathered whole) within `tol` of the one-process run's, elementwise;
+    returns (the worst difference, the largest reference gradient). A parameter without a gradient (frozen) must
+    have none in the reference either. Shared by the other families' layout checks (toy_family_worker.py)."""
+    worst = scale = 0.0
+    for n, p in named_params:
+        if p.grad is None:
+            assert ref_grads.get(n) is None, f"{name}: {n} has no gradient, the reference has one"
+            continue
+        assert n in ref_grads, f"{name}: {n} has a gradient, the reference has none"
+        d = (_full(p.grad) - ref_grads[n]).abs().max().item()
+        assert d <= tol, f"{name}: the gradient of {n} differs from the reference by {d}"
+        worst, scale = max(worst, d), max(scale, ref_grads[n].abs().max().item())
+    return worst, scale
+
+
 def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "llama3", sp: bool = True,
                lp: bool = True) -> None:
+    objective_case(name, dims_kw, world, report, "llava", llava_args(language), loader_rows, sp=sp, lp=lp)
+
+
+def objective_case(name: str, dims_kw: dict, world: int, report, family: str, args, rows, sp: bool = True,
+                   lp: bool = True) -> None:
+    """`family` at `args` under the layout `dims_kw` against one process, on the batches its spec's objective builds
+    from `rows(args, step)` (the loader's (input_ids, labels), ROWS of them); the loss the trainer would use (the
+    objective's own function, else the summed cross-entropy). LLaVA's cases, and other families' (encoder_cases.py)."""
     dims = ParallelDims(**dims_kw, world_size=world)
     dims.build_mesh("cpu")
     cfg = JobConfig()
     cfg.parallelism.enable_sequence_parallel, cfg.parallelism.enable_loss_parallel = sp, lp
-    cfg.training.seq_len, cfg.training.local_batch_size = SEQ, ROWS // dims.dp_degree
-    spec, args = models.get_spec("llava"), llava_args(language)
+    cfg.training.seq_len, cfg.training.local_batch_size = args.max_seq_len, ROWS // dims.dp_degree
+    spec = models.get_spec(family)
     problems = spec.check(args, dims, "debugmodel")
     assert not problems, problems
     objective = build_objective(spec.objective, args)
+    loss_fn = objective.loss if callable(objective.loss) else ce_sum
     torch.manual_seed(0)
     ref = spec.model_cls(args)
     ref.init_weights()
     with torch.device("meta"):
         meta = spec.model_cls(args)
-    plan = get_plan("llava", "default")
+    plan = get_plan(family, "default")
     runner = None
     if dims.pp_enabled:
         cfg.parallelism.pp, cfg.parallelism.pp_schedule, cfg.parallelism.pp_microbatches = dims.pp, "1F1B", 2
-        runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), torch.device("cpu"), plan, ce_sum)
+        runner = PipelineRunner(meta, spec, args, dims, PlanSections.of(cfg), torch.device("cpu"), plan, loss_fn)
         parts = runner.model_parts
     else:
         parts = [plan(meta, dims, PlanSections.of(cfg))]
     for part in parts:  # FSDP: each tower block its own group (the dotted fsdp_groups names of parallelize/llava.py)
-        if dims.fsdp_enabled and part.vision is not None:
+        if dims.fsdp_enabled and getattr(part, "vision", None) is not None:
             assert all(isinstance(b, FSDPModule) for b in part.vision.layers.values()), f"{name}: tower blocks"
     ref_sd = ref.state_dict()
     for part in parts:
@@ -113,9 +138,9 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
     loss_ctx = loss_parallel if dims.tp_enabled and lp else contextlib.nullcontext
     worst_loss = worst_grad = grad_scale = 0.0
     for step in range(STEPS):
-        batch = objective(*loader_rows(args, step), StepContext(step, 0))
+        batch = objective(*rows(args, step), StepContext(step, 0))
         count = batch.target_count()
-        ref_loss = ce_sum(ref(*batch.args(), **batch.kwargs()), batch.labels) / count
+        ref_loss = loss_fn(ref(*batch.args(), **batch.kwargs()), batch.labels) / count
         ref_loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()} if step == 0 else {}
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
@@ -133,14 +158,11 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
             if runner is not None:
                 loss = runner.step([local], scale) * scale
             else:
-                loss = _full(ce_sum(parts[0](*local.args(), **local.kwargs()), local.labels)) * scale
+                loss = _full(loss_fn(parts[0](*local.args(), **local.kwargs()), local.labels)) * scale
                 loss.backward()
         if step == 0:
-            for part in parts:
-                for n, p in part.named_parameters():
-                    d = (_full(p.grad) - ref_grads[n]).abs().max().item()
-                    assert d <= TOL, f"{name}: the gradient of {n} differs from the reference by {d}"
-                    worst_grad, grad_scale = max(worst_grad, d), max(grad_scale, ref_grads[n].abs().max().item())
+            worst_grad, grad_scale = check_grads(name, [np for part in parts for np in part.named_parameters()],
+                                                 ref_grads)
         norm = runner.clip_grad_norm_(MAX_NORM) if runner is not None else clip_grad_norm_(params, MAX_NORM)
         for o in opts:
             o.step()
@@ -164,8 +186,9 @@ def llava_case(name: str, dims_kw: dict, world: int, report, language: str = "ll
             worst_param = max(worst_param, d)
     dist.barrier()
     stages = f" stages={runner.pipeline.layout}" if runner is not None else ""
+    meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in params if isinstance(p, DTensor)})
     report(name, f"loss_diff={worst_loss:.1e} grad_diff={worst_grad:.1e} (largest gradient "
-                 f"{grad_scale:.1e}) param_diff={worst_param:.1e}{stages}")
+                 f"{grad_scale:.1e}) param_diff={worst_param:.1e}{stages} meshes={meshes}")
 
 
 def run(world: int, report, full: bool = False) -> None:

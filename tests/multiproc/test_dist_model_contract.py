@@ -20,14 +20,20 @@ types, padding mask, MLM + sentence order; "bert_sop", data preprocessed by the 
 ("bert_pp", 1F1B) and TP 2 + sequence parallel ("bert_sop_tp": the pooler's first token gathered from the shards);
 ViT's debugmodel on the synthetic shapes (images + class labels, its own objective) under FSDP 2 and TP 2 +
 sequence parallel ("vit", "vit_tp"); LLaVA (ViT tower, projector, Llama; images spliced at placeholders) on
-shapes_captions under FSDP 2 ("llava").
+shapes_captions under FSDP 2 ("llava"). The 2-process runs carry the plans' other steps (the worker's LAYOUT): BERT
+and ViT FSDP 2 with per-op selective AC and aot_eager compile, their TP runs with full AC; T5 and LLaVA FSDP 2 with
+full AC and compile, T5's TP run with per-op AC; nemotron_h per-op AC (its reference: full). Checkpoints reshard
+(the worker's RESHARD): step 5, saved by the Trainer under one layout, is resumed under another (BERT FSDP 2 -> TP 2,
+T5 TP 2 -> FSDP 2, ViT 1 process -> TP 2, LLaVA 1 process -> FSDP 2 with per-op AC) for steps 6 and 7.
 
-Checks: the loss is finite and falls over 10 steps; FSDP 2 equals the 1-process run step by step, for all three
-families (fp32 on CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the
-grad norm, so LOSS_RTOL 1e-5 and GRAD_NORM_RTOL 1e-4 leave a wide margin yet catch any real divergence such as a missing
-or double-counted shard, a wrong gradient scale or a different initialisation); the trainer counted with the spec's
-functions (its flops_per_token, the logged TFLOP/s per token/s, the parameter line of its log). Single-process checks
-beside it keep the toy spec's own counts honest (meta-built numel, FlopCounterMode).
+Checks: the loss is finite and falls over 10 steps; each 2-process run equals the 1-process run step by step (fp32 on
+CPU: only the reduction order differs; observed relative differences ~1e-7 for the loss, ~3e-6 for the grad norm, so
+LOSS_RTOL 1e-5 and GRAD_NORM_RTOL 1e-4 leave a wide margin yet catch any real divergence such as a missing or
+double-counted shard, a wrong gradient scale or a different initialisation), and every parameter's gradient, gathered
+whole, equals the reference's within GRAD_TOL 1e-5 elementwise at step 1 (and at step 6 for BERT, T5, ViT and LLaVA,
+the resumed runs' first step; worst seen 2.1e-6, LLaVA's, whose largest gradient is 18); the trainer counted with
+the spec's functions (its flops_per_token, the logged TFLOP/s per token/s, the parameter line of its log).
+Single-process checks beside it keep the toy spec's own counts honest (meta-built numel, FlopCounterMode).
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ WORKER = Path(__file__).with_name("toy_family_worker.py")
 TOY_DIR = REPO_ROOT / "tests" / "toy_family"
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
+GRAD_TOL = 1e-5  # every gradient, elementwise (as the worker asserts; the worst seen goes to the JSON)
 STEPS, SEQ = 10, 32  # as in the worker
 
 
@@ -67,14 +74,20 @@ def _launch(root: str, phase: str, nproc: int) -> dict:
         return json.load(f)
 
 
-def _same_run(ref_h: list, fsdp_h: list) -> None:
-    """FSDP over 2 ranks == 1 process, step by step (same initial weights, same global batch of 4 rows)."""
-    assert [h["step"] for h in ref_h] == [h["step"] for h in fsdp_h] == list(range(1, STEPS + 1))
+def _same_run(ref_run: dict, run: dict, first: int = 1, last: int = STEPS) -> None:
+    """A 2-process run == 1 process, step by step (same initial weights, same global batch of 4 rows): the loss and
+    the grad norm of each of steps first..last, and every parameter's gradient at step `first` (the worker held each,
+    gathered whole, to the reference's within GRAD_TOL: llava_cases.check_grads)."""
+    ref_h = [h for h in ref_run["history"] if first <= h["step"] <= last]
+    two_h = run["history"]
+    assert [h["step"] for h in ref_h] == [h["step"] for h in two_h] == list(range(first, last + 1))
     assert all(math.isfinite(h["loss"]) for h in ref_h), ref_h
-    for a, b in zip(ref_h, fsdp_h):
+    for a, b in zip(ref_h, two_h):
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=GRAD_NORM_RTOL), (a["step"], a, b)
         assert b["lr"] == a["lr"]
+    assert first in run["grad_steps"] and run["grads_checked"] > 0, (first, run["grad_steps"])
+    assert run["grad_diff"] <= GRAD_TOL, run["grad_diff"]
 
 
 @pytest.mark.dist
@@ -85,19 +98,26 @@ def test_toy_family_trains_under_fsdp_like_one_process(tmp_path, monkeypatch):
     assert ref["world"] == 1 and fsdp["world"] == 2
     toy = _toy(monkeypatch)
     spec = toy.SPEC
+    # (bert, vit: + per-op selective AC + aot_eager compile; t5, llava: + full AC + compile; nemotron_h: per-op AC)
     for family in ("toy", "toy_encoder", "toy_vision", "nemotron_h", "bert", "bert_sop", "t5", "vit", "llava"):
-        _same_run(ref["runs"][family]["history"], fsdp["runs"][family]["history"])
-    # BERT and T5 under TP 2 + sequence parallel (the same 2 processes, no FSDP) follow the one-process run too.
-    _same_run(ref["runs"]["bert"]["history"], fsdp["runs"]["bert_tp"]["history"])
-    _same_run(ref["runs"]["t5"]["history"], fsdp["runs"]["t5_tp"]["history"])
-    # ViT under TP 2 + SP: the class token sits on rank 0's token shard; the plan gathers it for the classifier.
-    _same_run(ref["runs"]["vit"]["history"], fsdp["runs"]["vit_tp"]["history"])
+        _same_run(ref["runs"][family], fsdp["runs"][family])
+    # BERT and T5 under TP 2 + sequence parallel (the same 2 processes, no FSDP) follow the one-process run too
+    # (bert_tp: + full AC; t5_tp: + per-op selective AC).
+    _same_run(ref["runs"]["bert"], fsdp["runs"]["bert_tp"])
+    _same_run(ref["runs"]["t5"], fsdp["runs"]["t5_tp"])
+    # ViT under TP 2 + SP (+ full AC): the class token sits on rank 0's token shard; the plan gathers it.
+    _same_run(ref["runs"]["vit"], fsdp["runs"]["vit_tp"])
     # BERT on Megatron's data (token types and padding mask to both stages, MLM + sentence order, the tied decoder's
     # copy on the last stage) under PP 2 follows the one-process run too.
-    _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_pp"]["history"])
+    _same_run(ref["runs"]["bert_sop"], fsdp["runs"]["bert_pp"])
     # ... and under TP 2 + SP with the binary head: the pooler reads token 0, on rank 0's sequence shard only, so
     # the plan gathers its input (a wrong token on rank 1 or a double-counted gradient would show here).
-    _same_run(ref["runs"]["bert_sop"]["history"], fsdp["runs"]["bert_sop_tp"]["history"])
+    _same_run(ref["runs"]["bert_sop"], fsdp["runs"]["bert_sop_tp"])
+    # Checkpoints reshard: step 5 saved by the Trainer under one layout and loaded (full state) under another, the
+    # next two steps as the uninterrupted one-process run's (BERT FSDP 2 -> TP 2, T5 TP 2 -> FSDP 2, ViT 1 process
+    # -> TP 2, LLaVA 1 process -> FSDP 2).
+    for family in ("bert", "t5", "vit", "llava"):
+        _same_run(ref["runs"][family], fsdp["runs"][f"{family}_reshard"], first=6, last=7)
     # Validation at the last step with the family's metrics (BERT: MLM loss and accuracy, sentence-order accuracy;
     # T5: decoder token accuracy), summed over the data ranks before dividing: 2 data ranks (FSDP), TP 2 and PP 2
     # give the one-process numbers on the same held-out rows.

@@ -3,12 +3,15 @@
     toy_family_worker.py ROOT reference   (1 process) seed checkpoints of the toy decoder and the toy vision model,
                                           then a 1-process run of each of the three families
     toy_family_worker.py ROOT fsdp        (2 processes) the same runs under FSDP (dp_shard=-1); the vision run also
-                                          saves its last step and a new Trainer resumes from it
+                                          saves its last step and a new Trainer resumes from it; the library
+                                          families' other layouts, AC and compile (LAYOUT); checkpoints resumed
+                                          under another layout (RESHARD)
 
 The families are registered here, at start, the way a user's launcher could: `models.MODELS["toy"] = SPEC`; nothing in
 models/, parallelize/ or titanlike/ knows them: the decoder (toy_models, next-token), the bidirectional encoder
 (toy_encoder, masked-LM) and the image classifier with a frozen patch projection (toy_vision, its own objective). Checks
-that need the live trainer assert here (a failure exits non-zero); rank 0 writes ROOT/<phase>.json (losses, grad norms,
+that need the live trainer assert here (a failure exits non-zero), every gradient against the reference's among them
+(check_grads_at_steps); rank 0 writes ROOT/<phase>.json (losses, grad norms,
 the logged throughput metrics, the counts the trainer used and its log lines) for the pytest side to compare across
 phases.
 """
@@ -74,6 +77,31 @@ PP_ONLY = {"parallelism": {"dp_shard": 1, "pp": 2, "pp_schedule": "1F1B", "pp_mi
 # sentence-order accuracy; T5: token accuracy), reduced over the data ranks: 2 batches of LOCAL_BATCH on one process
 # are the 4 rows one batch covers on 2 data ranks (the loader hands out global positions), so both score the same rows.
 VALIDATED = ("bert", "bert_tp", "t5", "t5_tp", "bert_sop", "bert_pp", "bert_sop_tp")
+# The 2-process runs also carry the plan's other steps, each held to the plain one-process run like the layout:
+# activation checkpointing (full, and per-op selective) and per-block compile (aot_eager: dynamo's and AOTAutograd's
+# graphs without Inductor's slow CPU code generation; the optimizer's compile is Inductor's, so "model" only).
+# nemotron_h's reference keeps its full AC (EXTRA); its 2-process run uses per-op selective AC instead.
+AC_FULL = {"activation_checkpoint": {"mode": "full"}}
+AC_OP = {"activation_checkpoint": {"mode": "selective", "selective_option": "op"}}
+COMPILE = {"compile": {"enable": True, "backend": "aot_eager", "components": ["model"]}}
+LAYOUT = {"bert": {**AC_OP, **COMPILE}, "bert_tp": AC_FULL, "t5": {**AC_FULL, **COMPILE}, "t5_tp": AC_OP,
+          "vit": {**AC_OP, **COMPILE}, "vit_tp": AC_FULL, "llava": {**AC_FULL, **COMPILE}, "nemotron_h": AC_OP}
+# Checkpoint resharding: a resumed run -> (the run whose step RESHARD_AT it loads, its own layout's family entry),
+# through the Trainer's checkpoint manager (checkpoint.initial_load_path with the full state: weights, optimizer,
+# LR schedule, data position, RNG); it runs steps RESHARD_AT + 1 and + 2, which must equal the uninterrupted
+# one-process run's. FSDP 2 -> TP 2, TP 2 -> FSDP 2, and one process -> TP 2 / FSDP 2 (the reference phase saves).
+RESHARD_AT = 5
+# The resumed runs' AC / compile: their layout entry's (LAYOUT) unless named here: LLaVA's per-op selective AC (its
+# uninterrupted run has full AC and compile), T5 without AC or compile (compile costs a second or two per run).
+RESHARD = {"bert_reshard": ("fsdp_bert", "bert_tp", None), "t5_reshard": ("fsdp_t5_tp", "t5", {}),
+           "vit_reshard": ("reference_vit", "vit_tp", None), "llava_reshard": ("reference_llava", "llava", AC_OP)}
+SAVED = {"fsdp": ("bert", "t5_tp"), "reference": ("vit", "llava")}  # the runs that save step RESHARD_AT, per phase
+# Gradients are compared at step 1 and, for these families (the reference phase saves them), at the step after the
+# reshard: the resumed runs' first.
+GRAD_STEPS = {"bert": (1, RESHARD_AT + 1), "t5": (1, RESHARD_AT + 1), "vit": (1, RESHARD_AT + 1),
+              "llava": (1, RESHARD_AT + 1)}
+# The one-process run each run's gradients and losses are held to (its own family's unless named here).
+REF_OF = {"bert_tp": "bert", "t5_tp": "t5", "vit_tp": "vit", "bert_pp": "bert_sop", "bert_sop_tp": "bert_sop"}
 
 
 def bert_data(root: str) -> dict:
@@ -84,6 +112,7 @@ def bert_data(root: str) -> dict:
                      "tokenizer_type": "BertWordPieceLowerCase", "vocab_file": os.path.join(folder, "vocab.txt"),
                      "vocab_extra_ids": 100, "binary_head": True}}
 
+from llava_cases import check_grads  # noqa: E402  (tests/multiproc, beside this file)
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
@@ -98,7 +127,9 @@ LOCAL_BATCH = 2
 GLOBAL_BATCH = 4  # the 1-process reference accumulates 2 micro-batches of 2; FSDP 2 takes 2 per rank
 
 
-def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkpoint: dict | None = None):
+def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkpoint: dict | None = None,
+             layout: dict | None = None):
+    """`layout`: the 2-process run's AC / compile sections instead of LAYOUT's for `family`."""
     base = {
         "job": {"dump_folder": root, "run_name": name},
         "model": {"name": family, "flavor": "tiny"},  # vocab from the tokenizer
@@ -121,7 +152,9 @@ def make_cfg(root: str, name: str, *, family: str = "toy", seed: int = 0, checkp
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = 1 if family in (*TP_FAMILIES, "bert_pp") else world
         extra["validation"] = {"enable": True, "interval": STEPS, "steps": 2 // dp}
-    for section, values in extra.items():
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    layout = LAYOUT.get(family, {}) if layout is None else layout
+    for section, values in [*extra.items(), *(layout.items() if multi else ())]:
         base[section] = {**base.get(section, {}), **values}
     cfg = config_from_dict(base)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the config loader's rules, as load_config applies them
@@ -158,13 +191,49 @@ def check_fsdp_layout(trainer: Trainer) -> None:
         assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.size() == 2, n
 
 
+def check_grads_at_steps(trainer: Trainer, root: str, phase: str, family: str) -> dict:
+    """Before the clip of each of GRAD_STEPS' steps (step 1 only by default): the reference phase saves every
+    gradient (ROOT/grads/<family>-<step>.pt); a 2-process run holds each of its parameters' gradients, gathered whole,
+    to that file's (llava_cases.check_grads: within 1e-5 elementwise; a pipeline rank checks its own stage's).
+    Returns what it found (the steps checked, the worst difference, the largest reference gradient), filled as the
+    run goes."""
+    ref_family = REF_OF.get(family, family)
+    found: dict = {"grad_steps": [], "grad_diff": 0.0, "grad_scale": 0.0, "grads_checked": 0}
+    clip = trainer.update.clip
+
+    def check_then_clip(*args, **kwargs):
+        path = os.path.join(root, "grads", f"{ref_family}-{trainer.step}.pt")
+        if trainer.step in GRAD_STEPS.get(ref_family, (1,)):
+            # every name of a tied parameter: a pipeline's last stage holds its own copy of BERT's tied decoder
+            named = [np for part in trainer.model_parts for np in part.named_parameters(remove_duplicate=False)]
+            if phase == "reference":
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save({n: p.grad.detach().clone() for n, p in named if p.grad is not None}, path)
+            else:
+                worst, scale = check_grads(f"{phase}_{family} step {trainer.step}", named, torch.load(path))
+                found["grad_steps"].append(trainer.step)
+                found["grad_diff"] = max(found["grad_diff"], worst)
+                found["grad_scale"] = max(found["grad_scale"], scale)
+                found["grads_checked"] += len(named)
+        return clip(*args, **kwargs)
+
+    trainer.update.clip = check_then_clip
+    return found
+
+
 def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: bool = True,
-          checkpoint: dict | None = None) -> tuple[dict, Trainer]:
-    """One run of `family` (from its seed checkpoint when `seeded`, else from seeded_init's weights)."""
+          checkpoint: dict | None = None, stop_after: int | None = None,
+          layout: dict | None = None) -> tuple[dict, Trainer]:
+    """One run of `family` (from its seed checkpoint when `seeded`, else from seeded_init's weights); `stop_after`:
+    the last step (the LR schedule keeps training.steps)."""
+    torch._dynamo.reset()  # compiled runs: the earlier runs' graphs would count against dynamo's recompile limit
     lines = _Lines()
     logging.getLogger("titanlike").addHandler(lines)
     ckpt = {**({"initial_load_path": seed_path(root, family)} if seeded else {}), **(checkpoint or {})}
-    trainer = Trainer(make_cfg(root, name, family=family, checkpoint=ckpt))
+    trainer = Trainer(make_cfg(root, name, family=family, checkpoint=ckpt, layout=layout))
+    if stop_after is not None:
+        trainer.cfg.training.steps = stop_after
+    grads = check_grads_at_steps(trainer, root, name.split("_")[0], family)
     spec = FAMILIES[family]
     try:
         args = trainer.model_args
@@ -193,6 +262,7 @@ def train(root: str, name: str, expect_fsdp: bool, family: str = "toy", seeded: 
         "local_params": local,
         "validation": trainer.last_validation,
         "log": lines.lines,
+        **grads,
     }, trainer
 
 
@@ -251,7 +321,9 @@ def run_families(root: str, phase: str, fsdp: bool) -> dict:
     for family, seeded in runs:
         name = phase if family == "toy" else f"{phase}_{family}"
         save = {"enable": True, "interval": STEPS} if fsdp and family == "toy_vision" else None
-        run, trainer = train(root, name, expect_fsdp=fsdp, family=family, seeded=seeded, checkpoint=save)
+        reshard_source = {"enable": True, "interval": RESHARD_AT} if family in SAVED[phase] else None
+        run, trainer = train(root, name, expect_fsdp=fsdp, family=family, seeded=seeded,
+                             checkpoint=save or reshard_source)
         if family == "toy_vision":
             check_frozen(trainer, fsdp)
             run["patch_sums"] = patch_sums(trainer)
@@ -268,6 +340,12 @@ def run_families(root: str, phase: str, fsdp: bool) -> dict:
             finally:
                 finish(resumed)
         out[family] = run
+    if fsdp:
+        for name, (source, family, layout) in RESHARD.items():
+            step_dir = os.path.join(root, source, "checkpoint", f"step-{RESHARD_AT}")
+            load = {"initial_load_path": step_dir, "initial_load_model_only": False}
+            out[name], _ = train(root, f"{phase}_{name}", expect_fsdp=fsdp, family=family, seeded=False,
+                                 checkpoint=load, stop_after=RESHARD_AT + 2, layout=layout)
     return out
 
 

@@ -11,8 +11,9 @@ replicate 2 x TP 2, a grad norm over mixed meshes, qwen3_next's FSDP 2 x TP 2; n
 EP 2 x expert FSDP 2 and TP 2 x FSDP 2 x EP 2; test_dist_tp.FULL_ONLY's with TITANLIKE_TEST_FULL=1 only) and 8
 processes (HSDP 2 x 2 x TP 2). Multi-token prediction (mtp_cases.py): Llama TP 2 with and without SP + loss parallel,
 DeepSeek-V3 TP 2 (2 processes), Llama FSDP 2 x TP 2 (4); LLaVA's layouts (llava_cases.py) ride in the 2- and
-4-process launches. `--device=cuda` (test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with
-async TP. Rank 0 prints one "CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
+4-process launches, BERT's and T5's HSDP 2 x 2 (encoder_cases.py) in the 4-process one. `--device=cuda`
+(test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one
+"CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+import encoder_cases
 import llava_cases
 import models
 import models.common.attention
@@ -391,6 +393,7 @@ def main() -> None:
         report("llama3_mtp_fsdp2_tp2_sp_lp", mtp_case("llama3_mtp_fsdp2_tp2_sp_lp", "llama3", {"dp_shard": 2, "tp": 2},
                                                       world))
         llava_cases.run(world, report, full=full_matrix())  # FSDP 2 x TP 2 (+ PP 2 x FSDP 2, CP 2 x TP 2: full)
+        encoder_cases.run(world, report)  # BERT and T5 under HSDP 2 x 2 (encoder_cases.py)
         # nemotron_h with MoE layers ("ME*E"): EP 2 x expert FSDP 2 (dp_shard 4) with Muon on the 3-D experts (the
         # TP 2 x FSDP 2 x EP 2 Muon case and Muon's other sharded cases run in muon_worker.py)
         train_case("nemotron_h_moe_fsdp4_ep2_muon", {"dp_shard": 4, "ep": 2}, sp=False, lp=False,
