@@ -74,7 +74,8 @@ def test_t5_220m(tmp_path: Path) -> None:
         "--max-position-embeddings 512", "--max-position-embeddings 1024"))
     cfg = _load(t, tmp_path)
     assert cfg.model.flavor == "megatron-t5-220m" and cfg.model.args["dim"] == 512, cfg.model.args
-    assert cfg.model.args["max_position_rows"] == 1024 and "head_dim" not in cfg.model.args, cfg.model.args  # --kv-channels 64
+    # --kv-channels 64 is the flavor's head_dim already
+    assert cfg.model.args["max_position_rows"] == 1024 and "head_dim" not in cfg.model.args, cfg.model.args
 
 
 @pytest.mark.parametrize("flag", ["--bert-no-binary-head", "--vocab-extra-ids 100"])

@@ -85,8 +85,8 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
 
 def test_megatron_variant_tp2_sp_matches_one_process(tmp_path):
     out = str(tmp_path / "tp.pt")
-    # fork: the children need not import torch again (a CPU-only parent has started no CUDA or gloo)
-    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, start_method="fork")
+    # spawn, not fork: a child forked after the parent's OpenMP pool has run deadlocks in its first parallel op
+    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
     r = torch.load(out)
     # fp32 rounding of a different summation order, relative to the largest logit / gradient
     torch.testing.assert_close(r["got"], r["want"], atol=1e-5 * r["want"].abs().max().item(), rtol=0)
