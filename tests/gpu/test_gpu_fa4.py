@@ -20,32 +20,37 @@ def _needs_fa4():
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fa4_matches_cudnn_sdpa(compiled, head_dim):
-    from models.common.attention import causal_attention
+def _matches_cudnn(fa4, sdpa, compiled, q, k, v, dout):
+    """FA4's kernel (eager or compiled) against the same contract on cuDNN's SDPA: output and the three gradients."""
     from models.common.backends import sdpa_context
-    from models.common.fa4 import fa4_causal_attention
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 1024, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for h in (8, 2, 2))
-    dout = torch.randn(2, 1024, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    fa4 = torch.compile(fa4_causal_attention, fullgraph=True) if compiled else fa4_causal_attention
+    fa4 = torch.compile(fa4, fullgraph=True) if compiled else fa4
     out = fa4(q, k, v)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
     with sdpa_context("cudnn", q.device)():
-        ref_out = causal_attention(q, k, v)
+        ref_out = sdpa(q, k, v)
         ref = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout))
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa4_matches_cudnn_sdpa(compiled, head_dim):
+    from models.common.attention import causal_attention
+    from models.common.fa4 import fa4_causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn(2, 1024, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _matches_cudnn(fa4_causal_attention, causal_attention, compiled, q, k, v, dout)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("seqlen,head_dim", [(512, 64), (197, 64), (577, 128)])
 def test_bidirectional_fa4_matches_cudnn_sdpa(compiled, seqlen, head_dim):
     """The encoders' kernel (BERT at 512, ViT-L/16 at 197 tokens, a 336-pixel tower at 577), not causal."""
-    from models.common.backends import sdpa_context
     from models.common.encoder import bidirectional_attention
     from models.common.fa4 import fa4_bidirectional_attention
 
@@ -53,14 +58,7 @@ def test_bidirectional_fa4_matches_cudnn_sdpa(compiled, seqlen, head_dim):
     q, k, v = (torch.randn(4, seqlen, 16, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                .requires_grad_() for _ in range(3))
     dout = torch.randn(4, seqlen, 16, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    fa4 = torch.compile(fa4_bidirectional_attention, fullgraph=True) if compiled else fa4_bidirectional_attention
-    out = fa4(q, k, v)
-    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    with sdpa_context("cudnn", q.device)():
-        ref_out = bidirectional_attention(q, k, v)
-        ref = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    _matches_cudnn(fa4_bidirectional_attention, bidirectional_attention, compiled, q, k, v, dout)
 
 
 def test_bert_on_fa4_learns(tmp_path):

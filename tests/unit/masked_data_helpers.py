@@ -88,3 +88,24 @@ def megatron_dataset(kind: str, prefix: str, tok, seq_len: int, cache, num_sampl
     indexed = IndexedDataset(prefix)
     with mock.patch("torch.distributed.get_rank", return_value=0):  # its index builder asks for the rank
         return cls(indexed, prefix, np.arange(indexed.document_indices.size - 1), num_samples, Split.train, cfg)
+
+
+def resumed_batches(cfg, tok, skip: int, take: int) -> tuple[list, list, list]:
+    """The loader of `cfg` (one rank, batches of 4 rows of 64 tokens, seed 5): the `take` batches after `skip`
+    uninterrupted, the same `take` from a fresh loader given the state saved after `skip`, and a fresh loader's
+    first batches (for "not a restart" checks)."""
+    from titanlike.data.loader import build_dataloader
+
+    kw = dict(dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=64, seed=5, global_batch_size=4)
+    loader = build_dataloader(cfg, tok, **kw)
+    it = iter(loader)
+    for _ in range(skip):
+        next(it)
+    state = loader.state_dict()
+    want = [next(it) for _ in range(take)]
+    again = build_dataloader(cfg, tok, **kw)
+    again.load_state_dict(state)
+    it = iter(again)
+    got = [next(it) for _ in range(take)]
+    fresh = iter(build_dataloader(cfg, tok, **kw))
+    return want, got, [next(fresh) for _ in range(take)]

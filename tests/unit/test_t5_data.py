@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.masked_data_helpers import megatron_dataset, preprocess
+from tests.unit.masked_data_helpers import megatron_dataset, preprocess, resumed_batches
 from titanlike.data.indexed import IndexedDataset
 from titanlike.data.t5_dataset import T5Dataset
 from titanlike.data.tokenizers.bert_wordpiece import BertWordPieceTokenizer
@@ -71,25 +71,14 @@ def test_loader_resumes_mid_epoch(prefix, tok, tmp_path):
     """The loader's state after 3 batches, restored into a fresh loader, gives the uninterrupted loader's next two
     batches exactly."""
     from titanlike.config.sections import Data
-    from titanlike.data.loader import build_dataloader
 
     cfg = Data(dataset="t5", paths=[prefix], split="100,0,0", tokenizer_type="BertWordPieceLowerCase",
                vocab_file=str(tok.path), vocab_extra_ids=100, decoder_seq_length=16, cache_dir=str(tmp_path))
-    kw = dict(dp_rank=0, dp_degree=1, local_batch_size=4, seq_len=64, seed=5, global_batch_size=4)
-    loader = build_dataloader(cfg, tok, **kw)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    want = [next(it), next(it)]
+    want, got, fresh = resumed_batches(cfg, tok, skip=3, take=2)
     assert want[0][0].shape == (4, 2, 80) and want[0][1].shape == (4, 80)
-    again = build_dataloader(cfg, tok, **kw)
-    again.load_state_dict(state)
-    it = iter(again)
-    for w in want:
-        got = next(it)
-        assert torch.equal(got[0], w[0]) and torch.equal(got[1], w[1])
-    assert not torch.equal(want[0][0], next(iter(build_dataloader(cfg, tok, **kw)))[0])  # not a restart
+    for g, w in zip(got, want):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    assert not torch.equal(want[0][0], fresh[0][0])  # not a restart
 
 
 def _stats(encoders, decoders, sentinels):
