@@ -128,7 +128,6 @@ def test_sample_layout(prefix, tok, tmp_path):
 
 
 def test_deterministic_and_resumable(prefix, tok, tmp_path):
-
     a, b = _ours(prefix, tok, tmp_path / "a"), _ours(prefix, tok, tmp_path / "b")
     for i in (0, 7, 5000):  # 5000: past the first epoch, another order
         assert all(torch.equal(p, q) for p, q in zip(a[i], b[i]))
