@@ -142,3 +142,20 @@ def test_misses_say_why_in_one_line(tmp_path, monkeypatch, caplog):
     (folder / "artifacts" / f"{cache.key}.json").write_text(json.dumps(cache.fingerprint, default=str))
     cache._read_record()
     assert cache.miss_reason().startswith("nothing recorded changed")
+
+
+def test_split_line_counts_autotuning(monkeypatch):
+    """The first step's compile split names Inductor's autotuning (GEMM templates at compile time, Triton kernels'
+    config benchmarks at their first launch) beside the phases, in one line."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from titanlike.train.compile_cache import _compile_times, split_line
+
+    before = _compile_times()
+    monkeypatch.setitem(compilation_time_metrics, "mm_template_autotuning", [1.5])
+    monkeypatch.setitem(compilation_time_metrics, "CachingAutotuner.benchmark_all_configs", [0.25, 0.25])
+    monkeypatch.setitem(compilation_time_metrics, "bytecode_tracing", [3.0])  # a phase, not autotuning
+    times = {k: v - before.get(k, 0) for k, v in _compile_times().items()}
+    assert times["autotune"] == 2.0, times
+    line = split_line({**times, "graphs": 2})
+    assert "\n" not in line and line.startswith("compile split: 2 graphs;") and line.endswith("autotuning 2.0 s"), line

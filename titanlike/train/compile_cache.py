@@ -56,15 +56,24 @@ _PHASES = {"dynamo": "bytecode_tracing", "forward": "OutputGraph.call_user_compi
            "graphs": "_compile.compile_inner"}
 
 
+def _is_autotune(name: str) -> bool:
+    """Inductor's autotuning records: GEMM templates at compile time (one name per template: "mm_template_autotuning",
+    ...), and Triton kernels' config benchmarks on their first launch (in the first step, outside the compile)."""
+    return name.endswith(("_template_autotuning", "_template_precompiling")) or \
+        name == "CachingAutotuner.benchmark_all_configs"
+
+
 def _compile_times() -> dict[str, float]:
-    """Seconds per phase so far in this process ("graphs": how many frames Dynamo compiled); {} where this torch
-    keeps no such record."""
+    """Seconds per phase so far in this process ("graphs": how many frames Dynamo compiled, recompiles included;
+    "autotune": Inductor's autotuning); {} where this torch keeps no such record."""
     try:
         from torch._dynamo.utils import compilation_time_metrics as metrics
     except ImportError:
         return {}
-    return {k: (len(metrics.get(name, ())) if k == "graphs" else sum(metrics.get(name, ())))
-            for k, name in _PHASES.items()}
+    out = {k: (len(metrics.get(name, ())) if k == "graphs" else sum(metrics.get(name, ())))
+           for k, name in _PHASES.items()}
+    out["autotune"] = sum(sum(v) for name, v in list(metrics.items()) if _is_autotune(name))
+    return out
 
 
 def split_line(t: dict[str, float]) -> str:
@@ -72,7 +81,7 @@ def split_line(t: dict[str, float]) -> str:
     return (f"compile split: {int(t['graphs'])} graphs; Dynamo tracing {t['dynamo']:.1f} s, forward AOTAutograd + "
             f"Inductor {t['forward']:.1f} s, backward {t['backward']:.1f} s (of which Inductor code generation "
             f"{t['codegen']:.1f} s, waiting for kernel builds {t['kernel_wait']:.1f} s, cache loads "
-            f"{t['cache_load']:.1f} s)")
+            f"{t['cache_load']:.1f} s); autotuning {t.get('autotune', 0.0):.1f} s")
 
 
 class CompileCache:
