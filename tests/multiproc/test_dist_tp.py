@@ -20,7 +20,8 @@ EXPECTED = {
         "qwen3_next_tp2", "qwen3_next_tp2_sp_lp_docs", "llama3_mtp_tp2_sp_lp",
         "deepseek_v3_mtp_tp2_sp_lp", "llava_tp2_sp_lp", "llava_cp2", "llava_pp2", "llava_qwen3_tp2_sp"],
     4: ["fsdp2_tp2_sp_lp", "mixed_mesh_grad_norm", "llama3_mtp_fsdp2_tp2_sp_lp", "llava_fsdp2_tp2_sp_lp",
-        "nemotron_h_moe_fsdp4_ep2_muon", "bert_hsdp2x2", "t5_hsdp2x2"],
+        "nemotron_h_moe_fsdp4_ep2_muon", "qwen3_next_fsdp4_ep2",
+        "bert_hsdp2x2", "t5_hsdp2x2"],
     8: ["hsdp2x2_tp2_sp_lp"],
 }
 # Four processes on two cores are dear: these repeat paths that the cases above cover (TP without SP: tp2; AdamW on

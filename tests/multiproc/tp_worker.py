@@ -2,18 +2,18 @@
 reference (gloo, fp32): loss, grad norm (clipped by titanlike.optim.clip_grad_norm_) and every parameter after 3
 AdamW steps within 1e-5.
 
-Run by test_dist_tp.py with 2 processes (TP 2 variants; the tiny model has n_kv_heads == 2 == tp: GQA at the
-limit; `--compile` adds per-block compile; the hybrid families too: nemotron_h's debug model, every layer kind,
-with and without sequence parallel, on packed documents, its gradients compared parameter by parameter and its TP 2
-DCP checkpoint loaded in one process; mamba2's; and qwen3_next's the same way, every block kind: Gated DeltaNet,
-gated attention, MoE with its gated shared expert, dense FFN), 4 processes (FSDP 2 x TP 2 with and without SP,
-replicate 2 x TP 2, a grad norm over mixed meshes, qwen3_next's FSDP 2 x TP 2; nemotron_h's MoE debug hybrid under
-EP 2 x expert FSDP 2 and TP 2 x FSDP 2 x EP 2; test_dist_tp.FULL_ONLY's with TITANLIKE_TEST_FULL=1 only) and 8
+Run by test_dist_tp.py with 2 processes (TP 2 variants; the tiny model has n_kv_heads == 2 == tp: GQA at the limit;
+`--compile` adds per-block compile; the hybrid families too: nemotron_h's debug model, every layer kind, with and
+without sequence parallel, on packed documents, its gradients compared parameter by parameter and its TP 2 DCP
+checkpoint loaded in one process; mamba2's; and qwen3_next's the same way, every block kind: Gated DeltaNet, gated
+attention, MoE with its gated shared expert, dense FFN), 4 processes (FSDP 2 x TP 2 with and without SP, replicate 2 x
+TP 2, a grad norm over mixed meshes, qwen3_next's FSDP 2 x TP 2 and EP 2 x expert FSDP 2; nemotron_h's MoE debug hybrid
+under EP 2 x expert FSDP 2 and TP 2 x FSDP 2 x EP 2; test_dist_tp.FULL_ONLY's with TITANLIKE_TEST_FULL=1 only) and 8
 processes (HSDP 2 x 2 x TP 2). Multi-token prediction (mtp_cases.py): Llama TP 2 with and without SP + loss parallel,
-DeepSeek-V3 TP 2 (2 processes), Llama FSDP 2 x TP 2 (4); LLaVA's layouts (llava_cases.py) ride in the 2- and
-4-process launches, BERT's and T5's HSDP 2 x 2 (encoder_cases.py) in the 4-process one. `--device=cuda`
-(test_dist_tp_gpu.py) runs TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one
-"CHECK <name> ok ..." line per check and "ALL CHECKS PASSED".
+DeepSeek-V3 TP 2 (2 processes), Llama FSDP 2 x TP 2 (4); LLaVA's layouts (llava_cases.py) ride in the 2- and 4-process
+launches, BERT's and T5's HSDP 2 x 2 (encoder_cases.py) in the 4-process one. `--device=cuda` (test_dist_tp_gpu.py) runs
+TP 2 on 2 GPUs over NCCL: eager, and compiled with async TP. Rank 0 prints one "CHECK <name> ok ..." line per check and
+"ALL CHECKS PASSED".
 """
 
 from __future__ import annotations
@@ -398,6 +398,9 @@ def main() -> None:
         # TP 2 x FSDP 2 x EP 2 Muon case and Muon's other sharded cases run in muon_worker.py)
         train_case("nemotron_h_moe_fsdp4_ep2_muon", {"dp_shard": 4, "ep": 2}, sp=False, lp=False,
                    family="nemotron_h_moe", muon=True)  # experts on (edp, ep), split on E only: NS on the shard
+        # qwen3_next's routed experts under EP 2 x expert FSDP 2 beside the gated shared expert (FSDP only), the
+        # DeltaNet and gated attention layers: tokens cross ranks by all-to-all, gradients compared one by one
+        train_case("qwen3_next_fsdp4_ep2", {"dp_shard": 4, "ep": 2}, sp=False, lp=False, family="qwen3_next")
         if full_matrix():  # the same paths in other pairings (test_dist_tp.py)
             train_case("fsdp2_tp2_no_sp", {"dp_shard": 2, "tp": 2}, sp=False, lp=True)
             train_case("qwen3_next_fsdp2_tp2_sp_lp_docs", {"dp_shard": 2, "tp": 2}, family="qwen3_next", docs=True)

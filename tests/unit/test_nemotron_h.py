@@ -193,6 +193,9 @@ def test_flops_per_token_matches_flop_counter(spec):
 
 @SPECS
 def test_packed_documents_equal_each_document_alone(spec):
+    """A packed row with doc_ids: its logits are each document's alone, and the gradients of its summed loss the sum
+    of each document's (the scan's reverse-time state gradient, the conv's and the attention mask's stop at the
+    document boundaries too)."""
     args = tiny(spec)
     model = build(spec, args).eval()
     eos = 5
@@ -200,14 +203,36 @@ def test_packed_documents_equal_each_document_alone(spec):
     docs = [torch.randint(6, VOCAB, (n,), generator=g) for n in (7, 2, 11)]  # one shorter than the conv window
     for d in docs:
         d[-1] = eos
+    labels = [torch.randint(0, VOCAB, (len(d),), generator=g) for d in docs]
     row = torch.cat(docs)[None]
-    with torch.no_grad():
-        packed = model(row, doc_ids=document_ids(row, eos))
-        alone = torch.cat([model(d[None]) for d in docs], dim=1)
-        plain = model(row)
-    err = (packed - alone).abs().max().item()
+
+    def loss_of(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+    def grads() -> dict[str, torch.Tensor]:
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    alone = []
+    for d, lab in zip(docs, labels):  # the documents' gradients accumulate: their sum
+        alone.append(model(d[None]))
+        loss_of(alone[-1], lab).backward()
+    want = grads()
+    packed = model(row, doc_ids=document_ids(row, eos))
+    err = (packed - torch.cat(alone, dim=1)).abs().max().item()
     assert err <= 1e-5, err
-    assert (plain - alone).abs().max().item() > 1e-3  # without doc_ids the documents do see each other
+    loss_of(packed, torch.cat(labels)).backward()
+    got = grads()
+    assert got.keys() == want.keys()
+    for n in got:
+        err = (got[n] - want[n]).abs().max().item()
+        assert err <= 1e-5 * max(1.0, want[n].abs().max().item()), (n, err)
+    plain = model(row)  # without doc_ids the documents do see each other: logits and gradients differ
+    assert (plain.detach() - torch.cat(alone, dim=1).detach()).abs().max().item() > 1e-3
+    loss_of(plain, torch.cat(labels)).backward()
+    leaked = grads()
+    assert max((leaked[n] - want[n]).abs().max().item() for n in want) > 1e-3
 
 
 @SPECS

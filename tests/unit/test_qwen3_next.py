@@ -202,19 +202,48 @@ def test_pp_costs_cover_the_model():
 def test_packed_row_equals_documents_alone():
     """doc_ids [B, S]: attention within documents and the DeltaNet's conv + state restarting at each document
     start, so a packed row's logits are each document's own (positions restart per document, as the trainer's
-    data.reset_position_ids gives them)."""
+    data.reset_position_ids gives them), and the gradients of the row's summed loss are the sum of each document's
+    alone: nothing leaks between documents in the backward either (the DeltaNet's reverse-time state gradient, the
+    attention mask's, the conv's)."""
     from models.common.masks import document_positions
 
-    hf = hf_model()
+    # The balance loss is a statistic of the whole batch, not a sum over documents: off, so gradients can add up.
+    hf = hf_model(router_aux_loss_coef=0.0)
     model = from_hf_model(hf)
     lengths = [7, 2, 11]  # one shorter than the conv window
     docs = [tokens(seq=n, batch=1, seed=10 + i) for i, n in enumerate(lengths)]
+    labels = [tokens(seq=n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
     packed = torch.cat(docs, dim=1)
     doc_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
-    with torch.no_grad():
-        got = model(packed, doc_ids=doc_ids, positions=document_positions(doc_ids))
-        want = torch.cat([model(d) for d in docs], dim=1)
-    close(got, want)
+
+    def loss_of(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+    def grads() -> dict[str, torch.Tensor]:
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    alone = []
+    for d, lab in zip(docs, labels):  # the documents' gradients accumulate: their sum
+        alone.append(model(d))
+        loss_of(alone[-1], lab).backward()
+    want = grads()
+    got_logits = model(packed, doc_ids=doc_ids, positions=document_positions(doc_ids))
+    close(got_logits.detach(), torch.cat(alone, dim=1).detach())
+    loss_of(got_logits, torch.cat(labels, dim=1)).backward()
+    got = grads()
+    assert got.keys() == want.keys()
+    for name in got:
+        close(got[name], want[name])
+    # every mixer kind took part (3 DeltaNet layers, the gated attention's q (with its gate) and k) ...
+    for name in ("layers.0.linear_attn.in_proj_qkvz.weight", "layers.3.attention.wq.weight",
+                 "layers.3.attention.wk.weight"):
+        assert want[name].abs().max() > 1e-3, name
+    # ... and the check can fail: without doc_ids the documents see each other and the gradients differ
+    loss_of(model(packed), torch.cat(labels, dim=1)).backward()
+    leaked = grads()
+    assert max((leaked[n] - want[n]).abs().max().item() for n in want) > 1e-3
 
 
 def test_check_refuses_tp_and_cp_with_one_line():
