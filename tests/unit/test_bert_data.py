@@ -182,3 +182,32 @@ def test_whole_word_masking(prefix, tok, tmp_path):
             assert not cont[span[0]] and (span[-1] + 1 == tokens.size or not cont[span[-1] + 1])
         pieces, masked, asked = pieces + int(cont[pos].sum()), masked + pos.size, asked + s["padding_mask"].sum() - 3
     assert pieces > 0 and abs(masked / asked - 0.15) < 0.01  # whole words, and still 15% of the tokens
+
+
+# Both cases of every word, "##" pieces, accented forms (kept by the cased tokenizer, stripped by the lower-case one),
+# punctuation and a few CJK characters, which BERT splits one a token.
+_HF_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "The", "dog", "Dog", "run", "##s", "##ning", "##ed",
+             "cafe", "café", "naive", "naïve", "Zurich", "zurich", "Zürich", "un", "##able", "##aff", ".", ",", "!",
+             "?", "'", "-", "(", ")", "\"", "$", "中", "国", "人", "##中", "a", "b", "##b", "x", "3", "##0"]
+_HF_TEXTS = ["The dogs running.", "THE DOG RUNS!", "café naïve Zürich, cafe naive zurich?", "Ünable unaff ZÜRICH",
+             "(dog)-the 'run' \"dogs\" $30", "中国人 dog中国 the中", "  the\tdog\n\nruns \u00a0 \u3000 runned  ",
+             "unknownword dog xylophone ab bb abb", "[MASK] dog [CLS] the [SEP]", "Café\u0301 e\u0301 dog\u200b",
+             "a" * 120 + " dog", "dog\x00the\ufffdrun"]
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_tokenizer_matches_transformers(tmp_path, lower):
+    """Megatron's BertWordPiece follows Google's BERT tokenization, as transformers' BertTokenizer does: same ids
+    from the same vocab.txt, lower-case and cased, on punctuation, accents, unknown words, CJK and odd whitespace."""
+    from transformers import BertTokenizer, BertTokenizerFast
+
+    (tmp_path / "vocab.txt").write_text("\n".join(_HF_VOCAB) + "\n")
+    ours = build_tokenizer(Data(tokenizer_type="BertWordPieceLowerCase" if lower else "BertWordPieceCase",
+                                vocab_file=str(tmp_path / "vocab.txt")))
+    slow = BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=lower)
+    fast = BertTokenizerFast(str(tmp_path / "vocab.txt"), do_lower_case=lower)
+    for text in _HF_TEXTS:
+        want = slow.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == want == fast.encode(text, add_special_tokens=False), text
+    assert ours.encode_batch(_HF_TEXTS) == [slow.encode(t, add_special_tokens=False) for t in _HF_TEXTS]
+    assert len([i for t in _HF_TEXTS for i in ours.encode(t) if i == ours.unk_id]) > 3  # unknown words were hit

@@ -4,6 +4,7 @@ checks (counts on meta, plans on fake ranks, HF export round trip) are tests/uni
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -178,14 +179,21 @@ def test_shapes_are_deterministic_resumable_and_refuse_a_bad_row_length():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_image_folder_reads_imagenet_layout(tmp_path):
+def write_image_folder(root, colours, per_class: int = 1, splits=("train", "val")):
+    """ROOT/<split>/<class>/<k>.png, 40x20 images of one colour per class (Pillow's PNG writer)."""
     Image = pytest.importorskip("PIL.Image")
+    for split in splits:
+        for c, colour in colours.items():
+            (root / split / c).mkdir(parents=True)
+            for k in range(per_class):
+                shade = tuple(max(0, v - 12 * k) for v in colour)  # distinct files, the class's hue
+                Image.new("RGB", (40, 20), shade).save(root / split / c / ("a.png" if k == 0 else f"{k}.png"))
+
+
+def test_image_folder_reads_imagenet_layout(tmp_path):
     from titanlike.data.dataset import build_dataset
 
-    for split in ("train", "val"):
-        for c, colour in (("n01_cat", (255, 0, 0)), ("n02_dog", (0, 0, 255))):
-            (tmp_path / split / c).mkdir(parents=True)
-            Image.new("RGB", (40, 20), colour).save(tmp_path / split / c / "a.png")
+    write_image_folder(tmp_path, {"n01_cat": (255, 0, 0), "n02_dog": (0, 0, 255)})
     ds = build_dataset(_data_cfg(dataset="image_folder", paths=[str(tmp_path)]), None, seq_len=3 * 16 * 16)
     assert ds.classes == ["n01_cat", "n02_dog"] and len(ds) == 2
     ids, labels = ds[1]
@@ -193,6 +201,35 @@ def test_image_folder_reads_imagenet_layout(tmp_path):
     assert ids.view(3, 16, 16)[:, 8, 8].tolist() == [0, 0, 255]  # resized, cropped, channel-major
     with pytest.raises(ValueError, match="needs data.paths"):
         build_dataset(_data_cfg(dataset="image_folder"), None, seq_len=768)
+
+
+def test_trainer_trains_from_an_image_folder(tmp_path):
+    """configs/vit_debug.toml through the Trainer on data.dataset = "image_folder": 3 classes of 4 PNGs each in
+    ImageNet's layout, a 3-way head; 8 steps of 12 images: the rows are the folder's images, losses are finite and
+    fall from about ln 3."""
+    from titanlike.config.load import load_config
+    from titanlike.train.trainer import Trainer
+
+    write_image_folder(tmp_path / "imagenet", {"n01": (230, 30, 30), "n02": (30, 200, 40), "n03": (40, 40, 220)},
+                       per_class=4, splits=("train",))
+    cfg = load_config(["--config", "configs/vit_debug.toml", f"--job.dump_folder={tmp_path / 'run'}",
+                       "--data.dataset=image_folder", f"--data.paths={tmp_path / 'imagenet'}", "--training.steps=8",
+                       "--training.local_batch_size=12", "--metrics.log_freq=1", "--training.device=cpu"])
+    cfg.model.args = {"n_classes": 3}
+    trainer = Trainer(cfg)
+    try:
+        ds = trainer.dataloader.dataset
+        assert (ds.classes, len(ds), ds.n_classes) == (["n01", "n02", "n03"], 12, 3)
+        assert trainer.model.args.n_classes == 3 == trainer.model(torch.zeros(2, 3, 32, 32)).shape[-1]
+        history = trainer.train()
+        built_with = trainer.dataloader.state_dict()["built_with"]  # the resume identity names the folder's images
+        assert built_with["sources"] == [[str(tmp_path / "imagenet" / "train"), "12 images in classes n01,n02,n03"]]
+    finally:
+        trainer.close()
+    losses = [h["loss"] for h in history]
+    print(f"vit image_folder: losses {[round(x, 3) for x in losses]}")
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(3)) < 0.5 and losses[-1] < losses[0] - 0.3, losses
 
 
 def test_debug_model_learns_the_shapes():

@@ -60,6 +60,9 @@ class Data:
     # R/X: share of the tokens in spans; S: the suffix's mean share of the row (its length uniform in 1..2 x that)
     ul2_noise_densities: list[float] = field(default_factory=lambda: [0.15, 0.25, 0.15, 0.5])
     ul2_probabilities: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125, 0.125])  # sum to 1
+    # shapes_captions: the share of images that also carry a drawn digit 0-9, named by the caption ("... with the
+    # digit 7"; titanlike/data/image_text.py); 0 = none, the captions of earlier versions
+    caption_digits: float = 0.5
     # webdataset (tar shards of image + caption / conversation / class, titanlike/data/webdataset.py; docs/llava.md,
     # docs/vit.md): which member is the target: txt (captions) | json (conversations: loss on the answers) | cls
     wds_target: str = "txt"

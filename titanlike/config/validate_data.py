@@ -152,6 +152,9 @@ def _check_images(d: Any, errors: list[str]) -> None:
     if d.wds_layout not in WDS_LAYOUTS:
         errors.append(f"data.wds_layout={d.wds_layout!r} is not one of {', '.join(WDS_LAYOUTS)} (one sample a row, or "
                       "samples packed end to end)")
+    if not 0 <= d.caption_digits <= 1:
+        errors.append(f"data.caption_digits={d.caption_digits} must be in [0, 1] (the share of shapes_captions images "
+                      "carrying a digit; 0 = none)")
     if d.images_per_row < 1:
         errors.append(f"data.images_per_row={d.images_per_row} must be >= 1 (image slots per row: mock_image_text, "
                       "webdataset llava rows)")

@@ -1,6 +1,10 @@
 """Image + text rows for image-text families (models/llava): "shapes_captions", a procedural set that needs no
 download. Sample i (a function of (seed, split, i) alone: deterministic, endless, resumable like the other sets) is
 one 32x32 RGB image of a coloured shape on a noisy background and its caption, e.g. "a red circle at top left".
+With data.caption_digits = p > 0, that share of the images also carry a dark digit 0-9 drawn on the shape from
+DIGIT_FONT (3x5 pixels, centred on the shape) and the caption names it: "a red circle at top left with the digit 7".
+The digit is drawn from its own random stream, so every image is the same as without it apart from the digit's lit
+pixels (and a set without digits is unchanged).
 
 Row layout (models/llava/objective.py reads it): the image's bytes (3 * 32 * 32 values, channel-major), then
 PLACEHOLDERS copies of the image token (the last id of the vocabulary: model.args.image_token_id = -1), the caption's
@@ -22,29 +26,47 @@ PLACEHOLDERS = (SIDE // PATCH) ** 2  # the llava debug flavor's patches per imag
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220), "yellow": (220, 210, 40)}
 SHAPES = ("square", "circle", "triangle")
 ROWS, COLS = ("top", "middle", "bottom"), ("left", "center", "right")
+DIGITS = tuple(str(d) for d in range(10))
 # (the question words last, for the conversations of scripts/make_shape_shards.py, then "and" for its multi-image
-# captions: appended, so earlier ids never move)
-WORDS = ("a", "at", "<end>", *COLOURS, *SHAPES, *ROWS, *COLS, "what", "where", "is", "it", "and")
+# captions, then the digit captions' words: appended, so earlier ids never move)
+WORDS = ("a", "at", "<end>", *COLOURS, *SHAPES, *ROWS, *COLS, "what", "where", "is", "it", "and", "with", "the",
+         "digit", *DIGITS)
 WORD_ID = {w: i + 1 for i, w in enumerate(WORDS)}
+# 0-9 as 3 wide x 5 tall bitmaps, one string a row ("#": ink): small enough to sit inside the smallest shape
+DIGIT_FONT = np.array([[[c == "#" for c in row] for row in glyph.split()] for glyph in (
+    "### #.# #.# #.# ###", ".#. ##. .#. .#. ###", "### ..# ### #.. ###", "### ..# ### ..# ###", "#.# #.# ### ..# ..#",
+    "### #.. ### ..# ###", "### #.. ### #.# ###", "### ..# .#. .#. .#.", "### #.# ### #.# ###", "### #.# ### ..# ###")])
+DIGIT_INK = (20, 20, 20)
+CAPTION_WORDS = 11  # the longest caption, "a red circle at top left with the digit 7", and its end word
 
 
 class ShapesCaptions(Dataset):
     def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, split: str = "train",
-                 num_samples: int = 1 << 30):
-        text = seq_len - PIXELS
-        if text < PLACEHOLDERS + 8:
+                 num_samples: int = 1 << 30, digits: float = 0.0):
+        text, words = seq_len - PIXELS, (CAPTION_WORDS if digits > 0 else 8)  # (with the end word)
+        if text < PLACEHOLDERS + words:
             raise ValueError(f"training.seq_len={seq_len}: a shapes_captions row holds {PIXELS} pixel values, "
-                             f"{PLACEHOLDERS} image tokens and an 8-token caption; set training.seq_len >= "
-                             f"{PIXELS + PLACEHOLDERS + 8}")
+                             f"{PLACEHOLDERS} image tokens and a caption of up to {words} tokens; set "
+                             f"training.seq_len >= {PIXELS + PLACEHOLDERS + words}")
+        if not 0 <= digits <= 1:
+            raise ValueError(f"data.caption_digits={digits}: the share of images carrying a digit must be in [0, 1]")
         if vocab_size < len(WORDS) + 2:
             raise ValueError(f"model.vocab_size={vocab_size}: shapes_captions needs {len(WORDS) + 2} ids (its words, "
                              f"padding and the image token); set data.builtin_vocab_size >= {len(WORDS) + 2}")
         self.seq_len, self.image_token = seq_len, vocab_size - 1
         self.seed, self.split_id = int(seed), ("train", "valid", "test").index(split)
-        self.num_samples = int(num_samples)
+        self.num_samples, self.digits = int(num_samples), float(digits)
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def digit(self, i: int) -> int | None:
+        """Sample i's digit, or None: its own stream, so the shape's draws stay those of a set without digits."""
+        if self.digits <= 0:
+            return None
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.split_id, int(i), 0xD1617])
+        present, d = rng.random() < self.digits, int(rng.integers(10))
+        return d if present else None
 
     def draw(self, i: int) -> tuple[np.ndarray, str]:
         """(image uint8 [C, H, W], caption)."""
@@ -64,6 +86,11 @@ class ShapesCaptions(Dataset):
         name = list(COLOURS)[colour]
         image[:, mask] = (np.array(COLOURS[name]) + rng.normal(0, 12, 3))[:, None]
         caption = f"a {name} {SHAPES[shape]} at {ROWS[row]} {COLS[col]}"
+        d = self.digit(i)
+        if d is not None:
+            top, left = digit_corner(cy, cx)
+            image[:, top:top + 5, left:left + 3][:, DIGIT_FONT[d]] = np.array(DIGIT_INK, dtype=np.float64)[:, None]
+            caption += f" with the digit {d}"
         return np.clip(image, 0, 255).astype(np.uint8), caption
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +103,12 @@ class ShapesCaptions(Dataset):
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[PIXELS:PIXELS + len(text) - 1] = torch.tensor(text[1:])  # next token; the end predicts nothing
         return ids, labels
+
+
+def digit_corner(cy: float, cx: float) -> tuple[int, int]:
+    """Top-left pixel of the 3x5 digit centred on the shape's centre (always inside the 32x32 image: the centre is
+    at least 4.3 pixels from an edge)."""
+    return int(round(cy)) - 2, int(round(cx)) - 1
 
 
 class MockImageText(Dataset):
@@ -127,4 +160,4 @@ def build_mock_image_text(data_cfg, tokenizer, *, seq_len, split, seed, vocab_si
 
 def build_shapes_captions(data_cfg, tokenizer, *, seq_len, split, seed, vocab_size=None, **_):
     vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
-    return ShapesCaptions(seq_len, vocab, seed=seed, split=split)
+    return ShapesCaptions(seq_len, vocab, seed=seed, split=split, digits=data_cfg.caption_digits)

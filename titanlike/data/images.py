@@ -102,18 +102,30 @@ class ImageFolderDataset(Dataset):
             raise ValueError(f"data.paths={root!r}: no {folder.name}/ folder of class folders (ImageNet's layout "
                              f"ROOT/train/<class>/*.JPEG, ROOT/val/<class>/*.JPEG)")
         self.classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
-        self.files = [(str(f), c) for c, name in enumerate(self.classes) for f in sorted((folder / name).iterdir())
+        self.images = [(str(f), c) for c, name in enumerate(self.classes) for f in sorted((folder / name).iterdir())
                       if f.suffix.lower() in IMAGE_EXTENSIONS]
-        if not self.files:
+        if not self.images:
             raise ValueError(f"data.paths={root!r}: no images under {folder}/<class>/ (extensions "
                              f"{', '.join(IMAGE_EXTENSIONS)})")
-        self.n_classes = len(self.classes)
+        self.n_classes, self.folder = len(self.classes), folder
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.images)
+
+    # (`images`, not `files`: the data summary and the loader's resume identity take a `files` attribute for a
+    # streaming text dataset's list of paths)
+    def sources(self) -> list[list]:
+        """The loader's resume identity: the folder, by what it holds (a resume over another image count or other
+        classes is refused; a moved folder still resumes)."""
+        return [[str(self.folder), f"{len(self)} images in classes {','.join(self.classes)}"]]
+
+    def summary_lines(self, label: str, samples: int | None, whose: str) -> list[str]:
+        run = f"; {whose} samples: {samples:,} ({samples / len(self):.2f} epochs)" if samples else ""
+        return [f"{label}: image folder {self.folder}, {len(self):,} images in {self.n_classes:,} classes, as "
+                f"{self.side}x{self.side} RGB{run}"]
 
     def _load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        path, label = self.files[i]
+        path, label = self.images[i]
         try:
             with open(path, "rb") as f:
                 return _row(decode_square(f, self.side), label)
