@@ -36,6 +36,15 @@ class Images:
         return Batch(inputs={"pixels": pixels}, labels=labels[:, 0] % max(a.n_classes, 1), primary="pixels",
                      sequence=())
 
+    def dataset_problem(self, dataset: Any) -> str | None:
+        """A dataset with more classes than the head has (an image folder's sorted class folders) would have its
+        labels folded onto the head (modulo n_classes, which the procedural and mock sets rely on) unannounced."""
+        n = getattr(dataset, "n_classes", 0)
+        if n and self.args.n_classes and n > self.args.n_classes:
+            return (f"model.args.n_classes={self.args.n_classes} but the training data has {n} classes; set "
+                    f"model.args.n_classes={n}")
+        return None
+
     def data_problem(self, data: Any) -> str | None:
         if data.dataset not in IMAGE_DATASETS:
             return (f"data.dataset={data.dataset!r}: vit trains on images; set data.dataset to one of "

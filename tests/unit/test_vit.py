@@ -207,6 +207,7 @@ def test_trainer_trains_from_an_image_folder(tmp_path):
     """configs/vit_debug.toml through the Trainer on data.dataset = "image_folder": 3 classes of 4 PNGs each in
     ImageNet's layout, a 3-way head; 8 steps of 12 images: the rows are the folder's images, losses are finite and
     fall from about ln 3."""
+    from titanlike.config import ConfigError
     from titanlike.config.load import load_config
     from titanlike.train.trainer import Trainer
 
@@ -215,7 +216,12 @@ def test_trainer_trains_from_an_image_folder(tmp_path):
     cfg = load_config(["--config", "configs/vit_debug.toml", f"--job.dump_folder={tmp_path / 'run'}",
                        "--data.dataset=image_folder", f"--data.paths={tmp_path / 'imagenet'}", "--training.steps=8",
                        "--training.local_batch_size=12", "--metrics.log_freq=1", "--training.device=cpu"])
+    cfg.model.args = {"n_classes": 2}  # a head smaller than the folder: refused, not folded
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg)
+    assert str(e.value) == "model.args.n_classes=2 but the training data has 3 classes; set model.args.n_classes=3"
     cfg.model.args = {"n_classes": 3}
+    cfg.job.dump_folder = str(tmp_path / "run3")
     trainer = Trainer(cfg)
     try:
         ds = trainer.dataloader.dataset

@@ -138,6 +138,10 @@ class Trainer:
         data = build_run_data(t, cfg.data, cfg.validation, cfg.fault_tolerance, self.dims, self.tokenizer,
                               self.model_args.vocab_size, rows)
         self.dataloader, self.val_loader, self.val_loader_kw = data.dataloader, data.val_loader, data.loader_kw
+        # An objective that reads what the dataset holds (a classifier's class count) checks it, at start-up.
+        problem = getattr(self.objective, "dataset_problem", lambda dataset: None)(self.dataloader.dataset)
+        if problem:
+            raise ConfigError(problem)
         self.dp_degree, self.grad_accum_steps = data.dp_degree, data.grad_accum_steps
         self.tokens_per_step_local = data.tokens_per_step_local
         self.tokens_per_step_device = data.tokens_per_step_device
