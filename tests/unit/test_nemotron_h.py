@@ -21,6 +21,7 @@ from models.mamba2 import SPEC as MAMBA2
 from models.nemotron_h import SPEC as NEMOTRON_H
 from models.nemotron_h.args import NemotronHArgs
 from models.common.masks import document_ids
+from tests.unit.packing_helpers import packed_and_alone
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -205,33 +206,15 @@ def test_packed_documents_equal_each_document_alone(spec):
         d[-1] = eos
     labels = [torch.randint(0, VOCAB, (len(d),), generator=g) for d in docs]
     row = torch.cat(docs)[None]
-
-    def loss_of(logits, target):
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
-    def grads() -> dict[str, torch.Tensor]:
-        out = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    alone = []
-    for d, lab in zip(docs, labels):  # the documents' gradients accumulate: their sum
-        alone.append(model(d[None]))
-        loss_of(alone[-1], lab).backward()
-    want = grads()
-    packed = model(row, doc_ids=document_ids(row, eos))
-    err = (packed - torch.cat(alone, dim=1)).abs().max().item()
+    packed, alone, got, want, leaked = packed_and_alone(model, [d[None] for d in docs], [lab[None] for lab in labels],
+                                                        doc_ids=document_ids(row, eos))
+    err = (packed - alone).abs().max().item()
     assert err <= 1e-5, err
-    loss_of(packed, torch.cat(labels)).backward()
-    got = grads()
-    assert got.keys() == want.keys()
     for n in got:
         err = (got[n] - want[n]).abs().max().item()
         assert err <= 1e-5 * max(1.0, want[n].abs().max().item()), (n, err)
-    plain = model(row)  # without doc_ids the documents do see each other: logits and gradients differ
-    assert (plain.detach() - torch.cat(alone, dim=1).detach()).abs().max().item() > 1e-3
-    loss_of(plain, torch.cat(labels)).backward()
-    leaked = grads()
+    # without doc_ids the documents do see each other: logits and gradients differ
+    assert (model(row).detach() - alone).abs().max().item() > 1e-3
     assert max((leaked[n] - want[n]).abs().max().item() for n in want) > 1e-3
 
 

@@ -21,6 +21,7 @@ import models
 from models.qwen3_next import SPEC, Qwen3NextArgs, Transformer
 from models.qwen3_next.counts import delta_rule_terms
 from models.qwen3_next.hf import args_from_hf_config, from_hf, hf_config, to_hf
+from tests.unit.packing_helpers import packed_and_alone
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -213,27 +214,10 @@ def test_packed_row_equals_documents_alone():
     lengths = [7, 2, 11]  # one shorter than the conv window
     docs = [tokens(seq=n, batch=1, seed=10 + i) for i, n in enumerate(lengths)]
     labels = [tokens(seq=n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
-    packed = torch.cat(docs, dim=1)
     doc_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
-
-    def loss_of(logits, target):
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-
-    def grads() -> dict[str, torch.Tensor]:
-        out = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    alone = []
-    for d, lab in zip(docs, labels):  # the documents' gradients accumulate: their sum
-        alone.append(model(d))
-        loss_of(alone[-1], lab).backward()
-    want = grads()
-    got_logits = model(packed, doc_ids=doc_ids, positions=document_positions(doc_ids))
-    close(got_logits.detach(), torch.cat(alone, dim=1).detach())
-    loss_of(got_logits, torch.cat(labels, dim=1)).backward()
-    got = grads()
-    assert got.keys() == want.keys()
+    packed, alone, got, want, leaked = packed_and_alone(model, docs, labels, doc_ids=doc_ids,
+                                                        positions=document_positions(doc_ids))
+    close(packed, alone)
     for name in got:
         close(got[name], want[name])
     # every mixer kind took part (3 DeltaNet layers, the gated attention's q (with its gate) and k) ...
@@ -241,8 +225,6 @@ def test_packed_row_equals_documents_alone():
                  "layers.3.attention.wk.weight"):
         assert want[name].abs().max() > 1e-3, name
     # ... and the check can fail: without doc_ids the documents see each other and the gradients differ
-    loss_of(model(packed), torch.cat(labels, dim=1)).backward()
-    leaked = grads()
     assert max((leaked[n] - want[n]).abs().max().item() for n in want) > 1e-3
 
 
