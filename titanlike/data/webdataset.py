@@ -49,6 +49,7 @@ from torch.utils.data import Dataset
 
 from titanlike.config.errors import ConfigError
 from titanlike.data.images import BadImage, decode_square, first_good
+from titanlike.data.tokenizers.null import NullTokenizer
 from titanlike.data.webdataset_rows import ClassRows, TextRows, conversation_template
 
 logger = logging.getLogger(__name__)
@@ -274,14 +275,14 @@ def build_webdataset(data_cfg, tokenizer, *, seq_len, split, vocab_size=None, pa
                               f"caption / conversation rows need both (the llava tower's image size and "
                               "placeholders per image, e.g. 32 and 16 for the debug flavor)")
         vocab = vocab_size if vocab_size is not None else tokenizer.vocab_size
-        words = tokenizer is None or type(tokenizer).__name__ == "NullTokenizer"  # shapes shards: word ids, no template
+        words = tokenizer is None or isinstance(tokenizer, NullTokenizer)  # shapes shards: word ids, no template
         template = conversation_template(data_cfg, tokenizer) if target == "json" and not words else None
         rows = TextRows(seq_len, data_cfg.image_size, data_cfg.image_tokens, vocab, tokenizer, data_cfg.messages_key,
                         data_cfg.images_per_row, template)
     # no split: training and validation read their own shards (validation.paths), as streaming text does
     shards = WebDatasetShards(expand_shards(data_cfg.paths, paths_key), rows, target=target,
                               bad_samples=data_cfg.bad_samples, paths_key=paths_key)
-    if getattr(data_cfg, "wds_layout", "pad") != "pack":
+    if data_cfg.wds_layout != "pack":
         return shards
     if target == "cls":
         raise ConfigError("data.wds_layout='pack' packs caption / conversation rows (llava); a vit row is one image: "

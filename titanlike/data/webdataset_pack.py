@@ -34,9 +34,6 @@ from titanlike.data.images import BadImage, BadSampleError
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("pad", "pack")  # data.wds_layout
-
-
 def next_fit(order: np.ndarray, tokens: np.ndarray, images: np.ndarray, room: int, slots: int) -> list[list[int]]:
     """Rows of sample ids: in `order`, each sample joins the current row while both its tokens and its images fit."""
     rows: list[list[int]] = []
